@@ -1,0 +1,161 @@
+"""GGUF files: metadata -> ModelConfig, tensors -> torch (dequantized), via the `gguf` package.
+
+llama.cpp's converter permutes the rows of attn_q / attn_k so that its RoPE kernel can rotate
+adjacent pairs; our model (like Hugging Face) rotates the two halves of each head, so those rows
+are permuted back on load.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+from inferd.errors import InferdError
+
+GGUF_MAGIC = b"GGUF"
+
+
+def open_gguf(path: str):
+    """Open a GGUF file with the `gguf` reader, turning every failure into one clear error."""
+    if not os.path.isfile(path):
+        raise InferdError(f"model file not found: {path}")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise InferdError(f"not a GGUF file (bad magic {magic!r}): {path}")
+    try:
+        from gguf import GGUFReader
+
+        return GGUFReader(path, "r")
+    except Exception as e:  # truncated files surface as ValueError/IndexError deep in numpy
+        raise InferdError(f"cannot read GGUF file {path}: {type(e).__name__}: {e}") from None
+
+
+def read_metadata(reader) -> dict[str, Any]:
+    """All key/value fields as plain Python values (arrays become lists)."""
+    meta: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            meta[key] = field.contents()
+        except Exception:  # a field type the installed gguf cannot decode: skip, not fatal
+            continue
+    return meta
+
+
+def config_from_metadata(meta: dict[str, Any]):
+    from inferd.model.config import ModelConfig
+
+    arch = meta.get("general.architecture")
+    if arch not in ("llama", "qwen2", "mistral"):
+        raise InferdError(f"unsupported architecture in GGUF: {arch!r} (supported: llama, mistral, qwen2)")
+
+    def g(name, default=None):
+        return meta.get(f"{arch}.{name}", default)
+
+    n_heads = int(g("attention.head_count"))
+    hidden = int(g("embedding_length"))
+    vocab = g("vocab_size")
+    if vocab is None:
+        vocab = len(meta.get("tokenizer.ggml.tokens", []))
+    rope_scaling = None
+    if g("rope.scaling.type") in ("linear",) and g("rope.scaling.factor"):
+        rope_scaling = {"rope_type": "linear", "factor": float(g("rope.scaling.factor"))}
+    return ModelConfig(
+        architecture={"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}[arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(g("feed_forward_length")),
+        num_hidden_layers=int(g("block_count")),
+        num_attention_heads=n_heads,
+        num_key_value_heads=int(g("attention.head_count_kv", n_heads)),
+        head_dim=int(g("attention.key_length", hidden // n_heads)),
+        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(g("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(g("context_length", 2048)),
+        tie_word_embeddings=True,  # corrected by the loader when output.weight exists
+        attention_bias=(arch == "qwen2"),
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+    )
+
+
+def dequantize_tensor(t) -> np.ndarray:
+    """A ReaderTensor -> float32 array in PyTorch (out, in) order."""
+    from gguf import GGMLQuantizationType, quants
+
+    qtype = t.tensor_type
+    data = np.asarray(t.data)
+    if qtype == GGMLQuantizationType.F32:
+        arr = data.astype(np.float32, copy=False)
+    elif qtype == GGMLQuantizationType.F16:
+        arr = data.view(np.float16).astype(np.float32)
+    else:
+        try:
+            arr = quants.dequantize(data, qtype)
+        except NotImplementedError:
+            raise InferdError(f"GGUF tensor {t.name}: quantization type {qtype.name} is not supported") from None
+        arr = np.asarray(arr, dtype=np.float32)
+    shape = tuple(int(s) for s in reversed(list(t.shape)))  # GGUF lists ne[0] (innermost) first
+    return arr.reshape(shape)
+
+
+def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's interleaving of RoPE pairs in attn_q / attn_k rows."""
+    rows = w.shape[0]
+    rest = w.shape[1:]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *rest).transpose(1, 2).reshape(rows, *rest)
+
+
+_NAME_MAP = {
+    "token_embd.weight": "embed_tokens.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_MAP = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "q_proj.weight",
+    "attn_k.weight": "k_proj.weight",
+    "attn_v.weight": "v_proj.weight",
+    "attn_q.bias": "q_proj.bias",
+    "attn_k.bias": "k_proj.bias",
+    "attn_v.bias": "v_proj.bias",
+    "attn_output.weight": "o_proj.weight",
+    "ffn_gate.weight": "gate_proj.weight",
+    "ffn_up.weight": "up_proj.weight",
+    "ffn_down.weight": "down_proj.weight",
+}
+
+
+def gguf_name_to_ours(name: str) -> str | None:
+    if name in _NAME_MAP:
+        return _NAME_MAP[name]
+    if name.startswith("blk."):
+        _, idx, rest = name.split(".", 2)
+        if rest in _BLOCK_MAP:
+            return f"layers.{idx}.{_BLOCK_MAP[rest]}"
+    return None
+
+
+def load_gguf_state_dict(reader, cfg) -> dict[str, torch.Tensor]:
+    """Dequantize every tensor to fp32 under our parameter names."""
+    sd: dict[str, torch.Tensor] = {}
+    permuted = cfg.architecture != "qwen2"  # llama.cpp keeps Qwen2 in NeoX (half-rotation) order
+    for t in reader.tensors:
+        ours = gguf_name_to_ours(t.name)
+        if ours is None:
+            continue  # e.g. rope_freqs: recomputed from the config
+        w = torch.from_numpy(dequantize_tensor(t).copy())
+        if not permuted:
+            pass
+        elif ours.endswith(("q_proj.weight", "q_proj.bias")):
+            w = unpermute_qk(w, cfg.num_attention_heads)
+        elif ours.endswith(("k_proj.weight", "k_proj.bias")):
+            w = unpermute_qk(w, cfg.num_key_value_heads)
+        sd[ours] = w
+    return sd
