@@ -437,7 +437,7 @@ class Tokenizer:
             chat_template=template,
         )
         tok._post_adds_bos = post_adds_bos
-        tok.add_bos = manual_bos or post_adds_bos
+        tok.add_bos = tok.add_bos or post_adds_bos
         tok._special_token_names = {
             k: _special_name(cfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")
         }

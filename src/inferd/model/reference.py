@@ -14,22 +14,11 @@ from inferd.model.llama import ContiguousKV, LlamaModel
 
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                 generator: torch.Generator | None = None) -> int:
-    """One token from a [vocab] logits row: greedy at temperature 0, else top-k then top-p."""
-    if temperature <= 0:
-        return int(torch.argmax(logits))
-    logits = logits.float() / temperature
-    if top_k and 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, idx = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, -1)
-        # drop a token once the mass before it already reaches top_p (the first always survives)
-        drop = (probs.cumsum(-1) - probs) >= top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(0, idx, sorted_logits)
-    probs = torch.softmax(logits, -1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """One token from a [vocab] logits row: greedy at temperature 0, else temperature, top-k, top-p."""
+    from inferd.engine.sampler import sample_rows
+
+    return int(sample_rows(logits[None], torch.tensor([float(temperature)]), torch.tensor([int(top_k)]),
+                           torch.tensor([float(top_p)]), [generator])[0])
 
 
 @dataclass

@@ -1,0 +1,70 @@
+"""EngineConfig: every engine knob in one place, named as vLLM names them where the idea is the same."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+
+from inferd.errors import InferdError
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None
+    load_format: str = "auto"
+    dtype: str = "auto"
+    device: str = "cpu"
+    threads: int | None = None
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_memory: int | str | None = None  # bytes ("2GiB" too); CPU default: see kv_cache_bytes
+    num_kv_blocks: int | None = None  # exact pool size, overrides the memory settings (tests)
+    gpu_memory_utilization: float = 0.9
+    kv_cache_dtype: str = "auto"  # auto: fp32 on CPU (faster attention there), model dtype on CUDA
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    enable_prefix_caching: bool = True
+    scheduling: str = "continuous"  # continuous | static
+    seed: int = 0
+
+    def validate(self):
+        if self.block_size < 1:
+            raise InferdError("block_size must be at least 1")
+        if self.max_num_seqs < 1:
+            raise InferdError("max_num_seqs must be at least 1")
+        if self.max_num_batched_tokens < 1:
+            raise InferdError("max_num_batched_tokens must be at least 1")
+        if self.scheduling not in ("continuous", "static"):
+            raise InferdError(f"unknown scheduling {self.scheduling!r} (choose continuous or static)")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise InferdError("gpu_memory_utilization must be in (0, 1]")
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        return self
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+          "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
+
+
+def parse_bytes(v) -> int:
+    if isinstance(v, (int, float)):
+        return int(v)
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", str(v))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise InferdError(f"cannot read a memory size from {v!r} (e.g. 2GiB, 512MiB, 1000000)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def available_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * 1024**3

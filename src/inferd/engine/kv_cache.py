@@ -1,0 +1,188 @@
+"""The paged KV cache: one preallocated pool of fixed-size blocks, and the BlockManager that hands
+blocks to requests (ref-counted, so a prompt's blocks can be shared) and keeps full blocks
+findable by content for prefix caching.
+
+A full block's key is (parent key's hash, its token ids): equal keys mean equal tokens at equal
+positions after an equal prefix, so the K/V stored there can be reused as is. Freed blocks that
+hold a key stay findable, in least-recently-freed order, until a new allocation needs them.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+import torch
+
+from inferd.engine.request import Request
+
+
+class KVPool:
+    """K and V for every layer as [layers, num_blocks * block_size, n_kv, head_dim] (slot-major)."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, n_kv: int, head_dim: int,
+                 dtype: torch.dtype, device):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        shape = (num_layers, num_blocks * block_size, n_kv, head_dim)
+        # zeros, not empty: padded gathers read unused slots, and 0 * NaN garbage would poison them
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @staticmethod
+    def bytes_per_block(num_layers, block_size, n_kv, head_dim, dtype) -> int:
+        return 2 * num_layers * block_size * n_kv * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def block_key(parent_hash: int | None, tokens: tuple[int, ...]) -> tuple:
+    return (parent_hash, tokens)
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.caching = enable_prefix_caching
+        self.ref = [0] * num_blocks
+        self.key_of: list[tuple | None] = [None] * num_blocks
+        self.free: deque[int] = deque(range(num_blocks))
+        self.cached: dict[tuple, int] = {}
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 but findable; LRU first
+        # counters (first admissions only: recompute after preemption is not reuse)
+        self.queries = 0
+        self.hits = 0
+        self.recompute_hits = 0
+        self.evictions = 0
+
+    # -- capacity -----------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self.free) + len(self.evictable)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    def blocks_needed(self, req: Request, num_new_tokens: int) -> int:
+        total = req.num_computed + num_new_tokens
+        return max(0, -(-total // self.block_size) - len(req.block_table))
+
+    # -- allocation ---------------------------------------------------------------------------
+    def _take(self) -> int:
+        if self.free:
+            b = self.free.popleft()
+        else:
+            b, _ = self.evictable.popitem(last=False)
+            key = self.key_of[b]
+            if self.cached.get(key) == b:
+                del self.cached[key]
+            self.key_of[b] = None
+            self.evictions += 1
+        self.ref[b] = 1
+        return b
+
+    def allocate(self, req: Request, num_new_tokens: int) -> bool:
+        """Grow req's block table to hold num_computed + num_new_tokens tokens; False if short."""
+        need = self.blocks_needed(req, num_new_tokens)
+        if need > self.num_free:
+            return False
+        for _ in range(need):
+            req.block_table.append(self._take())
+        return True
+
+    def free_request(self, req: Request):
+        # reverse order: a sequence's tail blocks become the first to be evicted
+        for b in reversed(req.block_table):
+            self.ref[b] -= 1
+            assert self.ref[b] >= 0, f"block {b} freed twice"
+            if self.ref[b] == 0:
+                if self.key_of[b] is not None:
+                    self.evictable[b] = None
+                else:
+                    self.free.append(b)
+        req.block_table = []
+        req.block_hashes = []
+        req.num_cached_hashed = 0
+
+    def fork(self, parent: Request, child: Request):
+        """Share parent's blocks with child (n > 1 samples of one prompt)."""
+        for b in parent.block_table:
+            self.ref[b] += 1
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_cached_hashed = parent.num_cached_hashed
+        child.num_computed = parent.num_computed
+
+    # -- prefix caching -----------------------------------------------------------------------
+    def _keys(self, ids: list[int], start: int, end: int, hashes: list[int]):
+        """Yield (index, key) for full blocks start..end-1, extending the hash chain as it goes."""
+        bs = self.block_size
+        for i in range(start, end):
+            parent = hashes[i - 1] if i > 0 else None
+            key = block_key(parent, tuple(ids[i * bs:(i + 1) * bs]))
+            if i == len(hashes):
+                hashes.append(hash(key))
+            yield i, key
+
+    def match_prefix(self, req: Request) -> int:
+        """At admission of a request with no blocks: adopt cached blocks for its leading full
+        blocks. At least one token is always left to compute, for its logits. Returns tokens hit."""
+        assert not req.block_table and req.num_computed == 0
+        if not self.caching:
+            return 0
+        ids = req.all_ids
+        n_full = (len(ids) - 1) // self.block_size
+        first = req.num_preemptions == 0
+        hit_blocks = 0
+        req.block_hashes = []
+        for i, key in self._keys(ids, 0, n_full, req.block_hashes):
+            b = self.cached.get(key)
+            if b is None:
+                break
+            if self.ref[b] == 0:
+                del self.evictable[b]
+            self.ref[b] += 1
+            req.block_table.append(b)
+            hit_blocks += 1
+        tokens = hit_blocks * self.block_size
+        req.num_computed = tokens
+        req.num_cached_hashed = hit_blocks
+        if first:
+            self.queries += len(req.prompt_ids)
+            self.hits += tokens
+            req.prefix_hit_tokens = tokens
+        else:
+            self.recompute_hits += tokens
+        return tokens
+
+    def register_full_blocks(self, req: Request):
+        """After a step computed tokens: make req's newly filled blocks findable."""
+        if not self.caching:
+            return
+        n_full = req.num_computed // self.block_size
+        if n_full <= req.num_cached_hashed:
+            return
+        ids = req.all_ids
+        for i, key in self._keys(ids, req.num_cached_hashed, n_full, req.block_hashes):
+            b = req.block_table[i]
+            if key not in self.cached and self.key_of[b] is None:
+                self.cached[key] = b
+                self.key_of[b] = key
+        req.num_cached_hashed = n_full
+
+    def check_invariants(self, live: list[Request]):
+        """For tests: ref counts equal block-table occurrences; every block in exactly one state."""
+        counts = [0] * self.num_blocks
+        for r in live:
+            for b in r.block_table:
+                counts[b] += 1
+        assert counts == self.ref, "ref counts disagree with block tables"
+        free, evict = set(self.free), set(self.evictable)
+        assert len(free) == len(self.free), "duplicate in free list"
+        assert not (free & evict)
+        for b in range(self.num_blocks):
+            in_use = self.ref[b] > 0
+            assert in_use + (b in free) + (b in evict) == 1, f"block {b} in {in_use, b in free, b in evict}"
+            if b in free:
+                assert self.key_of[b] is None
+            if b in evict:
+                assert self.key_of[b] is not None
+        for key, b in self.cached.items():
+            assert self.key_of[b] == key

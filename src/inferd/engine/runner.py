@@ -1,0 +1,46 @@
+"""Batch -> tensors -> forward -> logits: the only place the scheduler's plan meets the model."""
+from __future__ import annotations
+
+import torch
+
+from inferd.engine.attention import PagedAttention
+from inferd.engine.request import Request
+from inferd.model.llama import LlamaModel
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, attention: PagedAttention):
+        self.model = model
+        self.attn = attention
+        self.device = model.device
+
+    @torch.inference_mode()
+    def execute(self, requests: list[Request], num_new: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """Compute num_new[i] tokens of each request. Returns logits [S, vocab] (fp32) for the
+        requests whose last known token was computed (they sample next) and their batch indices."""
+        ids: list[int] = []
+        starts = []
+        sample_rows, sample_idx = [], []
+        row = 0
+        for i, (req, n) in enumerate(zip(requests, num_new)):
+            c = req.num_computed
+            p = req.num_prompt
+            if c + n <= p:
+                ids.extend(req.prompt_ids[c:c + n])
+            elif c >= p:
+                ids.extend(req.output_ids[c - p:c - p + n])
+            else:
+                ids.extend(req.prompt_ids[c:])
+                ids.extend(req.output_ids[: c + n - p])
+            starts.append(c)
+            row += n
+            if c + n == req.num_tokens:
+                sample_rows.append(row - 1)
+                sample_idx.append(i)
+        positions = self.attn.prepare([r.block_table for r in requests], starts, num_new)
+        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=self.device),
+                            positions.to(self.device), self.attn)
+        if not sample_rows:
+            return hidden.new_zeros(0, self.model.cfg.vocab_size, dtype=torch.float32), []
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        return logits, sample_idx

@@ -1,0 +1,146 @@
+"""Which tokens of which requests run in the next step.
+
+Every request is just "tokens known" (prompt + outputs) and "tokens whose K/V are computed";
+a step computes up to `max_num_batched_tokens` of the difference across requests. Decodes are one
+token each; a prompt is a run of tokens that may be split over several steps (chunked prefill); a
+preempted request, having lost its blocks, simply has everything to recompute.
+
+Order within a step: running decodes first (a long prompt never stalls streams), then running
+requests still in prefill, then waiting requests in arrival order. When blocks run out, the most
+recently arrived running request is preempted (recompute) and returns to the head of the queue.
+
+`static` mode admits a batch of up to `max_num_seqs` only when nothing is running, and nothing
+joins until the whole batch has finished — the baseline continuous batching is measured against.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from inferd.engine.kv_cache import BlockManager
+from inferd.engine.request import Request, Status
+
+
+@dataclass
+class ScheduledBatch:
+    requests: list[Request] = field(default_factory=list)
+    num_new: list[int] = field(default_factory=list)
+    num_prefill_tokens: int = 0  # prompt tokens computed for the first time
+    num_recompute_tokens: int = 0  # tokens recomputed after a preemption
+    num_decode_tokens: int = 0
+    preempted: list[Request] = field(default_factory=list)
+
+    def __len__(self):
+        return len(self.requests)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 mode: str = "continuous"):
+        assert mode in ("continuous", "static")
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.budget = max_num_batched_tokens
+        self.mode = mode
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.static_batch: set[str] = set()
+        self.num_preemptions = 0
+
+    def add(self, req: Request):
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, req: Request):
+        """Take a finished or aborted request out and give its blocks back."""
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        self.bm.free_request(req)
+        self.static_batch.discard(req.request_id)
+
+    def _preempt(self, req: Request, batch: ScheduledBatch):
+        if req in batch.requests:
+            i = batch.requests.index(req)
+            batch.requests.pop(i)
+            batch.num_new.pop(i)
+        self.running.remove(req)
+        self.bm.free_request(req)
+        req.num_computed = 0
+        req.status = Status.WAITING
+        req.num_preemptions += 1
+        req.timings.preempted.append(time.monotonic())
+        batch.preempted.append(req)
+        self.num_preemptions += 1
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.budget
+        # decodes first, then requests still working through their prompt; arrival order within each
+        order = sorted(self.running, key=lambda r: (r.num_tokens - r.num_computed > 1, r.timings.arrived))
+        for req in order:
+            if budget == 0:
+                break
+            if req.status != Status.RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(req.num_tokens - req.num_computed, budget)
+            while not self.bm.allocate(req, n):
+                victim = max(self.running, key=lambda r: r.timings.arrived)
+                self._preempt(victim, batch)
+                if victim is req:
+                    break
+            if req.status != Status.RUNNING:
+                continue
+            batch.requests.append(req)
+            batch.num_new.append(n)
+            budget -= n
+        budget = self.budget - sum(batch.num_new)
+
+        if self.mode == "static" and not self.static_batch:
+            self.static_batch = {r.request_id for r in list(self.waiting)[: self.max_num_seqs]}
+        # no new admissions in a step that had to preempt: memory is the bottleneck right now
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
+            req = self.waiting[0]
+            if self.mode == "static" and req.request_id not in self.static_batch:
+                break
+            hit = self.bm.match_prefix(req)
+            n = min(req.num_tokens - req.num_computed, budget)
+            if not self.bm.allocate(req, n):
+                # undo the match; the counters of a first admission are rolled back with it
+                if req.num_preemptions == 0:
+                    self.bm.queries -= req.num_prompt
+                    self.bm.hits -= hit
+                else:
+                    self.bm.recompute_hits -= hit
+                self.bm.free_request(req)
+                req.num_computed = 0
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            if req.timings.first_scheduled is None:
+                req.timings.first_scheduled = time.monotonic()
+            self.running.append(req)
+            batch.requests.append(req)
+            batch.num_new.append(n)
+            budget -= n
+        for req in sorted(batch.preempted, key=lambda r: r.timings.arrived, reverse=True):
+            self.waiting.appendleft(req)
+        for req, n in zip(batch.requests, batch.num_new):
+            if req.num_preemptions:
+                batch.num_recompute_tokens += n
+                continue
+            prompt_part = max(0, min(req.num_computed + n, req.num_prompt) - req.num_computed)
+            batch.num_prefill_tokens += prompt_part
+            batch.num_decode_tokens += n - prompt_part
+        return batch
