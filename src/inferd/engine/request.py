@@ -87,6 +87,7 @@ class Request:
         self.num_cached_hashed = 0  # leading blocks already registered in the prefix cache
         self.block_hashes: list[int] = []
         self.num_preemptions = 0
+        self.num_prefill_chunks = 0
         self.prefix_hit_tokens = 0  # on first admission only
         self.timings = Timings(arrived=time.monotonic() if arrival is None else arrival)
         self.generator: torch.Generator | None = None
