@@ -179,6 +179,7 @@ class LLMEngine:
         logits, idx = self.runner.execute(batch.requests, batch.num_new)
         for req, n in zip(batch.requests, batch.num_new):
             req.num_computed += n
+            req.max_computed = max(req.max_computed, req.num_computed)
             self.block_manager.register_full_blocks(req)
         outputs: list[RequestOutput] = []
         if idx:
@@ -232,7 +233,7 @@ class LLMEngine:
         used = self.block_manager.num_used
         s.peak_kv_blocks = max(s.peak_kv_blocks, used)
         for req, k in zip(batch.requests, batch.num_new):
-            if req.num_computed <= req.num_prompt and req.num_preemptions == 0:
+            if req.num_computed <= req.num_prompt and req.num_preemptions == 0 and k > 0:
                 req.num_prefill_chunks += 1
                 s.max_prefill_chunks = max(s.max_prefill_chunks, req.num_prefill_chunks)
         if self.keep_history:

@@ -129,7 +129,6 @@ class BlockManager:
             return 0
         ids = req.all_ids
         n_full = (len(ids) - 1) // self.block_size
-        first = req.num_preemptions == 0
         hit_blocks = 0
         req.block_hashes = []
         for i, key in self._keys(ids, 0, n_full, req.block_hashes):
@@ -144,13 +143,21 @@ class BlockManager:
         tokens = hit_blocks * self.block_size
         req.num_computed = tokens
         req.num_cached_hashed = hit_blocks
-        if first:
-            self.queries += len(req.prompt_ids)
-            self.hits += tokens
-            req.prefix_hit_tokens = tokens
-        else:
-            self.recompute_hits += tokens
         return tokens
+
+    def count_admission(self, req: Request, hit_tokens: int):
+        """Count a successful admission's cache use. Only prompt tokens this request never
+        computed itself are hits: what it recomputes or re-finds after a preemption is not reuse."""
+        if req.num_preemptions == 0:
+            self.queries += req.num_prompt
+            self.hits += hit_tokens
+            req.prefix_hit_tokens = hit_tokens
+        else:
+            new = max(0, min(hit_tokens, req.num_prompt) - req.max_computed)
+            self.hits += new
+            req.prefix_hit_tokens += new
+            self.recompute_hits += hit_tokens - new
+        req.max_computed = max(req.max_computed, hit_tokens)
 
     def register_full_blocks(self, req: Request):
         """After a step computed tokens: make req's newly filled blocks findable."""

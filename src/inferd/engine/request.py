@@ -83,6 +83,7 @@ class Request:
         self.stop_reason: int | str | None = None
         # tokens whose K/V are in the cache; the scheduler advances it, preemption resets it
         self.num_computed = 0
+        self.max_computed = 0  # high-water mark of num_computed: recompute lies below it
         self.block_table: list[int] = []
         self.num_cached_hashed = 0  # leading blocks already registered in the prefix cache
         self.block_hashes: list[int] = []

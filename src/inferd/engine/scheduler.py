@@ -117,15 +117,10 @@ class Scheduler:
             hit = self.bm.match_prefix(req)
             n = min(req.num_tokens - req.num_computed, budget)
             if not self.bm.allocate(req, n):
-                # undo the match; the counters of a first admission are rolled back with it
-                if req.num_preemptions == 0:
-                    self.bm.queries -= req.num_prompt
-                    self.bm.hits -= hit
-                else:
-                    self.bm.recompute_hits -= hit
-                self.bm.free_request(req)
+                self.bm.free_request(req)  # give the matched blocks back; try again next step
                 req.num_computed = 0
                 break
+            self.bm.count_admission(req, hit)
             self.waiting.popleft()
             req.status = Status.RUNNING
             if req.timings.first_scheduled is None:
@@ -137,10 +132,12 @@ class Scheduler:
         for req in sorted(batch.preempted, key=lambda r: r.timings.arrived, reverse=True):
             self.waiting.appendleft(req)
         for req, n in zip(batch.requests, batch.num_new):
-            if req.num_preemptions:
-                batch.num_recompute_tokens += n
-                continue
-            prompt_part = max(0, min(req.num_computed + n, req.num_prompt) - req.num_computed)
+            # tokens below the request's high-water mark were computed before a preemption
+            c = req.num_computed
+            lo = max(c, req.max_computed)
+            first_time = max(0, c + n - lo)
+            prompt_part = max(0, min(c + n, req.num_prompt) - lo)
             batch.num_prefill_tokens += prompt_part
-            batch.num_decode_tokens += n - prompt_part
+            batch.num_decode_tokens += first_time - prompt_part
+            batch.num_recompute_tokens += n - first_time
         return batch
