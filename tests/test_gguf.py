@@ -62,6 +62,12 @@ def tiny_gguf(tmp_path_factory):
 def test_tensors_equal_gguf_dequantization(tiny_gguf):
     lm = load_model(str(tiny_gguf), dtype="float32", with_tokenizer=False)
     params = dict(lm.model.named_parameters())
+    for i in range(L):  # view the fused projections under the checkpoint's names
+        qkv, gu = params[f"layers.{i}.qkv_proj.weight"], params[f"layers.{i}.gate_up_proj.weight"]
+        q, k, v = qkv.split([NH * HD, NKV * HD, NKV * HD])
+        params.update({f"layers.{i}.q_proj.weight": q, f"layers.{i}.k_proj.weight": k,
+                       f"layers.{i}.v_proj.weight": v, f"layers.{i}.gate_proj.weight": gu[:FF],
+                       f"layers.{i}.up_proj.weight": gu[FF:]})
     reader = GGUFReader(str(tiny_gguf))
     types = set()
     for t in reader.tensors:

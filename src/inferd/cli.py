@@ -27,6 +27,36 @@ def add_model_args(p: argparse.ArgumentParser):
     g.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
 
 
+def add_engine_args(p: argparse.ArgumentParser):
+    g = p.add_argument_group("engine")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--kv-cache-memory", default=None,
+                   help="KV pool size in bytes (e.g. 2GiB); CPU default: 20%% of free RAM, at most 2 GiB")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV pool size in blocks")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="CUDA only: fraction of GPU memory for weights + KV cache (ignored on CPU, "
+                        "where --kv-cache-memory sizes the pool)")
+    g.add_argument("--kv-cache-dtype", default="auto", help="auto (fp32 on CPU) | float32 | bfloat16")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="turn off automatic prefix caching")
+    g.add_argument("--scheduling", default="continuous", choices=["continuous", "static"])
+
+
+def engine_config_from_args(args):
+    from inferd.config import EngineConfig
+
+    cfg = EngineConfig()
+    for name in EngineConfig.field_names():
+        if hasattr(args, name) and getattr(args, name) is not None:
+            setattr(cfg, name, getattr(args, name))
+    if cfg.device == "cpu" and args.gpu_memory_utilization != 0.9:
+        sys.stderr.write("inferd: note: --gpu-memory-utilization applies to CUDA only; on CPU the KV pool "
+                         "is sized by --kv-cache-memory\n")
+    return cfg.validate()
+
+
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128):
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=max_tokens)
@@ -57,6 +87,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(c, max_tokens=512)
     c.add_argument("--system", default=None, help="system message")
     c.set_defaults(func=cmd_chat)
+
+    t = sub.add_parser("throughput", help="offline throughput of the engine on N seeded requests")
+    add_model_args(t)
+    add_engine_args(t)
+    t.add_argument("--num-prompts", type=int, default=64)
+    t.add_argument("--dataset", default="random", choices=["random", "jsonl"])
+    t.add_argument("--dataset-path", default=None, help="jsonl: one {\"prompt\": ..., \"output_len\": N} per line")
+    t.add_argument("--input-len", default="64-256", help="prompt tokens: N or MIN-MAX (uniform)")
+    t.add_argument("--output-len", default="32-256", help="output tokens: N or MIN-MAX (uniform)")
+    t.add_argument("--ignore-eos", action="store_true", help="always generate exactly the output length")
+    t.add_argument("--temperature", type=float, default=0.0)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--output-json", default=None, help="write the results as JSON")
+    t.set_defaults(func=cmd_throughput)
     return p
 
 
@@ -169,6 +213,18 @@ def cmd_chat(args) -> int:
             pass
         sys.stdout.write("\n")
         history.append({"role": "assistant", "content": "".join(reply)})
+    return 0
+
+
+def cmd_throughput(args) -> int:
+    import json
+
+    from inferd.throughput import run_throughput
+
+    res = run_throughput(args)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(res, f, indent=2)
     return 0
 
 

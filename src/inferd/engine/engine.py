@@ -25,7 +25,7 @@ from inferd.errors import InferdError
 log = logging.getLogger("inferd")
 
 CPU_KV_DEFAULT_FRACTION = 0.2
-CPU_KV_DEFAULT_CAP = 4 * 1024**3
+CPU_KV_DEFAULT_CAP = 2 * 1024**3
 
 
 @dataclass

@@ -39,7 +39,9 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 class Rope(nn.Module):
-    """cos/sin tables grown on demand; rotates the two halves of each head (HF layout)."""
+    """cos/sin tables grown on demand; rotates the two halves of each head (HF layout).
+
+    The sign of rotate_half is folded into the sin table, so a rotation is x*cos + swap(x)*sin."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -51,22 +53,20 @@ class Rope(nn.Module):
             n = max(n, 4096)
             t = torch.arange(n, dtype=torch.float32, device=device)
             freqs = torch.outer(t, self.inv_freq.to(device))
-            emb = torch.cat([freqs, freqs], dim=-1)
-            self.cos, self.sin = emb.cos(), emb.sin()
+            self.cos = torch.cat([freqs, freqs], dim=-1).cos()
+            self.sin = torch.cat([-freqs, freqs], dim=-1).sin()
         return self.cos, self.sin
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
-        cos_t, sin_t = self.tables(int(positions.max()) + 1, q.device)
-        cos = cos_t[positions].unsqueeze(1)  # [T, 1, hd]
-        sin = sin_t[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def cos_sin(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token tables [T, 1, head_dim], computed once per forward and shared by every layer."""
+        cos_t, sin_t = self.tables(int(positions.max()) + 1, positions.device)
+        return cos_t[positions].unsqueeze(1).to(dtype), sin_t[positions].unsqueeze(1).to(dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    xf = x.float()
-    half = xf.shape[-1] // 2
-    rot = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-    return (xf * cos + rot * sin).to(x.dtype)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    swapped = torch.cat([x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + swapped * sin
 
 
 class RMSNorm(nn.Module):
@@ -76,39 +76,37 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # normalise in fp32 and scale in the model dtype, as HF does, so bf16 runs agree with it
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
 
 class DecoderLayer(nn.Module):
+    """q/k/v and gate/up are stored fused (one matmul each): identical maths, fewer dispatches."""
+
     def __init__(self, cfg: ModelConfig, idx: int):
         super().__init__()
         self.idx = idx
         h, hd = cfg.hidden_size, cfg.head_dim
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        self.ff = cfg.intermediate_size
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.q_proj = nn.Linear(h, self.n_heads * hd, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(h, self.n_kv * hd, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(h, self.n_kv * hd, bias=cfg.attention_bias)
+        self.qkv_proj = nn.Linear(h, (self.n_heads + 2 * self.n_kv) * hd, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.n_heads * hd, h, bias=False)
-        self.gate_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
 
-    def forward(self, x, positions, rope: Rope, attn) -> torch.Tensor:
+    def forward(self, x, cos, sin, attn) -> torch.Tensor:
         t = x.shape[0]
-        hn = self.input_layernorm(x)
-        q = self.q_proj(hn).view(t, self.n_heads, self.head_dim)
-        k = self.k_proj(hn).view(t, self.n_kv, self.head_dim)
-        v = self.v_proj(hn).view(t, self.n_kv, self.head_dim)
-        q, k = rope(q, k, positions)
-        o = attn(self.idx, q, k, v)  # [T, n_heads * head_dim]
+        nq, nk = self.n_heads, self.n_kv
+        qkv = self.qkv_proj(self.input_layernorm(x)).view(t, nq + 2 * nk, self.head_dim)
+        qk = apply_rope(qkv[:, : nq + nk], cos, sin)
+        o = attn(self.idx, qk[:, :nq], qk[:, nq:], qkv[:, nq + nk:])  # [T, n_heads * head_dim]
         x = x + self.o_proj(o)
-        hn = self.post_attention_layernorm(x)
-        return x + self.down_proj(F.silu(self.gate_proj(hn)) * self.up_proj(hn))
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).split(self.ff, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
 
 
 class LlamaModel(nn.Module):
@@ -134,8 +132,9 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden] (normed)."""
         x = self.embed_tokens(input_ids)
+        cos, sin = self.rope.cos_sin(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, positions, self.rope, attn)
+            x = layer(x, cos, sin, attn)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -115,6 +115,21 @@ def load_safetensors_folder(folder: str) -> dict[str, torch.Tensor]:
     return sd
 
 
+def fuse_state_dict(sd: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    """Checkpoint names (q/k/v, gate/up separate) -> our fused qkv_proj / gate_up_proj."""
+    sd = dict(sd)
+    for i in range(num_layers):
+        p = f"layers.{i}."
+        for kind in ("weight", "bias"):
+            names = [f"{p}{n}_proj.{kind}" for n in "qkv"]
+            if all(n in sd for n in names):
+                sd[f"{p}qkv_proj.{kind}"] = torch.cat([sd.pop(n) for n in names], 0)
+        gu = [f"{p}gate_proj.weight", f"{p}up_proj.weight"]
+        if all(n in sd for n in gu):
+            sd[f"{p}gate_up_proj.weight"] = torch.cat([sd.pop(n) for n in gu], 0)
+    return sd
+
+
 def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor] | None, dtype, device,
                 seed: int = 0) -> LlamaModel:
     with torch.device("meta"):
@@ -125,6 +140,7 @@ def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor] | None, dt
     if state_dict is None:
         _init_random(model, cfg, seed)
     else:
+        state_dict = fuse_state_dict(state_dict, cfg.num_hidden_layers)
         if "lm_head.weight" not in state_dict:
             if not cfg.tie_word_embeddings:
                 cfg.tie_word_embeddings = True  # GGUFs without output.weight share the embedding
