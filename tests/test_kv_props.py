@@ -52,10 +52,10 @@ class KVMachine(RuleBasedStateMachine):
         self.shadow: dict[tuple[int, int], tuple[int, ...]] = {}  # (block, offset) -> prefix held
         self.prefill_sum = self.decode_sum = self.recompute_sum = 0
         self.n_ids = 0
-        for args in first:
-            self.add(*args)
         self.static_batches: list[set[str]] = []
         self.gone: set[str] = set()
+        for args in first:
+            self.add(*args)
 
     # -- helpers --------------------------------------------------------------------------------
     def _leave(self, req: Request):
@@ -234,7 +234,6 @@ class KVMachine(RuleBasedStateMachine):
         assert self.decode_sum == dec
         if not bm.caching:
             assert bm.hits == 0 and not bm.cached
-
 
 
 KVMachine.TestCase.settings = settings(

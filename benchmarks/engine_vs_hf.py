@@ -1,0 +1,150 @@
+"""inferd's engine vs Hugging Face transformers `generate`, on the same requests, in one process run.
+
+Prints one table:
+  1. inferd continuous batching vs HF static padded batches of 32 (bf16, sdpa, left padding),
+     counting only each request's own output tokens; plus inferd's share of the bf16 FLOP ceiling
+     measured in this run;
+  2. inferd continuous vs inferd --scheduling static at equal max_num_seqs;
+  3. inferd batch-1 decode vs HF batch-1 decode.
+
+Usage: .venv/bin/python benchmarks/engine_vs_hf.py [--num-prompts 64] [--threads 2]
+transformers is a benchmark/test dependency only; the product never imports it.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+from inferd.engine.engine import LLMEngine  # noqa: E402
+from inferd.engine.request import SamplingParams  # noqa: E402
+from inferd.model.loader import default_model_path, load_model  # noqa: E402
+from inferd.throughput import random_requests  # noqa: E402
+
+
+def bf16_gemm_rate(n: int = 2048, reps: int = 10) -> float:
+    a = torch.randn(n, n, dtype=torch.bfloat16)
+    b = torch.randn(n, n, dtype=torch.bfloat16)
+    for _ in range(2):
+        a @ b
+    t = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    return 2 * n**3 * reps / (time.perf_counter() - t)
+
+
+def run_inferd(loaded, reqs, **opts) -> tuple[float, float, LLMEngine]:
+    eng = LLMEngine(loaded=loaded, **opts)
+    t0 = time.monotonic()
+    for p, n in reqs:
+        eng.add_request(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), arrival=t0)
+    while eng.has_unfinished():
+        eng.step()
+    dt = time.monotonic() - t0
+    return sum(n for _, n in reqs) / dt, dt, eng
+
+
+def run_hf_static(hf, reqs, batch: int, pad_id: int) -> tuple[float, float]:
+    t0 = time.monotonic()
+    for i in range(0, len(reqs), batch):
+        chunk = reqs[i:i + batch]
+        L = max(len(p) for p, _ in chunk)
+        ids = torch.full((len(chunk), L), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(chunk), L), dtype=torch.long)
+        for j, (p, _) in enumerate(chunk):
+            ids[j, L - len(p):] = torch.tensor(p)
+            mask[j, L - len(p):] = 1
+        n = max(o for _, o in chunk)
+        with torch.inference_mode():
+            hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                        do_sample=False, pad_token_id=pad_id)
+    dt = time.monotonic() - t0
+    return sum(n for _, n in reqs) / dt, dt
+
+
+def hf_decode_rate(hf, prompt, n) -> float:
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        hf.generate(input_ids=ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+        t0 = time.monotonic()
+        hf.generate(input_ids=ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+        t_prefill = time.monotonic() - t0
+        t0 = time.monotonic()
+        hf.generate(input_ids=ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        dt = time.monotonic() - t0 - t_prefill
+    return (n - 1) / dt
+
+
+def inferd_decode_rate(loaded, prompt, n) -> float:
+    eng = LLMEngine(loaded=loaded)
+    rid = eng.add_request(prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+    req_id = eng.add_request(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    req = eng.requests[req_id]
+    while eng.has_unfinished():
+        eng.step()
+    tt = req.timings.token_times
+    return (len(tt) - 1) / (tt[-1] - tt[0])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--hf-batch", type=int, default=32)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--skip-hf", action="store_true")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    loaded = load_model(None, dtype="bfloat16")
+    cfg = loaded.config
+    special = {i for i in range(cfg.vocab_size) if loaded.tokenizer.is_special(i)}
+    reqs = random_requests(a.num_prompts, (64, 256), (32, 256), cfg.vocab_size, seed=0, avoid=special)
+    n_params = sum(p.numel() for p in loaded.model.parameters())
+
+    rows = []
+    peak = bf16_gemm_rate()
+    cont_tps, cont_dt, eng = run_inferd(loaded, reqs, max_num_seqs=a.max_num_seqs)
+    flops = 2 * n_params * (sum(len(p) for p, _ in reqs) + sum(n for _, n in reqs))
+    share = flops / cont_dt / peak
+    stat_tps, stat_dt, _ = run_inferd(loaded, reqs, max_num_seqs=a.max_num_seqs, scheduling="static")
+    prompt = reqs[0][0][:93]
+    b1 = inferd_decode_rate(loaded, prompt, 128)
+
+    print(f"bf16 GEMM ceiling measured: {peak / 1e9:.0f} GFLOP/s; inferd continuous achieved "
+          f"{flops / cont_dt / 1e9:.0f} GFLOP/s = {100 * share:.1f}% of it "
+          f"(2 x {n_params / 1e6:.0f}M params x tokens)")
+    rows.append(("inferd continuous (output tok/s)", cont_tps, None))
+    rows.append(("inferd static, same max_num_seqs", stat_tps, cont_tps / stat_tps))
+    if not a.skip_hf:
+        import transformers
+
+        path = default_model_path()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.bfloat16,
+            attn_implementation="sdpa")
+        hf.eval()
+        hf_tps, hf_dt = run_hf_static(hf, reqs, a.hf_batch, pad_id=2)
+        hf_b1 = hf_decode_rate(hf, prompt, 128)
+        rows.append((f"HF generate, static batches of {a.hf_batch}", hf_tps, cont_tps / hf_tps))
+        rows.append(("inferd batch-1 decode (tok/s)", b1, None))
+        rows.append(("HF batch-1 decode (tok/s)", hf_b1, b1 / hf_b1))
+    else:
+        rows.append(("inferd batch-1 decode (tok/s)", b1, None))
+
+    print(f"\n{a.num_prompts} requests, inputs 64-256, outputs 32-256 (ignore_eos), bf16, {a.threads} threads")
+    print(f"{'run':<40} {'tok/s':>8}  {'inferd / this':>13}")
+    for name, tps, ratio in rows:
+        print(f"{name:<40} {tps:>8.1f}  {'' if ratio is None else f'{ratio:.2f}x':>13}")
+    print(f"(largest inferd batch: {eng.stats.max_batch_seqs} sequences, {eng.stats.steps} steps, "
+          f"{eng.stats.preemptions} preemptions)")
+
+
+if __name__ == "__main__":
+    main()
