@@ -98,7 +98,11 @@ def main():
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--hf-batch", type=int, default=32)
-    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-seqs", type=int, default=64, help="inferd's batch cap vs HF")
+    ap.add_argument("--static-max-num-seqs", type=int, default=8,
+                    help="the batch cap both inferd schedulers share in the continuous-vs-static row")
+    ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--rounds", type=int, default=3, help="batch-1 decode: alternating rounds, median")
     ap.add_argument("--skip-hf", action="store_true")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -107,21 +111,15 @@ def main():
     special = {i for i in range(cfg.vocab_size) if loaded.tokenizer.is_special(i)}
     reqs = random_requests(a.num_prompts, (64, 256), (32, 256), cfg.vocab_size, seed=0, avoid=special)
     n_params = sum(p.numel() for p in loaded.model.parameters())
+    kv = dict(kv_cache_memory="1GiB", kv_cache_dtype=a.kv_cache_dtype)
 
-    rows = []
     peak = bf16_gemm_rate()
-    cont_tps, cont_dt, eng = run_inferd(loaded, reqs, max_num_seqs=a.max_num_seqs)
+    cont_tps, cont_dt, eng = run_inferd(loaded, reqs, max_num_seqs=a.max_num_seqs, **kv)
     flops = 2 * n_params * (sum(len(p) for p, _ in reqs) + sum(n for _, n in reqs))
-    share = flops / cont_dt / peak
-    stat_tps, stat_dt, _ = run_inferd(loaded, reqs, max_num_seqs=a.max_num_seqs, scheduling="static")
+    c16_tps, _, _ = run_inferd(loaded, reqs, max_num_seqs=a.static_max_num_seqs, **kv)
+    s16_tps, _, _ = run_inferd(loaded, reqs, max_num_seqs=a.static_max_num_seqs, scheduling="static", **kv)
     prompt = reqs[0][0][:93]
-    b1 = inferd_decode_rate(loaded, prompt, 128)
-
-    print(f"bf16 GEMM ceiling measured: {peak / 1e9:.0f} GFLOP/s; inferd continuous achieved "
-          f"{flops / cont_dt / 1e9:.0f} GFLOP/s = {100 * share:.1f}% of it "
-          f"(2 x {n_params / 1e6:.0f}M params x tokens)")
-    rows.append(("inferd continuous (output tok/s)", cont_tps, None))
-    rows.append(("inferd static, same max_num_seqs", stat_tps, cont_tps / stat_tps))
+    hf = None
     if not a.skip_hf:
         import transformers
 
@@ -130,20 +128,33 @@ def main():
             os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.bfloat16,
             attn_implementation="sdpa")
         hf.eval()
-        hf_tps, hf_dt = run_hf_static(hf, reqs, a.hf_batch, pad_id=2)
-        hf_b1 = hf_decode_rate(hf, prompt, 128)
-        rows.append((f"HF generate, static batches of {a.hf_batch}", hf_tps, cont_tps / hf_tps))
-        rows.append(("inferd batch-1 decode (tok/s)", b1, None))
-        rows.append(("HF batch-1 decode (tok/s)", hf_b1, b1 / hf_b1))
-    else:
-        rows.append(("inferd batch-1 decode (tok/s)", b1, None))
+    b1, hf_b1 = [], []
+    for _ in range(a.rounds):  # alternate, so both see the same machine weather
+        b1.append(inferd_decode_rate(loaded, prompt, 128))
+        if hf is not None:
+            hf_b1.append(hf_decode_rate(hf, prompt, 128))
+    med = lambda xs: sorted(xs)[len(xs) // 2]
 
-    print(f"\n{a.num_prompts} requests, inputs 64-256, outputs 32-256 (ignore_eos), bf16, {a.threads} threads")
-    print(f"{'run':<40} {'tok/s':>8}  {'inferd / this':>13}")
+    print(f"\n{a.num_prompts} requests, inputs 64-256, outputs 32-256 (ignore_eos), bf16, {a.threads} threads, "
+          f"KV cache {a.kv_cache_dtype}")
+    print(f"bf16 GEMM ceiling measured here: {peak / 1e9:.0f} GFLOP/s; inferd continuous achieved "
+          f"{flops / cont_dt / 1e9:.0f} GFLOP/s = {100 * flops / cont_dt / peak:.1f}% of it "
+          f"(2 x {n_params / 1e6:.0f}M params x prompt+output tokens)")
+    rows = [(f"inferd continuous, max_num_seqs={a.max_num_seqs}", cont_tps, "")]
+    if hf is not None:
+        hf_tps, _ = run_hf_static(hf, reqs, a.hf_batch, pad_id=2)
+        rows.append((f"HF generate, static padded batches of {a.hf_batch}", hf_tps, f"{cont_tps / hf_tps:.2f}x"))
+    rows.append((f"inferd continuous, max_num_seqs={a.static_max_num_seqs}", c16_tps, ""))
+    rows.append((f"inferd static, max_num_seqs={a.static_max_num_seqs}", s16_tps, f"{c16_tps / s16_tps:.2f}x"))
+    rows.append(("inferd batch-1 decode", med(b1), ""))
+    if hf is not None:
+        rows.append(("HF batch-1 decode", med(hf_b1), f"{med(b1) / med(hf_b1):.2f}x"))
+    print(f"{'run':<48} {'out tok/s':>9}  {'ratio':>7}")
     for name, tps, ratio in rows:
-        print(f"{name:<40} {tps:>8.1f}  {'' if ratio is None else f'{ratio:.2f}x':>13}")
-    print(f"(largest inferd batch: {eng.stats.max_batch_seqs} sequences, {eng.stats.steps} steps, "
-          f"{eng.stats.preemptions} preemptions)")
+        print(f"{name:<48} {tps:>9.1f}  {ratio:>7}")
+    print(f"(ratio = the inferd row above / this row; largest inferd batch: {eng.stats.max_batch_seqs} "
+          f"sequences, {eng.stats.preemptions} preemptions; batch-1 rounds inferd "
+          f"{[round(x, 1) for x in b1]}, HF {[round(x, 1) for x in hf_b1]})")
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ def add_engine_args(p: argparse.ArgumentParser):
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="CUDA only: fraction of GPU memory for weights + KV cache (ignored on CPU, "
                         "where --kv-cache-memory sizes the pool)")
-    g.add_argument("--kv-cache-dtype", default="auto", help="auto (fp32 on CPU) | float32 | bfloat16")
+    g.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype) | float32 | bfloat16")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn off automatic prefix caching")
     g.add_argument("--scheduling", default="continuous", choices=["continuous", "static"])
@@ -105,10 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _setup(args):
+    """An engine sized for one conversation: generate/chat run on the same engine as serve."""
     import torch
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    from inferd.engine.engine import LLM
     from inferd.model.loader import load_model
 
     lm = load_model(args.model, load_format=args.load_format, dtype=args.dtype, device=args.device)
@@ -121,7 +123,8 @@ def _setup(args):
         if args.max_model_len > max_len:
             raise InferdError(f"--max-model-len {args.max_model_len} exceeds the model's context length {max_len}")
         max_len = args.max_model_len
-    return lm, max_len
+    llm = LLM(loaded=lm, max_model_len=max_len, num_kv_blocks=-(-max_len // 16) + 1, block_size=16)
+    return llm, max_len
 
 
 def _check_sampling(args):
@@ -135,27 +138,18 @@ def _check_sampling(args):
         raise InferdError("--top-k must be >= 0")
 
 
-def _stream(lm, prompt_ids, args, max_len):
+def _stream(llm, prompt_ids, args, max_len):
     """Yield text deltas for one completion, stopping at an end token or the context limit."""
-    from inferd.model.reference import reference_stream
-    from inferd.tokenizer import IncrementalDetokenizer
+    from inferd.engine.request import SamplingParams
 
     room = max_len - len(prompt_ids)
     if room < 1:
         raise InferdError(f"prompt is {len(prompt_ids)} tokens; the context limit is {max_len}")
-    detok = IncrementalDetokenizer(lm.tokenizer, prompt_ids)
-    eos = lm.tokenizer.eos_token_ids
-    for tok, _ in reference_stream(lm.model, prompt_ids, min(args.max_tokens, room),
-                                   temperature=args.temperature, top_p=args.top_p,
-                                   top_k=args.top_k, seed=args.seed):
-        if tok in eos:
-            break
-        delta = detok.add([tok])
+    params = SamplingParams(max_tokens=min(args.max_tokens, room), temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    for delta, _ in llm.stream(prompt_ids, params):
         if delta:
             yield delta
-    tail = detok.flush()
-    if tail:
-        yield tail
 
 
 def cmd_generate(args) -> int:
@@ -187,7 +181,7 @@ def cmd_chat(args) -> int:
     history = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
     if interactive:
-        print(f"inferd chat — {lm.source.name}. Type /reset to forget, /exit or Ctrl-D to leave.")
+        print(f"inferd chat — {lm.engine.loaded.source.name}. Type /reset to forget, /exit or Ctrl-D to leave.")
     while True:
         try:
             line = input("> " if interactive else "")

@@ -19,7 +19,7 @@ class EngineConfig:
     kv_cache_memory: int | str | None = None  # bytes ("2GiB" too); CPU default: see kv_cache_bytes
     num_kv_blocks: int | None = None  # exact pool size, overrides the memory settings (tests)
     gpu_memory_utilization: float = 0.9
-    kv_cache_dtype: str = "auto"  # auto: fp32 on CPU (faster attention there), model dtype on CUDA
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True

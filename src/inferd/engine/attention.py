@@ -1,13 +1,15 @@
 """Attention over the paged KV cache, for one flat batch of sequences.
 
 `PagedAttention.prepare` turns the step's block tables into index tensors once; the per-layer
-call then writes the new keys/values into their slots with one `index_copy_` and attends with one
-batched SDPA per group: decodes (one query each) together, prefill chunks together (queries padded
-to the longest chunk). Mixing the two groups would pad every decode to the longest prompt chunk.
+call then writes the new keys/values into their slots with one `index_copy_` and attends per
+group: decodes (one query each) through the compiled kernel in `cpu_attention` (reads K/V in
+place), prefill chunks through one batched SDPA over gathered K/V (queries padded to the longest
+chunk). Mixing the two groups would pad every decode to the longest prompt chunk. Without a
+compiler the decode group takes the SDPA path too.
 
-On CPU the cache and the attention math stay in fp32 even for a bf16 model: at these sizes small
-bf16 batched matmuls were several times slower than fp32 ones (DESIGN.md, performance facts).
-A CUDA/Triton kernel would replace `__call__` and keep `prepare`'s metadata.
+At large batch, decode attention is bound by reading the KV cache, so the cache follows the model
+dtype (bf16 halves the bytes); attention maths run in fp32. A CUDA/Triton kernel would replace
+`__call__` and keep `prepare`'s metadata.
 """
 from __future__ import annotations
 
@@ -27,11 +29,20 @@ class _Group:
     mask: torch.Tensor  # [B, 1, Q, K] bool: may attend
     out_rows: torch.Tensor  # [N] flat rows the valid outputs go to
     out_sel: torch.Tensor | None  # [N] positions in the flattened [B*Q] output that are valid
+    block_tables: torch.Tensor | None = None  # [B, max_blocks] (decode group, for the kernel)
+    ctx_lens: torch.Tensor | None = None  # [B]
 
 
 class PagedAttention:
-    def __init__(self, pool: KVPool, head_dim: int, sliding_window: int | None = None):
+    def __init__(self, pool: KVPool, head_dim: int, sliding_window: int | None = None,
+                 use_kernel: bool = True):
         self.pool = pool
+        self.kernel = None
+        if use_kernel and pool.k.device.type == "cpu":
+            from inferd.engine import cpu_attention
+
+            self.kernel = cpu_attention.load()
+        self.kernel_calls = 0  # decode groups served by the compiled kernel (tests check it ran)
         self.scale = head_dim ** -0.5
         self.window = sliding_window
         self.slot_mapping: torch.Tensor | None = None
@@ -63,6 +74,33 @@ class PagedAttention:
                                                tok_start[idx], dev))
         return pos
 
+    def _with_kernel(self, layer, q, kc, vc) -> torch.Tensor:
+        """Decodes through the compiled kernel; a prefill group (if any) through SDPA."""
+        T, H, D = q.shape
+        dec = self.groups[0]
+        self.kernel_calls += 1
+        qd = q[dec.out_rows] if len(self.groups) > 1 else q
+        od = self.kernel.paged_decode(qd.float().contiguous(), kc, vc, dec.block_tables, dec.ctx_lens,
+                                      self.pool.block_size, self.scale, self.window or 0)
+        if len(self.groups) == 1:
+            return od.view(T, H * D).to(q.dtype)
+        out = torch.empty(T, H * D, dtype=q.dtype, device=q.device)
+        out[dec.out_rows] = od.view(-1, H * D).to(q.dtype)
+        self._sdpa_group(self.groups[1], q.to(kc.dtype), kc, vc, out)
+        return out
+
+    def _sdpa_group(self, g: _Group, qc, kc, vc, out):
+        B, Q = g.q_index.shape
+        H, D = qc.shape[1], qc.shape[2]
+        qg = qc[g.q_index].permute(0, 2, 1, 3)  # [B, H, Q, D]
+        kg = kc[g.kv_slots].permute(0, 2, 1, 3)  # [B, Hkv, K, D]
+        vg = vc[g.kv_slots].permute(0, 2, 1, 3)
+        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.scale, enable_gqa=True)
+        o = o.permute(0, 2, 1, 3).reshape(B * Q, H * D)
+        if g.out_sel is not None:
+            o = o[g.out_sel]
+        out[g.out_rows] = o.to(out.dtype)
+
     def _group(self, bt, starts, lens, ctx, tok_start, dev) -> _Group:
         bs = self.pool.block_size
         B = bt.shape[0]
@@ -86,6 +124,8 @@ class PagedAttention:
             mask=mask.unsqueeze(1).to(dev),
             out_rows=q_index.flatten()[flat_valid].to(dev),
             out_sel=None if Q == 1 else torch.nonzero(flat_valid).flatten().to(dev),
+            block_tables=bt.contiguous().to(dev) if Q == 1 else None,
+            ctx_lens=ctx.contiguous().to(dev) if Q == 1 else None,
         )
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -94,17 +134,16 @@ class PagedAttention:
         kc.index_copy_(0, self.slot_mapping, k.to(cdt))
         vc.index_copy_(0, self.slot_mapping, v.to(cdt))
         T, H, D = q.shape
-        out = torch.empty(T, H * D, dtype=q.dtype, device=q.device)
         qc = q.to(cdt)
+        if self.kernel is not None and self.groups and self.groups[0].out_sel is None:
+            return self._with_kernel(layer, q, kc, vc)
+        if len(self.groups) == 1 and self.groups[0].out_sel is None:  # all decodes: rows in order
+            g = self.groups[0]
+            o = F.scaled_dot_product_attention(qc.unsqueeze(2), kc[g.kv_slots].transpose(1, 2),
+                                               vc[g.kv_slots].transpose(1, 2), attn_mask=g.mask,
+                                               scale=self.scale, enable_gqa=True)
+            return o.view(T, H * D).to(q.dtype)
+        out = torch.empty(T, H * D, dtype=q.dtype, device=q.device)
         for g in self.groups:
-            B, Q = g.q_index.shape
-            qg = qc[g.q_index].permute(0, 2, 1, 3)  # [B, H, Q, D]
-            kg = kc[g.kv_slots].permute(0, 2, 1, 3)  # [B, Hkv, K, D]
-            vg = vc[g.kv_slots].permute(0, 2, 1, 3)
-            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.scale,
-                                               enable_gqa=True)
-            o = o.permute(0, 2, 1, 3).reshape(B * Q, H * D)
-            if g.out_sel is not None:
-                o = o[g.out_sel]
-            out[g.out_rows] = o.to(q.dtype)
+            self._sdpa_group(g, qc, kc, vc, out)
         return out

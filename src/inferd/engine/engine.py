@@ -101,7 +101,7 @@ class LLMEngine:
     def _kv_dtype(self) -> torch.dtype:
         c = self.config.kv_cache_dtype
         if c == "auto":
-            return torch.float32 if self.model.device.type == "cpu" else self.model.dtype
+            return self.model.dtype
         from inferd.model.loader import resolve_dtype
 
         return resolve_dtype(c)

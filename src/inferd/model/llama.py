@@ -76,10 +76,27 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # normalise in fp32 and scale in the model dtype, as HF does, so bf16 runs agree with it
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+        # one fused call; for bf16 it accumulates in fp32 internally (HF upcasts explicitly: the
+        # results differ only in the last bf16 bit, and the three extra dispatches cost ~15 %)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+class Linear(nn.Linear):
+    """nn.Linear with the CPU GEMM oriented the fast way round.
+
+    Measured on the 2-core AVX512-BF16 machine over all of SmolLM2's weight shapes (bf16):
+    one row through torch.mv ran ~25 % faster than F.linear, and for more rows computing
+    (W @ x^T)^T ran 15-40 % faster than F.linear's x @ W^T. Same maths, other kernel.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu" or x.dim() != 2:
+            return F.linear(x, self.weight, self.bias)
+        if x.shape[0] == 1:
+            y = torch.mv(self.weight, x[0]).unsqueeze(0)
+        else:
+            y = torch.mm(self.weight, x.t()).t().contiguous()
+        return y if self.bias is None else y + self.bias
 
 
 class DecoderLayer(nn.Module):
@@ -93,10 +110,10 @@ class DecoderLayer(nn.Module):
         self.ff = cfg.intermediate_size
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.qkv_proj = nn.Linear(h, (self.n_heads + 2 * self.n_kv) * hd, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.n_heads * hd, h, bias=False)
-        self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+        self.qkv_proj = Linear(h, (self.n_heads + 2 * self.n_kv) * hd, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.n_heads * hd, h, bias=False)
+        self.gate_up_proj = Linear(h, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, h, bias=False)
 
     def forward(self, x, cos, sin, attn) -> torch.Tensor:
         t = x.shape[0]
@@ -116,7 +133,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = Rope(cfg)
