@@ -6,6 +6,7 @@ the server drives the same loop from its own thread.
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import time
@@ -18,7 +19,7 @@ from inferd.engine.attention import PagedAttention
 from inferd.engine.kv_cache import BlockManager, KVPool
 from inferd.engine.request import Request, RequestOutput, SamplingParams, Status
 from inferd.engine.runner import ModelRunner
-from inferd.engine.sampler import sample_rows
+from inferd.engine.sampler import build_batch, sample, top_logprobs
 from inferd.engine.scheduler import ScheduledBatch, Scheduler
 from inferd.errors import InferdError
 
@@ -51,6 +52,7 @@ class EngineStats:
     max_mixed_batch_seqs: int = 0  # largest step that held both prefill and decode work
     peak_kv_blocks: int = 0
     max_prefill_chunks: int = 0  # most steps any one prompt was split over
+    forks: int = 0  # n > 1 requests split into samples
     history: list[StepStats] = field(default_factory=list)
 
 
@@ -89,6 +91,7 @@ class LLMEngine:
         window = mcfg.sliding_window if mcfg.sliding_window and mcfg.sliding_window < self.max_model_len else None
         self.runner = ModelRunner(self.model, PagedAttention(self.pool, mcfg.head_dim, window))
         self.requests: dict[str, Request] = {}
+        self.groups: dict[str, set[str]] = {}  # client request id -> live sequence ids
         self.stats = EngineStats()
         self.keep_history = False
         self._ids = itertools.count()
@@ -124,7 +127,8 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival: float | None = None) -> str:
         params = params or SamplingParams()
-        params.validate()
+        vocab = self.model_config.vocab_size
+        params.validate(vocab)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InferdError("this model has no tokenizer: pass token ids")
@@ -133,9 +137,10 @@ class LLMEngine:
             prompt_ids = [int(t) for t in prompt]
         if not prompt_ids:
             raise InferdError("prompt is empty")
-        vocab = self.model_config.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise InferdError(f"prompt token ids must be in [0, {vocab})")
+        if params.stop and self.tokenizer is None:
+            raise InferdError("stop strings need a tokenizer")
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
             raise InferdError(f"prompt is {len(prompt_ids)} tokens; the context limit is {self.max_model_len}")
@@ -144,25 +149,55 @@ class LLMEngine:
         elif params.max_tokens > room:
             raise InferdError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
                               f"exceeds the context limit of {self.max_model_len}")
-        need = -(-(len(prompt_ids) + params.max_tokens) // self.config.block_size)
+        k = params.best_of or params.n
+        bs = self.config.block_size
+        prompt_blocks = len(prompt_ids) // bs
+        need = prompt_blocks + k * (-(-(len(prompt_ids) + params.max_tokens) // bs) - prompt_blocks + 1)
         if need > self.num_kv_blocks:
-            raise InferdError(f"request needs {need} KV blocks but the cache holds {self.num_kv_blocks}")
+            raise InferdError(f"request needs up to {need} KV blocks but the cache holds {self.num_kv_blocks}")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if rid in self.requests:
+        if rid in self.groups:
             raise InferdError(f"duplicate request id {rid!r}")
+        if k > params.n:  # best_of ranks by cumulative logprob
+            params.logprobs = params.logprobs if params.logprobs is not None else 0
         req = Request(rid, prompt_ids, params, arrival)
-        self.requests[rid] = req
+        if k > 1:
+            req.fork_into = k
+        self._attach(req)
         self.scheduler.add(req)
         return rid
 
+    def _attach(self, req: Request):
+        self.requests[req.request_id] = req
+        self.groups.setdefault(req.group, set()).add(req.request_id)
+        if self.tokenizer is not None:
+            from inferd.tokenizer import IncrementalDetokenizer
+
+            req.detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=req.params.skip_special_tokens)
+        if req.params.prompt_logprobs is not None and req.prompt_logprobs is None:
+            req.prompt_logprobs = [None]
+
+    def _detach(self, req: Request):
+        self.requests.pop(req.request_id, None)
+        g = self.groups.get(req.group)
+        if g is not None:
+            g.discard(req.request_id)
+            if not g:
+                del self.groups[req.group]
+
     def abort(self, request_id: str) -> bool:
-        req = self.requests.pop(request_id, None)
-        if req is None:
+        """Abort a request (all its n samples); its blocks are freed at once."""
+        ids = list(self.groups.get(request_id, ()))
+        if not ids:
             return False
-        self.scheduler.remove(req)
-        req.status = Status.FINISHED
-        req.finish_reason = "abort"
-        req.timings.finished = time.monotonic()
+        now = time.monotonic()
+        for rid in ids:
+            req = self.requests[rid]
+            self.scheduler.remove(req)
+            req.status = Status.FINISHED
+            req.finish_reason = "abort"
+            req.timings.finished = now
+            self._detach(req)
         return True
 
     def has_unfinished(self) -> bool:
@@ -176,48 +211,132 @@ class LLMEngine:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("scheduler cannot admit any request (KV cache too small?)")
             return []
-        logits, idx = self.runner.execute(batch.requests, batch.num_new)
+        logits, idx, prompt_rows = self.runner.execute(batch.requests, batch.num_new)
         for req, n in zip(batch.requests, batch.num_new):
             req.num_computed += n
             req.max_computed = max(req.max_computed, req.num_computed)
             self.block_manager.register_full_blocks(req)
+        for i, (first, rows) in prompt_rows.items():
+            self._prompt_logprobs(batch.requests[i], first, rows)
         outputs: list[RequestOutput] = []
-        if idx:
-            reqs = [batch.requests[i] for i in idx]
-            tokens = self._sample(logits, reqs).tolist()
+        reqs = [batch.requests[i] for i in idx]
+        forks = [r for r in reqs if r.fork_into]
+        if forks:
+            reqs = [r for r in reqs if not r.fork_into]
+            logits = logits[[j for j, i in enumerate(idx) if not batch.requests[i].fork_into]]
+            for parent in forks:
+                self._fork(parent)
+        if reqs:
+            tokens, lps = sample(logits, build_batch(reqs, self.model_config.vocab_size, self.eos_ids))
             now = time.monotonic()
-            for req, tok in zip(reqs, tokens):
-                outputs.append(self._append(req, tok, now))
+            for j, (req, tok) in enumerate(zip(reqs, tokens.tolist())):
+                outputs.append(self._append(req, tok, now, lps[j] if lps else None))
         self._record(batch, time.monotonic() - t0)
         return outputs
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        temp = torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32)
-        top_k = torch.tensor([r.params.top_k for r in reqs], dtype=torch.long)
-        top_p = torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32)
-        return sample_rows(logits, temp, top_k, top_p, [r.generator for r in reqs])
+    def _prompt_logprobs(self, req: Request, first: int, rows: torch.Tensor):
+        """rows[j] are the logits at prompt position first + j, which predict token first + j + 1."""
+        if req.prompt_logprobs is None or len(req.prompt_logprobs) != first + 1:
+            return  # recomputed after a preemption: already recorded
+        targets = torch.tensor(req.prompt_ids[first + 1: first + 1 + rows.shape[0]])
+        info = top_logprobs(rows, targets, [req.params.prompt_logprobs] * rows.shape[0])
+        req.prompt_logprobs.extend(info)
 
-    def _append(self, req: Request, tok: int, now: float) -> RequestOutput:
+    def _fork(self, parent: Request):
+        """A request for n > 1 samples has computed its prompt once: split it into n sequences
+        that share its full prompt blocks (ref counts) and recompute only the partial tail block,
+        so no sequence ever writes into a shared block."""
+        bm = self.block_manager
+        bs = self.config.block_size
+        keep_blocks = (parent.num_computed - 1) // bs  # at least one token left for each child
+        sched = self.scheduler
+        for i in range(parent.fork_into):
+            params = copy.copy(parent.params)
+            params.n, params.best_of = 1, None
+            child = Request(f"{parent.request_id}#{i}", parent.prompt_ids, params, parent.timings.arrived,
+                            group=parent.group, index=i)
+            child.timings.first_scheduled = parent.timings.first_scheduled
+            child.block_table = list(parent.block_table[:keep_blocks])
+            for b in child.block_table:
+                bm.ref[b] += 1
+            child.num_computed = keep_blocks * bs
+            child.max_computed = parent.max_computed
+            child.num_cached_hashed = min(parent.num_cached_hashed, keep_blocks)
+            child.block_hashes = list(parent.block_hashes[:keep_blocks])
+            child.prefix_hit_tokens = parent.prefix_hit_tokens
+            child.status = Status.RUNNING
+            child.num_prefill_chunks = parent.num_prefill_chunks
+            self._attach(child)
+            if parent.prompt_logprobs is not None:
+                child.prompt_logprobs = parent.prompt_logprobs if i == 0 else None
+            sched.running.append(child)
+            sched.static_batch.add(child.request_id) if sched.mode == "static" else None
+        sched.remove(parent)
+        self._detach(parent)
+        parent.status = Status.FINISHED
+        self.stats.forks += 1
+
+    def _append(self, req: Request, tok: int, now: float, lp=None) -> RequestOutput:
         req.output_ids.append(tok)
         self.stats.generated_tokens += 1
+        if lp is not None:
+            req.logprobs.append(lp)
+            req.cumulative_logprob += lp[0]
         t = req.timings
         if t.first_token is None:
             t.first_token = now
         t.token_times.append(now)
         p = req.params
-        if not p.ignore_eos and tok in self.eos_ids:
-            req.finish_reason, req.stop_reason = "stop", None
-        elif tok in p.stop_token_ids:
-            req.finish_reason, req.stop_reason = "stop", tok
-        elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+        if len(req.output_ids) >= p.min_tokens:
+            if not p.ignore_eos and tok in self.eos_ids:
+                req.finish_reason, req.stop_reason = "stop", None
+            elif tok in p.stop_token_ids:
+                req.finish_reason, req.stop_reason = "stop", tok
+        if req.finish_reason is None and (len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len):
             req.finish_reason = "length"
+        delta = self._detokenize(req, tok) if req.detok is not None else ""
         if req.finish_reason is not None:
             req.status = Status.FINISHED
             t.finished = now
             self.scheduler.remove(req)
-            self.requests.pop(req.request_id, None)
-        return RequestOutput(req.request_id, [tok], req.output_ids, req.finished, req.finish_reason,
-                             req.stop_reason, req.num_prompt, t)
+            self._detach(req)
+        first = len(req.output_ids) == 1
+        return RequestOutput(req.group, [tok], req.output_ids, req.finished, req.finish_reason,
+                             req.stop_reason, req.num_prompt, t, index=req.index, text_delta=delta,
+                             text=req.text, logprobs=[lp] if lp is not None else None,
+                             prompt_logprobs=req.prompt_logprobs if first else None,
+                             prompt_ids=req.prompt_ids if first else None)
+
+    def _detokenize(self, req: Request, tok: int) -> str:
+        """Text delta for the new token, with stop strings cut: a stop string is never emitted
+        (unless asked), nothing after it is, and only a possible partial match is held back."""
+        p = req.params
+        new = req.detok.add([tok])
+        if req.finish_reason is not None:
+            new += req.detok.flush()
+        buf = req.held + new
+        if p.stop:
+            hit = None
+            for s in p.stop:
+                j = buf.find(s)
+                if j >= 0 and (hit is None or j < hit[0]):
+                    hit = (j, s)
+            if hit is not None:
+                j, s = hit
+                out = buf[: j + len(s)] if p.include_stop_str_in_output else buf[:j]
+                req.held = ""
+                req.text += out
+                req.finish_reason, req.stop_reason = "stop", s
+                return out
+            if req.finish_reason is None:
+                keep = max((k for s in p.stop for k in range(min(len(s) - 1, len(buf)), 0, -1)
+                            if buf.endswith(s[:k])), default=0)
+                req.held = buf[len(buf) - keep:] if keep else ""
+                buf = buf[: len(buf) - keep]
+        else:
+            req.held = ""
+        req.text += buf
+        return buf
 
     def _record(self, batch: ScheduledBatch, dt: float):
         s = self.stats
@@ -250,6 +369,11 @@ class CompletionOutput:
     finish_reason: str | None
     stop_reason: int | str | None
     timings: object
+    index: int = 0
+    logprobs: list | None = None  # per token: (logprob, rank, [(id, logprob)])
+    prompt_logprobs: list | None = None
+    cumulative_logprob: float = 0.0
+    samples: list = field(default_factory=list)  # all n samples (this one is samples[0])
 
 
 class LLM:
@@ -261,41 +385,53 @@ class LLM:
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[CompletionOutput]:
+        """One CompletionOutput per prompt (with n > 1, its `samples` holds all n, best first
+        when best_of > n)."""
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
         if single:
             prompts = [prompts]
         if not isinstance(params, list):
             params = [params or SamplingParams() for _ in prompts]
-        from copy import deepcopy
-
-        ids = [self.engine.add_request(p, deepcopy(sp)) for p, sp in zip(prompts, params)]
-        reqs = {rid: self.engine.requests[rid] for rid in ids}
+        ids = [self.engine.add_request(p, copy.deepcopy(sp)) for p, sp in zip(prompts, params)]
+        done: dict[str, dict[int, CompletionOutput]] = {rid: {} for rid in ids}
+        logprobs: dict[tuple, list] = {}
+        prompt_info: dict[str, tuple] = {}
         while self.engine.has_unfinished():
-            self.engine.step()
-        return [self._result(reqs[rid]) for rid in ids]
-
-    def _result(self, req: Request) -> CompletionOutput:
-        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True) if self.tokenizer else None
-        return CompletionOutput(req.request_id, req.prompt_ids, list(req.output_ids), text,
-                                req.finish_reason, req.stop_reason, req.timings)
+            for o in self.engine.step():
+                if o.prompt_ids is not None:
+                    prompt_info.setdefault(o.request_id, (o.prompt_ids, o.prompt_logprobs))
+                if o.logprobs:
+                    logprobs.setdefault((o.request_id, o.index), []).extend(o.logprobs)
+                if o.finished:
+                    lps = logprobs.get((o.request_id, o.index))
+                    done[o.request_id][o.index] = CompletionOutput(
+                        o.request_id, prompt_info[o.request_id][0], list(o.output_ids), o.text,
+                        o.finish_reason, o.stop_reason, o.timings, o.index, lps,
+                        prompt_info[o.request_id][1], sum(x[0] for x in lps) if lps else 0.0)
+        results = []
+        for rid, sp in zip(ids, params):
+            samples = [done[rid][i] for i in sorted(done[rid])]
+            if sp.best_of and sp.best_of > sp.n:
+                samples = sorted(samples, key=lambda c: -c.cumulative_logprob)[: sp.n]
+                if sp.logprobs is None:
+                    for c in samples:
+                        c.logprobs = None
+            first = samples[0]
+            first.samples = samples
+            results.append(first)
+        return results
 
     def stream(self, prompt, params: SamplingParams | None = None):
         """Yield (text delta, RequestOutput) for one prompt as tokens come; runs other queued work too."""
-        from inferd.tokenizer import IncrementalDetokenizer
-
         rid = self.engine.add_request(prompt, params or SamplingParams())
-        req = self.engine.requests[rid]
-        detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
-        while not req.finished:
+        live = True
+        while live:
             for out in self.engine.step():
-                if out.request_id != rid:
-                    continue
-                toks = [t for t in out.new_token_ids if not (out.finished and out.finish_reason == "stop"
-                                                             and out.stop_reason is None and t in self.engine.eos_ids)]
-                delta = detok.add(toks) if detok else ""
-                if out.finished and detok:
-                    delta += detok.flush()
-                yield delta, out
+                if out.request_id == rid:
+                    live = rid in self.engine.groups
+                    yield out.text_delta, out
+            if not self.engine.has_unfinished():
+                break
 
     def abort(self, request_id: str) -> bool:
         return self.engine.abort(request_id)

@@ -125,8 +125,8 @@ class BlockManager:
         """At admission of a request with no blocks: adopt cached blocks for its leading full
         blocks. At least one token is always left to compute, for its logits. Returns tokens hit."""
         assert not req.block_table and req.num_computed == 0
-        if not self.caching:
-            return 0
+        if not self.caching or req.params.prompt_logprobs is not None:
+            return 0  # prompt logprobs need every prompt position computed
         ids = req.all_ids
         n_full = (len(ids) - 1) // self.block_size
         hit_blocks = 0

@@ -12,15 +12,31 @@ from inferd.errors import InferdError
 
 @dataclass
 class SamplingParams:
+    """The OpenAI / vLLM sampling knobs, meaning what they mean there."""
     max_tokens: int | None = 16  # None: the rest of the context
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
     seed: int | None = None
+    n: int = 1
+    best_of: int | None = None  # sample this many, return the n with the highest cumulative logprob
+    repetition_penalty: float = 1.0  # HF/vLLM: over prompt + output
+    presence_penalty: float = 0.0  # OpenAI: over the output
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
     ignore_eos: bool = False
+    stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # top alternatives per generated token (0: the sampled one only)
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
 
-    def validate(self):
+    def validate(self, vocab_size: int | None = None):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
         if self.max_tokens is not None and self.max_tokens < 1:
             raise InferdError("max_tokens must be at least 1")
         if self.temperature < 0:
@@ -29,6 +45,33 @@ class SamplingParams:
             raise InferdError("top_p must be in (0, 1]")
         if self.top_k < -1:
             raise InferdError("top_k must be -1, 0 (off) or positive")
+        if not 0 <= self.min_p <= 1:
+            raise InferdError("min_p must be in [0, 1]")
+        if self.repetition_penalty <= 0:
+            raise InferdError("repetition_penalty must be > 0")
+        if not -2 <= self.presence_penalty <= 2 or not -2 <= self.frequency_penalty <= 2:
+            raise InferdError("presence_penalty and frequency_penalty must be in [-2, 2]")
+        if self.n < 1:
+            raise InferdError("n must be at least 1")
+        if self.best_of is not None and self.best_of < self.n:
+            raise InferdError("best_of must be >= n")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise InferdError("min_tokens must be in [0, max_tokens]")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= v <= 20:
+                raise InferdError(f"{name} must be in [0, 20]")
+        if any(not isinstance(x, str) or not x for x in self.stop):
+            raise InferdError("stop must be a non-empty string or a list of them")
+        if vocab_size is not None:
+            for t in list(self.stop_token_ids) + [int(k) for k in (self.logit_bias or {})]:
+                if not 0 <= int(t) < vocab_size:
+                    raise InferdError(f"token id {t} is outside the vocabulary [0, {vocab_size})")
+        if self.logit_bias:
+            self.logit_bias = {int(k): max(-100.0, min(100.0, float(v))) for k, v in self.logit_bias.items()}
+        if self.n > 1 or (self.best_of or 1) > 1:
+            if self.temperature == 0:
+                raise InferdError("n > 1 needs temperature > 0 (greedy samples would all be equal)")
 
     @property
     def greedy(self) -> bool:
@@ -73,8 +116,17 @@ class Timings:
 
 class Request:
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 arrival: float | None = None):
+                 arrival: float | None = None, group: str | None = None, index: int = 0):
         self.request_id = request_id
+        self.group = group or request_id  # the client's request id (n > 1 samples share it)
+        self.index = index
+        self.detok = None  # IncrementalDetokenizer, when the engine has a tokenizer
+        self.text = ""  # emitted text (stop strings cut)
+        self.held = ""  # decoded text held back: it may be the start of a stop string
+        self.logprobs: list = []  # per generated token: (logprob, rank, [(id, logprob)])
+        self.prompt_logprobs: list | None = None  # per prompt token: None for the first, then as above
+        self.cumulative_logprob = 0.0
+        self.fork_into = 0  # a parent of n > 1 samples forks into this many after its prompt
         self.prompt_ids = list(prompt_ids)
         self.params = params
         self.output_ids: list[int] = []
@@ -95,7 +147,7 @@ class Request:
         if not params.greedy:
             self.generator = torch.Generator()
             if params.seed is not None:
-                self.generator.manual_seed(params.seed)
+                self.generator.manual_seed(params.seed + index)  # sample i of n: its own stream
             else:
                 self.generator.seed()
 
@@ -122,8 +174,8 @@ class Request:
 
 @dataclass
 class RequestOutput:
-    """What the engine reports for one request after a step: the tokens added since the last one."""
-    request_id: str
+    """What the engine reports for one sequence after a step: what it gained since the last one."""
+    request_id: str  # the client's id (shared by the n samples of one request)
     new_token_ids: list[int]
     output_ids: list[int]
     finished: bool
@@ -132,3 +184,9 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     timings: Timings | None = None
     error: str | None = None
+    index: int = 0  # which of the n samples
+    text_delta: str = ""
+    text: str = ""
+    logprobs: list | None = None  # for new_token_ids
+    prompt_logprobs: list | None = None  # once, with the first output
+    prompt_ids: list[int] | None = None

@@ -15,12 +15,14 @@ class ModelRunner:
         self.device = model.device
 
     @torch.inference_mode()
-    def execute(self, requests: list[Request], num_new: list[int]) -> tuple[torch.Tensor, list[int]]:
+    def execute(self, requests: list[Request], num_new: list[int]):
         """Compute num_new[i] tokens of each request. Returns logits [S, vocab] (fp32) for the
-        requests whose last known token was computed (they sample next) and their batch indices."""
+        requests whose last known token was computed (they sample next), their batch indices, and
+        {batch index: (first prompt position, logits rows)} for requests that want prompt logprobs."""
         ids: list[int] = []
         starts = []
         sample_rows, sample_idx = [], []
+        prompt_spans = {}
         row = 0
         for i, (req, n) in enumerate(zip(requests, num_new)):
             c = req.num_computed
@@ -33,6 +35,9 @@ class ModelRunner:
                 ids.extend(req.prompt_ids[c:])
                 ids.extend(req.output_ids[: c + n - p])
             starts.append(c)
+            if req.params.prompt_logprobs is not None and c < p - 1:
+                end = min(c + n, p - 1)
+                prompt_spans[i] = (c, row, row + end - c)
             row += n
             if c + n == req.num_tokens:
                 sample_rows.append(row - 1)
@@ -40,7 +45,8 @@ class ModelRunner:
         positions = self.attn.prepare([r.block_table for r in requests], starts, num_new)
         hidden = self.model(torch.tensor(ids, dtype=torch.long, device=self.device),
                             positions.to(self.device), self.attn)
+        prompt_rows = {i: (c, self.model.compute_logits(hidden[a:b])) for i, (c, a, b) in prompt_spans.items()}
         if not sample_rows:
-            return hidden.new_zeros(0, self.model.cfg.vocab_size, dtype=torch.float32), []
+            return hidden.new_zeros(0, self.model.cfg.vocab_size, dtype=torch.float32), [], prompt_rows
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-        return logits, sample_idx
+        return logits, sample_idx, prompt_rows
