@@ -88,6 +88,19 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--system", default=None, help="system message")
     c.set_defaults(func=cmd_chat)
 
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (streaming, Prometheus /metrics)")
+    add_model_args(sv)
+    add_engine_args(sv)
+    sv.add_argument("--config", default=None, help="YAML file of options (keys as flag names, _ or -)")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--served-model-name", default=None, help="model id the API reports and accepts")
+    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or INFERD_API_KEY)")
+    sv.add_argument("--max-waiting", type=int, default=512, help="queued requests beyond this get 503")
+    sv.add_argument("--quantization", default="none", help="weight quantization (none for now)")
+    sv.add_argument("--log-level", default="info")
+    sv.set_defaults(func=cmd_serve)
+
     t = sub.add_parser("throughput", help="offline throughput of the engine on N seeded requests")
     add_model_args(t)
     add_engine_args(t)
@@ -210,6 +223,40 @@ def cmd_chat(args) -> int:
     return 0
 
 
+def apply_yaml_config(parser: argparse.ArgumentParser, argv: list[str], args):
+    """Options from a YAML file become the parser's defaults; flags on the command line win."""
+    import yaml
+
+    try:
+        with open(args.config) as f:
+            data = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise InferdError(f"cannot read config {args.config}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise InferdError(f"invalid YAML in {args.config}: {e}") from None
+    if not isinstance(data, dict):
+        raise InferdError(f"config {args.config} must be a mapping of option: value")
+    sub = next(a for a in parser._subparsers._group_actions[0].choices.values() if a.get_default("func") is args.func)
+    dests = {a.dest for a in sub._actions}
+    defaults = {}
+    for k, v in data.items():
+        key = str(k).replace("-", "_")
+        if key == "enable_prefix_caching":
+            defaults[key] = bool(v)
+            continue
+        if key not in dests or key in ("config", "func", "help"):
+            raise InferdError(f"unknown key {k!r} in config {args.config}")
+        defaults[key] = str(v) if key in ("model", "kv_cache_memory") and v is not None else v
+    sub.set_defaults(**defaults)
+    return parser.parse_args(argv)
+
+
+def cmd_serve(args) -> int:
+    from inferd.server.serve import serve
+
+    return serve(args)
+
+
 def cmd_throughput(args) -> int:
     import json
 
@@ -224,8 +271,11 @@ def cmd_throughput(args) -> int:
 
 def main(argv=None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     try:
+        if getattr(args, "config", None):
+            args = apply_yaml_config(parser, argv, args)
         return args.func(args) or 0
     except InferdError as e:
         sys.stderr.write(f"inferd: error: {e}\n")

@@ -1,0 +1,70 @@
+"""Prometheus metrics from the engine's own timing events, named as vLLM names them (inferd: prefix)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0, 160.0)
+
+
+class Metrics:
+    def __init__(self, model_name: str):
+        self.registry = r = CollectorRegistry()
+        L = ["model_name"]
+        self.labels = {"model_name": model_name}
+        self.ttft = Histogram("inferd:time_to_first_token_seconds", "Time to first token.", L,
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("inferd:inter_token_latency_seconds", "Time between consecutive tokens.", L,
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("inferd:e2e_request_latency_seconds", "End-to-end request latency.", L,
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("inferd:request_queue_time_seconds", "Time waiting before first scheduled.", L,
+                               buckets=LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("inferd:num_requests_running", "Sequences in the running batch.", L, registry=r)
+        self.waiting = Gauge("inferd:num_requests_waiting", "Requests waiting to be scheduled.", L, registry=r)
+        self.kv_usage = Gauge("inferd:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", L, registry=r)
+        self.prompt_tokens = Counter("inferd:prompt_tokens", "Prompt tokens processed.", L, registry=r)
+        self.gen_tokens = Counter("inferd:generation_tokens", "Tokens generated.", L, registry=r)
+        self.pc_queries = Counter("inferd:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                  L, registry=r)
+        self.pc_hits = Counter("inferd:prefix_cache_hits", "Prompt tokens found in the prefix cache.", L,
+                               registry=r)
+        self.preemptions = Counter("inferd:num_preemptions", "Preemptions.", L, registry=r)
+        self.requests = Counter("inferd:request_success", "Finished requests by reason.",
+                                L + ["finished_reason"], registry=r)
+        self._last = {"queries": 0, "hits": 0, "preempt": 0}
+
+    def on_step(self, engine):
+        """Engine thread, after every step: gauges and counter deltas."""
+        lab = self.labels
+        bm = engine.block_manager
+        self.running.labels(**lab).set(len(engine.scheduler.running))
+        self.waiting.labels(**lab).set(len(engine.scheduler.waiting))
+        self.kv_usage.labels(**lab).set(bm.num_used / bm.num_blocks)
+        for key, now, counter in (("queries", bm.queries, self.pc_queries), ("hits", bm.hits, self.pc_hits),
+                                  ("preempt", engine.stats.preemptions, self.preemptions)):
+            if now > self._last[key]:
+                counter.labels(**lab).inc(now - self._last[key])
+            self._last[key] = now
+
+    def on_finish(self, out):
+        """Engine thread, for each finished sequence: its latencies from the engine's events."""
+        lab = self.labels
+        t = out.timings
+        if out.index == 0:
+            self.prompt_tokens.labels(**lab).inc(out.num_prompt_tokens)
+        self.gen_tokens.labels(**lab).inc(len(out.output_ids))
+        self.requests.labels(finished_reason=out.finish_reason or "abort", **lab).inc()
+        if t is None:
+            return
+        if t.ttft is not None:
+            self.ttft.labels(**lab).observe(t.ttft)
+        if t.queue_time is not None:
+            self.queue.labels(**lab).observe(t.queue_time)
+        if t.e2e is not None:
+            self.e2e.labels(**lab).observe(t.e2e)
+        for a, b in zip(t.token_times, t.token_times[1:]):
+            self.itl.labels(**lab).observe(b - a)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
