@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/inferd chat $(ARGS)
+	$(VENV)/bin/inferd serve $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(ARGS)
