@@ -107,3 +107,23 @@ def test_dummy_builtin_shapes():
     assert r.returncode == 0, r.stderr
     # Qwen2.5-0.5B: 494M parameters with its embedding tied
     assert 490e6 < int(r.stdout) < 500e6
+
+
+def test_serve_yaml_config_unknown_key(tmp_path):
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("model: smollm2-135m\nmax_num_seqz: 4\n")
+    assert_one_line_error(run_cli("serve", "--config", str(cfg)), "unknown key", "max_num_seqz")
+
+
+def test_serve_yaml_config_and_flag_override(tmp_path):
+    from inferd.cli import apply_yaml_config, build_parser
+
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("model: smollm2-135m\nquantization: none\ndtype: float32\ngpu_memory_utilization: 0.8\n"
+                   "max-num-seqs: 7\nmax_num_batched_tokens: 128\nport: 9001\n")
+    p = build_parser()
+    argv = ["serve", "--config", str(cfg), "--max-num-seqs", "3"]
+    args = apply_yaml_config(p, argv, p.parse_args(argv))
+    assert args.max_num_seqs == 3  # the flag wins
+    assert args.max_num_batched_tokens == 128 and args.dtype == "float32" and args.port == 9001
+    assert args.gpu_memory_utilization == 0.8 and args.model == "smollm2-135m"
