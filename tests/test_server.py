@@ -235,12 +235,19 @@ def metrics(srv: ServerProc) -> dict[str, float]:
     return out
 
 
-def metric(m: dict[str, float], name: str) -> float:
+_MISSING = object()
+
+
+def metric(m: dict[str, float], name: str, default=_MISSING) -> float:
+    """A sample by name; a counter's `_total` suffix may be given or not. `default` for a
+    labelled family with no samples yet (a fresh server)."""
     if name in m:
         return m[name]
     alt = name[: -len("_total")] if name.endswith("_total") else name + "_total"
     if alt in m:
         return m[alt]
+    if default is not _MISSING:
+        return default
     raise KeyError(f"{name} not in /metrics; have {sorted(k for k in m if k.startswith('inferd:'))}")
 
 
@@ -529,7 +536,7 @@ def test_stream_disconnect_frees_everything(server):
     assert metric(m, "inferd:num_requests_running") == 0
     assert metric(m, "inferd:num_requests_waiting") == 0
     assert metric(m, "inferd:kv_cache_usage_perc") == 0, "KV blocks still held after the client left"
-    gen = metric(m, "inferd:generation_tokens_total") - metric(before, "inferd:generation_tokens_total")
+    gen = metric(m, "inferd:generation_tokens_total", 0) - metric(before, "inferd:generation_tokens_total", 0)
     assert gen < 400, f"the abandoned request ran to completion ({gen} tokens)"
     # and the server still serves
     r = client(server).completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0)
@@ -641,14 +648,14 @@ def test_metrics_counters_move(server):
     names = ["inferd:generation_tokens_total", "inferd:prompt_tokens_total",
              "inferd:time_to_first_token_seconds_count", "inferd:e2e_request_latency_seconds_count"]
     before = metrics(server)
-    for n in names + ["inferd:num_requests_running", "inferd:num_requests_waiting", "inferd:kv_cache_usage_perc"]:
+    for n in ["inferd:num_requests_running", "inferd:num_requests_waiting", "inferd:kv_cache_usage_perc"]:
         metric(before, n)  # present
     r = client(server).completions.create(model=MODEL, prompt="The weather today is", max_tokens=8,
                                           temperature=0)
     deadline = time.monotonic() + 5
     while True:
         after = metrics(server)
-        d = {n: metric(after, n) - metric(before, n) for n in names}
+        d = {n: metric(after, n, 0) - metric(before, n, 0) for n in names}
         if all(v > 0 for v in d.values()) or time.monotonic() > deadline:
             break
         time.sleep(0.1)
@@ -656,6 +663,8 @@ def test_metrics_counters_move(server):
     assert d["inferd:prompt_tokens_total"] >= r.usage.prompt_tokens, d
     assert d["inferd:time_to_first_token_seconds_count"] >= 1, d
     assert d["inferd:e2e_request_latency_seconds_count"] >= 1, d
+    for n in names:
+        metric(after, n)  # present under one of its names
 
 
 # == 4. malformed and hostile requests ===========================================================

@@ -25,6 +25,10 @@ def add_model_args(p: argparse.ArgumentParser):
     g.add_argument("--device", default="cpu", help="cpu | cuda")
     g.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
     g.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
+    g.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
+                   help="weight-only quantization of the linear layers (CPU packed kernels)")
+    g.add_argument("--quant-group-size", type=int, default=32, help="int4 group size (must divide the input size)")
+    g.add_argument("--quantize-lm-head", action="store_true", help="quantize the output layer too")
 
 
 def add_engine_args(p: argparse.ArgumentParser):
@@ -97,7 +101,6 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--served-model-name", default=None, help="model id the API reports and accepts")
     sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or INFERD_API_KEY)")
     sv.add_argument("--max-waiting", type=int, default=512, help="queued requests beyond this get 503")
-    sv.add_argument("--quantization", default="none", help="weight quantization (none for now)")
     sv.add_argument("--log-level", default="info")
     sv.set_defaults(func=cmd_serve)
 
@@ -126,7 +129,9 @@ def _setup(args):
     from inferd.engine.engine import LLM
     from inferd.model.loader import load_model
 
-    lm = load_model(args.model, load_format=args.load_format, dtype=args.dtype, device=args.device)
+    lm = load_model(args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
+                    quantization=args.quantization, quant_group_size=args.quant_group_size,
+                    quantize_lm_head=args.quantize_lm_head)
     if lm.tokenizer is None:
         raise InferdError("this model has no tokenizer (tokenizer.json or GGUF vocabulary); text generation needs one")
     max_len = lm.config.max_position_embeddings

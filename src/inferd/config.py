@@ -13,6 +13,9 @@ class EngineConfig:
     load_format: str = "auto"
     dtype: str = "auto"
     device: str = "cpu"
+    quantization: str = "none"  # none | int8 | int4
+    quant_group_size: int = 32
+    quantize_lm_head: bool = False
     threads: int | None = None
     max_model_len: int | None = None
     block_size: int = 16

@@ -69,7 +69,9 @@ class LLMEngine:
         if loaded is None:
             from inferd.model.loader import load_model
 
-            loaded = load_model(cfg.model, load_format=cfg.load_format, dtype=cfg.dtype, device=cfg.device)
+            loaded = load_model(cfg.model, load_format=cfg.load_format, dtype=cfg.dtype, device=cfg.device,
+                                quantization=cfg.quantization, quant_group_size=cfg.quant_group_size,
+                                quantize_lm_head=cfg.quantize_lm_head)
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer

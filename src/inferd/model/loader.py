@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import logging
 import os
 from dataclasses import dataclass
 
@@ -16,6 +17,8 @@ import torch
 from inferd.errors import InferdError
 from inferd.model.config import ModelConfig, builtin_config, load_hf_config
 from inferd.model.llama import LlamaModel, rope_inv_freq
+
+log = logging.getLogger("inferd")
 
 DEFAULT_MODEL_NAMES = ("default", "smollm2-135m", "smollm2-135m-instruct", "smollm2")
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -193,7 +196,8 @@ class LoadedModel:
 
 
 def load_model(model: str | None = None, *, load_format: str = "auto", dtype: str = "auto",
-               device: str = "cpu", with_tokenizer: bool = True) -> LoadedModel:
+               device: str = "cpu", with_tokenizer: bool = True, quantization: str = "none",
+               quant_group_size: int = 32, quantize_lm_head: bool = False) -> LoadedModel:
     if load_format not in ("auto", "gguf", "safetensors", "dummy"):
         raise InferdError(f"unknown load format {load_format!r} (choose auto, gguf, safetensors, dummy)")
     dev = resolve_device(device)
@@ -220,6 +224,13 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
         if with_tokenizer and os.path.isfile(os.path.join(src.path, "tokenizer.json")):
             tok = _load_tokenizer(src.path)
     net = build_model(cfg, sd, tdtype, dev)
+    if quantization not in (None, "none"):
+        from inferd.quant import quantize, weight_bytes
+
+        before = weight_bytes(net)
+        quantize(net, quantization, quant_group_size, quantize_lm_head)
+        log.info("quantized %s (group %d%s): weights %.1f MiB -> %.1f MiB", quantization, quant_group_size,
+                 ", lm_head too" if quantize_lm_head else "", before / 2**20, weight_bytes(net) / 2**20)
     return LoadedModel(net, cfg, tok, src)
 
 

@@ -21,8 +21,6 @@ def serve(args) -> int:
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    if args.quantization not in (None, "none"):
-        raise InferdError(f"quantization {args.quantization!r} is not available yet (only none)")
     if args.max_waiting < 0:
         raise InferdError("--max-waiting must be >= 0")
     cfg = engine_config_from_args(args)
