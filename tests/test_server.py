@@ -218,6 +218,7 @@ def assert_greedy_text(got: str, ref, tok, what: str = ""):
         top = sorted((lp for _, lp in e[2]), reverse=True)
         if len(top) >= 2:
             gaps.append(top[0] - top[1])
+    print(f"near tie accepted ({what}): server {got!r} vs offline {ref.text!r}")
     assert gaps and min(gaps) < 1e-3, (
         f"{what}: server text differs from the offline greedy text with no near tie before token {j}\n"
         f"  server : {got!r}\n  offline: {ref.text!r}")
@@ -502,6 +503,7 @@ def test_32_concurrent_streams(server, refs, tok):
         poller.stop_evt.set()
         poller.join(30)
     dt = time.monotonic() - t0
+    print(f"32 streams in {dt:.1f} s; max running {poller.max_running} over {poller.polls} polls")
     for i, (text, finish) in enumerate(results):
         assert finish in ("length", "stop"), (i, finish)
         assert_greedy_text(text, refs[f"c{i}"], tok, f"stream {i}")
@@ -817,6 +819,7 @@ def test_burst_past_max_waiting(small_server):
             list(ex.map(one, range(2000)))
         dt = time.monotonic() - t0
     assert small_server.alive(), "server crashed under the burst"
+    print(f"burst: {statuses} in {dt:.1f} s")
     assert sum(statuses.values()) == 2000
     assert not bad, f"statuses {statuses} in {dt:.1f} s; e.g. {bad}"
     assert set(statuses) <= {200, 503}, statuses

@@ -104,6 +104,22 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--log-level", default="info")
     sv.set_defaults(func=cmd_serve)
 
+    ev = sub.add_parser("eval", help="quality of quantized configs vs the unaltered model (ppl, KL, top-1)")
+    ev.add_argument("--model", default=None)
+    ev.add_argument("--quantization", default="none,int8,int4",
+                    help="comma-separated configurations to compare with the fp32 reference")
+    ev.add_argument("--quant-group-size", type=int, default=32)
+    ev.add_argument("--quantize-lm-head", action="store_true")
+    ev.add_argument("--dtype", default="auto", help="activation dtype of the evaluated configs")
+    ev.add_argument("--dataset", default="wikitext", choices=["wikitext"])
+    ev.add_argument("--dataset-path", default=None, help="a text file instead of WikiText-2's test split")
+    ev.add_argument("--ctx", type=int, default=512)
+    ev.add_argument("--windows", type=int, default=64)
+    ev.add_argument("--no-speed", dest="speed", action="store_false", help="skip the decode speed columns")
+    ev.add_argument("--threads", type=int, default=None)
+    ev.add_argument("--result-json", default=None)
+    ev.set_defaults(func=cmd_eval)
+
     t = sub.add_parser("throughput", help="offline throughput of the engine on N seeded requests")
     add_model_args(t)
     add_engine_args(t)
@@ -117,6 +133,49 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--output-json", default=None, help="write the results as JSON")
     t.set_defaults(func=cmd_throughput)
+
+    b = sub.add_parser("bench", help="load-test any OpenAI-compatible endpoint (TTFT, TPOT, ITL, goodput, SLA); "
+                                     "`inferd bench report TRACE` recomputes a saved run")
+    b.add_argument("action", nargs="*", help="`report TRACE.jsonl` to recompute the results of a saved trace")
+    b.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, e.g. http://127.0.0.1:8000")
+    b.add_argument("--endpoint", default="/v1/completions", help="/v1/completions | /v1/chat/completions")
+    b.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
+    b.add_argument("--api-key", default=None, help="Bearer token (default: $OPENAI_API_KEY if set)")
+    b.add_argument("--dataset", default="random", choices=["random", "wikitext", "jsonl", "sharegpt"])
+    b.add_argument("--dataset-path", default=None, help="wikitext: a text file; jsonl: {\"prompt\", "
+                   "\"output_len\"} lines; sharegpt: JSON conversations")
+    b.add_argument("--tokenizer", default=None, help="tokenizer.json | HF folder | .gguf | server "
+                   "(default: the default model's)")
+    b.add_argument("--num-prompts", type=int, default=100)
+    b.add_argument("--input-len", default="1024", help="prompt tokens: N, MIN-MAX or normal:MEAN,STD")
+    b.add_argument("--output-len", default=None, help="output tokens asked for (max_tokens + ignore_eos): N, "
+                   "MIN-MAX or normal:MEAN,STD (default: 128; jsonl/sharegpt: from the file)")
+    b.add_argument("--request-rate", default="inf", help="requests/s, or inf to send all at once")
+    b.add_argument("--burstiness", default="1", help="gamma shape of the gaps: 1 = Poisson, inf = constant rate")
+    b.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--warmup", type=int, default=0, help="requests sent (and left out of the results) first")
+    b.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    b.add_argument("--extra-body", default=None, help="JSON merged into every request body (null removes a key)")
+    b.add_argument("--percentiles", default="50,90,95,99")
+    b.add_argument("--goodput", nargs="+", default=None, help="SLOs in ms, e.g. ttft:500 tpot:50 e2el:5000")
+    b.add_argument("--sla", default=None, help="e.g. \"p99_ttft_ms<500,p99_tpot_ms<50\": violated -> exit 3")
+    b.add_argument("--result-json", default=None)
+    b.add_argument("--csv", default=None, help="one row per request")
+    b.add_argument("--trace", default=None, help="raw trace (JSONL) for `inferd bench report`")
+    b.set_defaults(func=cmd_bench)
+
+    ms = sub.add_parser("mock-server", help="OpenAI-compatible server with an exact, known token schedule")
+    ms.add_argument("--ttft-ms", type=float, default=200.0)
+    ms.add_argument("--tpot-ms", type=float, default=20.0)
+    ms.add_argument("--output-len", type=int, default=128, help="tokens before 'EOS' (ignore_eos: max_tokens)")
+    ms.add_argument("--tokens-per-chunk", type=int, default=1)
+    ms.add_argument("--role-chunk", action="store_true", help="chat: begin with a role-only chunk")
+    ms.add_argument("--host", default="127.0.0.1")
+    ms.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    ms.add_argument("--served-model-name", default="mock")
+    ms.add_argument("--log", default=None, help="JSONL log of every chunk's actual send time")
+    ms.set_defaults(func=cmd_mock_server)
     return p
 
 
@@ -262,6 +321,33 @@ def cmd_serve(args) -> int:
     return serve(args)
 
 
+def cmd_eval(args) -> int:
+    import json
+
+    import torch
+
+    from inferd.eval import format_table, run_eval
+    from inferd.quant import METHODS
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    configs = [c.strip() for c in args.quantization.split(",") if c.strip()]
+    for c in configs:
+        if c not in METHODS:
+            raise InferdError(f"unknown quantization {c!r} (choose {', '.join(METHODS)})")
+    if args.ctx < 2 or args.windows < 1:
+        raise InferdError("--ctx must be >= 2 and --windows >= 1")
+    res = run_eval(args.model, configs, args.quant_group_size, args.ctx, args.windows, args.dtype,
+                   args.quantize_lm_head, args.speed, args.dataset_path,
+                   progress=lambda i, n: sys.stderr.write(f"\rwindow {i}/{n}") or sys.stderr.flush())
+    sys.stderr.write("\n")
+    print(format_table(res))
+    if args.result_json:
+        with open(args.result_json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
 def cmd_throughput(args) -> int:
     import json
 
@@ -272,6 +358,20 @@ def cmd_throughput(args) -> int:
         with open(args.output_json, "w") as f:
             json.dump(res, f, indent=2)
     return 0
+
+
+def cmd_bench(args) -> int:
+    from inferd.bench.main import main as bench_main
+
+    return bench_main(args)
+
+
+def cmd_mock_server(args) -> int:
+    from inferd.bench.mock_server import main as mock_main
+
+    if args.tokens_per_chunk < 1 or args.output_len < 0 or args.ttft_ms < 0 or args.tpot_ms < 0:
+        raise InferdError("mock-server: --tokens-per-chunk must be >= 1; times and --output-len >= 0")
+    return mock_main(args)
 
 
 def main(argv=None) -> int:

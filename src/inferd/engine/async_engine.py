@@ -115,14 +115,18 @@ class AsyncLLM:
                         cmd, arg, reply = self._cmds.get(timeout=0.5)
                 except queue.Empty:
                     cmd = None
+                handled = False
                 while cmd is not None:
                     if cmd == "stop":
                         return
                     self._handle(cmd, arg, reply)
+                    handled = True
                     try:
                         cmd, arg, reply = self._cmds.get_nowait()
                     except queue.Empty:
                         cmd = None
+                if handled and self.on_step:  # an abort on an idle engine must show in the gauges
+                    self.on_step(eng)
                 if not eng.has_unfinished():
                     continue
                 outs = eng.step()

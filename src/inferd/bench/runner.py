@@ -1,0 +1,275 @@
+"""Run a benchmark: send the prompts on their schedule, record every SSE event, build the trace.
+
+Per request the runner notes four client times (ns since the run's start, t0):
+    sched_ns     when the arrival schedule wanted it sent
+    dispatch_ns  when the dispatcher actually got to it (dispatch - sched = send lag)
+    slot_ns      when it got a --max-concurrency slot (slot - dispatch = slot wait)
+    send_ns      just before its connection was taken and the request written
+and the arrival time of every SSE event. JSON is parsed only after the run, so the hot path is
+the arrival timestamp, de-chunking and an SSE split.
+"""
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import math
+import time
+from time import perf_counter_ns, process_time_ns
+
+from inferd.bench.http import Client, Response
+
+LOOP_LAG_INTERVAL_NS = 10_000_000
+MAX_PRECONNECT = 1024
+TRACE_FORMAT = "inferd-bench-trace"
+TRACE_VERSION = 1
+
+
+async def sleep_until(deadline_ns: int) -> None:
+    delay = deadline_ns - perf_counter_ns()
+    if delay > 0:
+        await asyncio.sleep(delay / 1e9)
+
+
+def request_body(cfg: dict, prompt: str, output_len: int | None) -> bytes:
+    body: dict = {"model": cfg["model"]} if cfg.get("model") else {}
+    if cfg["endpoint_type"] == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    if output_len is not None:
+        body["max_tokens"] = output_len
+        body["ignore_eos"] = True
+    body["stream"] = True
+    body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    for k, v in (cfg.get("extra_body") or {}).items():
+        if v is None:
+            body.pop(k, None)
+        else:
+            body[k] = v
+    return json.dumps(body).encode()
+
+
+async def _run(cfg: dict, bodies: list[bytes], offsets_ns: list[int], warmup_bodies: list[bytes]) -> dict:
+    client = Client(cfg["base_url"], cfg.get("api_key"))
+    path = cfg["endpoint"]
+    timeout = cfg.get("timeout")
+    conc = cfg.get("max_concurrency")
+    sem = asyncio.Semaphore(conc) if conc else None
+    raw: list = [None] * len(bodies)
+
+    async def one(i, body, sched, store, warm=False):
+        dispatch = perf_counter_ns()
+        if sem is not None:
+            async with sem:
+                slot = perf_counter_ns()
+                send, resp, kind, err = await client.post(path, body, timeout)
+        else:
+            slot = dispatch
+            send, resp, kind, err = await client.post(path, body, timeout)
+        end = resp.end_ns if resp is not None and resp.end_ns is not None else perf_counter_ns()
+        store[i] = (sched, dispatch, slot, send, end, resp, kind, err, warm)
+
+    warm_raw: list = [None] * len(warmup_bodies)
+    if warmup_bodies:
+        now = perf_counter_ns()
+        await asyncio.gather(*(one(i, b, now, warm_raw, True) for i, b in enumerate(warmup_bodies)))
+
+    if conc:  # one kept-alive connection per slot, opened before the clock starts
+        try:
+            await client.preconnect(min(conc, len(bodies), MAX_PRECONNECT))
+        except (OSError, asyncio.TimeoutError):
+            pass  # the timed requests will connect (and report the failure) themselves
+    lags: list[int] = []
+    stop = asyncio.Event()
+
+    async def monitor():
+        deadline = perf_counter_ns() + LOOP_LAG_INTERVAL_NS
+        while not stop.is_set():
+            await sleep_until(deadline)
+            now = perf_counter_ns()
+            lags.append(now - deadline)
+            deadline += LOOP_LAG_INTERVAL_NS
+            if deadline < now:
+                deadline = now + LOOP_LAG_INTERVAL_NS
+
+    t0 = perf_counter_ns() + 20_000_000  # a little lead, so that request 0 is not late by construction
+    t0_epoch = time.time_ns() + (t0 - perf_counter_ns())
+    cpu0 = process_time_ns()
+    mon = asyncio.create_task(monitor())
+    tasks = []
+    for i, off in enumerate(offsets_ns):
+        due = t0 + off
+        if due > perf_counter_ns():
+            await sleep_until(due)
+        tasks.append(asyncio.create_task(one(i, bodies[i], due, raw)))
+    await asyncio.gather(*tasks)
+    wall = perf_counter_ns() - t0
+    cpu = process_time_ns() - cpu0
+    stop.set()
+    await mon
+    client.close()
+    return {"t0": t0, "t0_epoch": t0_epoch, "raw": raw, "warm": warm_raw, "lags": lags, "wall": wall, "cpu": cpu}
+
+
+def parse_events(resp: Response, chat: bool) -> dict:
+    """Raw SSE payloads -> trace events, output tokens (from usage), text, errors."""
+    chunks = []  # (t, kind0, text, role, completion_tokens or None)
+    rid = None
+    err = None
+    prompt_tokens = None
+    done = False
+    for t, payload in resp.events:
+        if payload == b"[DONE]":
+            chunks.append((t, "done", "", None, None))
+            done = True
+            continue
+        try:
+            d = json.loads(payload)
+        except ValueError:
+            chunks.append((t, "error", "", None, None))
+            err = err or f"bad JSON in stream: {payload[:80]!r}"
+            continue
+        if not isinstance(d, dict):
+            continue
+        if d.get("error") is not None and not d.get("choices"):
+            e = d["error"]
+            chunks.append((t, "error", "", None, None))
+            err = err or "error event in stream: " + (e.get("message", str(e)) if isinstance(e, dict) else str(e))
+            continue
+        rid = rid or d.get("id")
+        usage = d.get("usage") if isinstance(d.get("usage"), dict) else None
+        ct = usage.get("completion_tokens") if usage else None
+        if usage and usage.get("prompt_tokens") is not None:
+            prompt_tokens = usage["prompt_tokens"]
+        choices = d.get("choices") or []
+        if not choices:
+            chunks.append((t, "usage" if usage else "empty", "", None, ct))
+            continue
+        c = choices[0]
+        if chat:
+            delta = c.get("delta") or {}
+            text = (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+            role = delta.get("role")
+        else:
+            text, role = c.get("text") or "", None
+        chunks.append((t, "choice", text, role, ct))
+    # per-chunk token counts are trusted when every chunk with text carried usage
+    choice = [c for c in chunks if c[1] == "choice"]
+    known = any(c[4] is not None for c in choice) and all(c[4] is not None for c in choice if c[2])
+    events, prev, last_ct = [], 0, None
+    for t, k, text, role, ct in chunks:
+        if ct is not None:
+            last_ct = ct if last_ct is None else max(last_ct, ct)
+        if k != "choice":
+            n = None
+            if known and ct is not None and k == "usage":
+                n = ct - prev
+            events.append([t, k, n, 0])
+            continue
+        if known:
+            n = (ct - prev) if ct is not None else 0
+            if ct is not None:
+                prev = ct
+            kind = "content" if n > 0 else ("role" if role else "empty")
+            events.append([t, kind, n if kind == "content" else None, len(text)])
+        else:
+            kind = "content" if text else ("role" if role else "empty")
+            events.append([t, kind, None, len(text)])
+    return {"events": events, "text": "".join(c[2] for c in chunks), "completion_tokens": last_ct,
+            "prompt_tokens": prompt_tokens, "response_id": rid, "error": err, "done": done}
+
+
+def parse_plain(resp: Response, chat: bool) -> dict:
+    """A 200 answer that is not an event stream (a server that ignored stream=true)."""
+    body = b"".join(resp.body)
+    try:
+        d = json.loads(body)
+        c = d["choices"][0]
+        text = (c.get("message") or {}).get("content") if chat else c.get("text")
+        text = text or ""
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return {"events": [], "text": "", "completion_tokens": None, "prompt_tokens": None, "response_id": None,
+                "error": f"unexpected response body: {body[:100]!r}", "done": False}
+    usage = d.get("usage") if isinstance(d.get("usage"), dict) else {}
+    ct = usage.get("completion_tokens")
+    ev = [[resp.end_ns, "content" if (ct or text) else "empty", ct if ct else None, len(text)]]
+    return {"events": ev, "text": text, "completion_tokens": ct, "prompt_tokens": usage.get("prompt_tokens"),
+            "response_id": d.get("id"), "error": None, "done": True}
+
+
+def _http_error(resp: Response) -> str:
+    body = b"".join(resp.body)
+    msg = body[:200].decode("utf-8", "replace")
+    try:
+        e = json.loads(body)
+        e = e.get("error", e) if isinstance(e, dict) else e
+        msg = e.get("message", msg) if isinstance(e, dict) else str(e)
+    except ValueError:
+        pass
+    return f"HTTP {resp.status}: {msg}".strip()
+
+
+def build_record(i: int, item, t0: int, prompt, chat: bool, tokenizer) -> dict:
+    sched, dispatch, slot, send, end, resp, kind, err, warm = item
+    rec = {"type": "request", "index": i, "warmup": warm, "prompt_len": prompt.prompt_len,
+           "output_len": prompt.output_len, "sched_ns": sched - t0, "dispatch_ns": dispatch - t0,
+           "slot_ns": slot - t0, "send_ns": send - t0, "end_ns": end - t0, "ok": False,
+           "error_kind": kind, "error": err, "http_status": None, "response_id": None, "prompt_tokens": None,
+           "output_tokens": None, "output_tokens_source": None, "events": [], "text": ""}
+    if resp is not None and resp.status is not None and resp.status != 200 and kind is None:
+        rec.update(error_kind="http", http_status=resp.status, error=_http_error(resp))
+        return rec
+    if resp is None or resp.status is None:
+        return rec
+    p = parse_events(resp, chat) if resp.sse else parse_plain(resp, chat)
+    for e in p["events"]:
+        e[0] -= t0
+    rec.update(events=p["events"], text=p["text"], response_id=p["response_id"], prompt_tokens=p["prompt_tokens"])
+    if kind is not None:  # timeout or broken stream: keep what arrived, but it failed
+        return rec
+    if p["error"]:
+        rec.update(error_kind="server", error=p["error"])
+        return rec
+    if p["completion_tokens"] is not None:
+        rec.update(output_tokens=p["completion_tokens"], output_tokens_source="usage")
+    elif tokenizer is not None:
+        rec.update(output_tokens=len(tokenizer.encode(p["text"], add_special_tokens=False)),
+                   output_tokens_source="tokenizer")
+    else:
+        rec.update(output_tokens=sum(1 for e in p["events"] if e[1] == "content"), output_tokens_source="chunks")
+    rec.update(ok=True, error_kind=None, error=None)
+    return rec
+
+
+def run_benchmark(cfg: dict, prompts: list, offsets_ns: list[int], tokenizer=None,
+                  warnings: list[str] | None = None) -> list[dict]:
+    """Run and return the trace as a list of JSON-ready records: header, requests..., footer."""
+    bodies = [request_body(cfg, p.prompt, p.output_len) for p in prompts]
+    nw = cfg.get("warmup") or 0
+    warm_prompts = [prompts[i % len(prompts)] for i in range(nw)] if prompts else []
+    warm_bodies = bodies[:nw] if nw <= len(bodies) else [bodies[i % len(bodies)] for i in range(nw)]
+    gc.collect()  # a full collection of the set-up's garbage must not land inside a timed request
+    gc.freeze()
+    try:
+        out = asyncio.run(_run(cfg, bodies, offsets_ns, warm_bodies))
+    finally:
+        gc.unfreeze()
+    chat = cfg["endpoint_type"] == "chat"
+    t0 = out["t0"]
+    header = {"type": "header", "format": TRACE_FORMAT, "version": TRACE_VERSION,
+              "date": time.strftime("%Y%m%d-%H%M%S", time.localtime(out["t0_epoch"] / 1e9)),
+              "t0_perf_ns": t0, "t0_epoch_ns": out["t0_epoch"],
+              "config": {k: v for k, v in cfg.items() if k != "api_key"}, "warnings": list(warnings or [])}
+    recs = [build_record(i, it, t0, warm_prompts[i], chat, tokenizer) for i, it in enumerate(out["warm"])]
+    recs += [build_record(i, it, t0, prompts[i], chat, tokenizer) for i, it in enumerate(out["raw"])]
+    footer = {"type": "footer", "wall_ns": out["wall"], "cpu_ns": out["cpu"],
+              "loop_lag_interval_ns": LOOP_LAG_INTERVAL_NS, "loop_lag_ns": out["lags"]}
+    return [header, *recs, footer]
+
+
+def json_safe_number(x):
+    """inf -> "inf" (JSON has no infinity)."""
+    if isinstance(x, float) and math.isinf(x):
+        return "inf"
+    return x

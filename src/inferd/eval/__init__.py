@@ -1,0 +1,186 @@
+"""`inferd eval`: what a configuration's speed costs in quality, against the unaltered model.
+
+The reference is the model as loaded, dequantized to fp32, no quantization. Every configuration
+sees the same token windows of WikiText-2; per next-token position we compare its distribution
+with the reference's over the full vocabulary in fp32:
+
+  perplexity       exp(mean NLL of the true next token)
+  KL(P_ref||P_cfg) sum_v p_ref(v) (log p_ref(v) - log p_cfg(v)), mean and p99 over positions
+  top-1 agreement  share of positions whose argmax equals the reference's
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from inferd.errors import InferdError
+from inferd.model.llama import ContiguousKV
+
+WIKITEXT_RELATIVE = os.path.join("..", "shared", "data", "wikitext-2", "test.txt")
+
+
+def wikitext_path() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.normpath(os.path.join(here, "..", "..", ".."))
+    for p in (os.path.join(root, WIKITEXT_RELATIVE), os.path.join(os.getcwd(), WIKITEXT_RELATIVE)):
+        if os.path.isfile(p):
+            return p
+    raise InferdError("WikiText-2 not found: expected ../shared/data/wikitext-2/test.txt beside the project")
+
+
+def token_windows(ids: list[int], ctx: int, n: int, offset: int = 0) -> list[list[int]]:
+    """n consecutive non-overlapping windows of ctx tokens, starting at token `offset`."""
+    out = []
+    for i in range(n):
+        a = offset + i * ctx
+        if a + ctx > len(ids):
+            break
+        out.append(ids[a:a + ctx])
+    if not out:
+        raise InferdError(f"text too short for one window of {ctx} tokens")
+    return out
+
+
+@torch.inference_mode()
+def window_logprobs(model, window: list[int]) -> torch.Tensor:
+    """log-softmax over the vocabulary at every position, fp32 [ctx, vocab]."""
+    cache = ContiguousKV(model.cfg, len(window), model.dtype, model.device)
+    pos = torch.arange(len(window), device=model.device)
+    cache.set_positions(pos)
+    h = model(torch.tensor(window, device=model.device), pos, cache)
+    return torch.log_softmax(model.compute_logits(h).float(), -1)
+
+
+def compare(ref_lp: torch.Tensor, cfg_lp: torch.Tensor, targets: torch.Tensor) -> dict:
+    """Per-position quality numbers for one window (positions 0..ctx-2 predict tokens 1..ctx-1)."""
+    ref_lp, cfg_lp = ref_lp[:-1], cfg_lp[:-1]
+    kl = (ref_lp.exp() * (ref_lp - cfg_lp)).sum(-1)
+    return {
+        "nll": -cfg_lp.gather(-1, targets[:, None]).squeeze(-1),
+        "kl": kl.clamp(min=0),
+        "agree": (ref_lp.argmax(-1) == cfg_lp.argmax(-1)).float(),
+    }
+
+
+@dataclass
+class Accumulator:
+    nll: list = field(default_factory=list)
+    kl: list = field(default_factory=list)
+    agree: list = field(default_factory=list)
+
+    def add(self, d: dict):
+        self.nll.append(d["nll"])
+        self.kl.append(d["kl"])
+        self.agree.append(d["agree"])
+
+    def summary(self) -> dict:
+        nll, kl, agree = torch.cat(self.nll), torch.cat(self.kl), torch.cat(self.agree)
+        return {"perplexity": math.exp(float(nll.mean())), "mean_kl": float(kl.mean()),
+                "p99_kl": float(torch.quantile(kl, 0.99)), "top1_agreement": float(agree.mean()),
+                "positions": int(nll.numel())}
+
+
+def decode_speed(loaded, batch: int, prompt_len: int = 64, out_len: int = 32) -> float:
+    """Output tok/s of the engine on `batch` identical-length greedy requests (ignore_eos)."""
+    from inferd.engine.engine import LLMEngine
+    from inferd.engine.request import SamplingParams
+
+    eng = LLMEngine(loaded=loaded, kv_cache_memory="256MiB", max_num_seqs=max(batch, 1))
+    prompt = list(range(100, 100 + prompt_len))
+    for _ in range(batch):
+        eng.add_request(prompt, SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True))
+    reqs = list(eng.requests.values())
+    while eng.has_unfinished():
+        eng.step()
+    if batch == 1:
+        tt = reqs[0].timings.token_times
+        return (len(tt) - 1) / (tt[-1] - tt[0])
+    start = min(r.timings.first_token for r in reqs)
+    end = max(r.timings.finished for r in reqs)
+    return batch * (out_len - 1) / (end - start)
+
+
+FIXED_PROMPTS = [
+    "The capital of France is",
+    "Water is made of",
+    "def add(a, b):",
+    "The three laws of motion are",
+    "Once upon a time, in a small village,",
+]
+
+
+def run_eval(model: str | None, configs: list[str], group_size: int = 32, ctx: int = 512, windows: int = 64,
+             dtype: str = "auto", quantize_lm_head: bool = False, speed: bool = True,
+             text_path: str | None = None, continuation_tokens: int = 16, progress=None) -> dict:
+    from inferd.model.loader import load_model
+    from inferd.model.reference import reference_generate
+    from inferd.quant import weight_bytes
+
+    ref = load_model(model, dtype="float32")
+    tok = ref.tokenizer
+    if tok is None:
+        raise InferdError("evaluation needs a model with a tokenizer")
+    with open(text_path or wikitext_path(), encoding="utf-8") as f:
+        text = f.read()
+    # the first 200k characters hold far more than 64 x 512 tokens; AWQ calibrates on text after them
+    ids = tok.encode(text[:200_000], add_special_tokens=False)
+    wins = token_windows(ids, ctx, windows)
+    loaded = {}
+    for c in configs:
+        loaded[c] = load_model(model, dtype=dtype, quantization=c, quant_group_size=group_size,
+                               quantize_lm_head=quantize_lm_head)
+    acc = {c: Accumulator() for c in configs}
+    ref_acc = Accumulator()
+    for wi, w in enumerate(wins):
+        targets = torch.tensor(w[1:])
+        ref_lp = window_logprobs(ref.model, w)
+        ref_acc.add(compare(ref_lp, ref_lp, targets))
+        for c in configs:
+            acc[c].add(compare(ref_lp, window_logprobs(loaded[c].model, w), targets))
+        if progress:
+            progress(wi + 1, len(wins))
+    prompts = [tok.encode(p) for p in FIXED_PROMPTS]
+    eos = tok.eos_token_ids
+    cont_ref = [tok.decode(reference_generate(ref.model, p, continuation_tokens, eos_ids=eos).token_ids,
+                           skip_special_tokens=True) for p in prompts]
+    rows = []
+    ref_row = {"config": "reference (fp32, dequantized)", **ref_acc.summary(),
+               "weight_mib": weight_bytes(ref.model) / 2**20}
+    for c in configs:
+        lm = loaded[c]
+        row = {"config": f"{c}" + (f" g{group_size}" if c == "int4" else "") + f" {str(lm.model.dtype)[6:]}",
+               **acc[c].summary(), "weight_mib": weight_bytes(lm.model) / 2**20}
+        if speed:
+            row["decode_tok_s_batch1"] = decode_speed(lm, 1)
+            row["throughput_tok_s_batch32"] = decode_speed(lm, 32)
+        row["continuations"] = [tok.decode(reference_generate(lm.model, p, continuation_tokens, eos_ids=eos).token_ids,
+                                           skip_special_tokens=True) for p in prompts]
+        rows.append(row)
+    return {"model": model or "smollm2-135m", "ctx": ctx, "windows": len(wins), "group_size": group_size,
+            "reference": ref_row, "configs": rows, "prompts": FIXED_PROMPTS, "reference_continuations": cont_ref,
+            "note": "the default model's weights are Q4_1 to begin with; the reference is that model dequantized to fp32",
+            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def format_table(res: dict) -> str:
+    head = f"{'config':<28} {'ppl':>8} {'mean KL':>9} {'p99 KL':>8} {'top-1':>7} {'MiB':>7} {'b1 tok/s':>9} {'b32 tok/s':>10}"
+    lines = [f"inferd eval: {res['model']}, {res['windows']} windows x {res['ctx']} tokens (WikiText-2 test)",
+             f"note: {res['note']}", head, "-" * len(head)]
+    r = res["reference"]
+    lines.append(f"{r['config']:<28} {r['perplexity']:>8.3f} {0:>9.4f} {0:>8.4f} {100:>6.1f}% {r['weight_mib']:>7.0f}")
+    for r in res["configs"]:
+        lines.append(f"{r['config']:<28} {r['perplexity']:>8.3f} {r['mean_kl']:>9.4f} {r['p99_kl']:>8.4f} "
+                     f"{100 * r['top1_agreement']:>6.1f}% {r['weight_mib']:>7.0f} "
+                     f"{r.get('decode_tok_s_batch1', float('nan')):>9.1f} {r.get('throughput_tok_s_batch32', float('nan')):>10.1f}")
+    lines.append("")
+    lines.append("greedy continuations:")
+    for i, p in enumerate(res["prompts"]):
+        lines.append(f"  {p!r}")
+        lines.append(f"    reference: {res['reference_continuations'][i]!r}")
+        for r in res["configs"]:
+            lines.append(f"    {r['config']}: {r['continuations'][i]!r}")
+    return "\n".join(lines)
