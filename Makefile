@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.inferd-installed
 ARGS   ?=
 
-.PHONY: run test install clean
+.PHONY: run test test-integration install clean
 
 # torch first and pinned: a CPU build of 2.13.0 lies on local disk; an unpinned torch pulls CUDA (GBs).
 $(STAMP): pyproject.toml Makefile
@@ -22,6 +22,11 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(ARGS)
+
+# latency-SLA tests against a live server (timing thresholds: not for CI on shared machines).
+# INFERD_BENCH_URL=http://host:port points them at a running server instead of starting one.
+test-integration: $(STAMP)
+	$(PY) -m pytest -q -m integration $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

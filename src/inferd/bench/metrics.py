@@ -96,7 +96,6 @@ def request_metrics(rec: dict) -> dict:
         m["ttft_from_schedule"] = (first - rec["sched_ns"]) / NS_PER_MS
     else:
         first = last = None
-        last_ns = rec["end_ns"]
         m["ttft"] = m["ttft_from_schedule"] = None
     last_ns = last if last is not None else rec["end_ns"]
     m["e2el"] = (last_ns - send) / NS_PER_MS
