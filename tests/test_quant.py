@@ -72,3 +72,45 @@ def test_quantized_model_is_packed_and_generates(method, tiny_model):
     llm = LLM(loaded=lm, kv_cache_memory="16MiB")
     out = llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8, temperature=0))[0]
     assert len(out.token_ids) == 8
+
+
+@pytest.mark.parametrize("qt_name", ["Q4_0", "Q4_1"])
+def test_gguf_blocks_roundtrip_bit_exact(tmp_path, qt_name):
+    """Our int4 layout of a GGUF block dequantizes to exactly what `gguf` dequantizes (fp32)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q, GGUFReader, GGUFWriter, quants
+
+    from inferd.quant.gguf_native import GROUP, int4_blocks
+
+    qt = getattr(Q, qt_name)
+    w = np.random.default_rng(0).standard_normal((16, 128)).astype(np.float32)
+    wr = GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    wr.add_tensor("x", quants.quantize(w, qt), raw_dtype=qt)
+    wr.write_header_to_file(); wr.write_kv_data_to_file(); wr.write_tensors_to_file(); wr.close()
+    t = GGUFReader(str(tmp_path / "t.gguf")).tensors[0]
+    q, s, z = int4_blocks(t)
+    want = torch.from_numpy(np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(16, 128))
+    assert torch.equal(dequantize_int4(q, s, z, GROUP), want)
+    lin = Int4Linear(q, s, z, GROUP, None, torch.float32)
+    x = torch.randn(4, 128)
+    torch.testing.assert_close(lin(x), x @ want.t(), atol=1e-4, rtol=1e-4)
+
+
+def test_gguf_native_on_default_model_matches_dequantized():
+    """fp32 activations: the file's own blocks through the int4 kernel give the dequantized model's logits."""
+    from inferd.model.llama import ContiguousKV
+    from inferd.model.loader import load_model
+
+    ref = load_model(None, dtype="float32", with_tokenizer=False)
+    g = load_model(None, dtype="float32", with_tokenizer=False, quantization="gguf")
+    assert isinstance(g.model.layers[0].qkv_proj, Int4Linear) and isinstance(g.model.layers[29].down_proj, Int4Linear)
+    ids = torch.tensor([1, 504, 3458, 282, 4649, 314, 2, 99])
+    pos = torch.arange(len(ids))
+    outs = []
+    for lm in (ref, g):
+        c = ContiguousKV(lm.config, 16, torch.float32, torch.device("cpu"))
+        c.set_positions(pos)
+        with torch.no_grad():
+            outs.append(lm.model.compute_logits(lm.model(ids, pos, c)))
+    torch.testing.assert_close(outs[1], outs[0], atol=2e-3, rtol=1e-4)
+    assert torch.equal(outs[0].argmax(-1), outs[1].argmax(-1))

@@ -25,7 +25,7 @@ def add_model_args(p: argparse.ArgumentParser):
     g.add_argument("--device", default="cpu", help="cpu | cuda")
     g.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
     g.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
-    g.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
+    g.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "gguf"],
                    help="weight-only quantization of the linear layers (CPU packed kernels)")
     g.add_argument("--quant-group-size", type=int, default=32, help="int4 group size (must divide the input size)")
     g.add_argument("--quantize-lm-head", action="store_true", help="quantize the output layer too")

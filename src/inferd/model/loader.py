@@ -224,7 +224,17 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
         if with_tokenizer and os.path.isfile(os.path.join(src.path, "tokenizer.json")):
             tok = _load_tokenizer(src.path)
     net = build_model(cfg, sd, tdtype, dev)
-    if quantization not in (None, "none"):
+    if quantization == "gguf":
+        if src.kind != "gguf" or load_format == "dummy":
+            raise InferdError("--quantization gguf needs a .gguf model file")
+        from inferd.quant import weight_bytes
+        from inferd.quant.gguf_native import apply_gguf_int4
+
+        before = weight_bytes(net)
+        n = apply_gguf_int4(net, reader, cfg)
+        log.info("gguf-native int4: %d linears from the file's own blocks; weights %.1f MiB -> %.1f MiB",
+                 n, before / 2**20, weight_bytes(net) / 2**20)
+    elif quantization not in (None, "none"):
         from inferd.quant import quantize, weight_bytes
 
         before = weight_bytes(net)

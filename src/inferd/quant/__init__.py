@@ -17,7 +17,7 @@ from torch import nn
 
 from inferd.errors import InferdError
 
-METHODS = ("none", "int8", "int4")
+METHODS = ("none", "int8", "int4", "gguf")
 
 
 # -- pure functions ---------------------------------------------------------------------------
@@ -101,6 +101,8 @@ def quantize(model: nn.Module, method: str, group_size: int = 32, include_lm_hea
     """Rewrite the model's linear layers in place (gpt-fast style) and return it."""
     if method in (None, "none"):
         return model
+    if method == "gguf":
+        raise InferdError("gguf quantization is applied at load time from the file's own blocks")
     if method not in METHODS:
         raise InferdError(f"unknown quantization {method!r} (choose {', '.join(METHODS)})")
     if model.device.type != "cpu":

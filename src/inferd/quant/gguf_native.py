@@ -1,0 +1,67 @@
+"""`--quantization gguf`: serve a GGUF file's own Q4_0 / Q4_1 blocks through the int4 kernel.
+
+No re-rounding: a block of 32 weights (scale d, plus min m for Q4_1, and 4-bit codes q) becomes one
+group of PyTorch's int4 layout w = (q - 8) * scale + zero with scale = d and zero = m + 8 d (Q4_1)
+or 0 (Q4_0). Layers stored in other types keep their dequantized float weights.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from inferd.errors import InferdError
+from inferd.model.gguf import unpermute_qk
+
+GROUP = 32
+
+
+def int4_blocks(t) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_0/Q4_1 ReaderTensor -> (q int32 [N, K] in 0..15, scale [N, K/32], zero [N, K/32]) fp32."""
+    from gguf import GGMLQuantizationType as Q
+
+    raw = np.asarray(t.data)
+    N = raw.shape[0]
+    size = {Q.Q4_0: 18, Q.Q4_1: 20}[t.tensor_type]
+    blk = raw.reshape(N, -1, size)
+    d = blk[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if t.tensor_type == Q.Q4_1:
+        m = blk[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        qs = blk[..., 4:]
+        zero = m + 8 * d
+    else:
+        qs = blk[..., 2:]
+        zero = np.zeros_like(d)
+    q = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(N, -1).astype(np.int32)
+    return torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(zero)
+
+
+def apply_gguf_int4(model, reader, cfg) -> int:
+    """Replace every linear whose GGUF parts are all Q4_0/Q4_1 by an Int4Linear; returns how many."""
+    from gguf import GGMLQuantizationType as Q
+
+    from inferd.quant import Int4Linear
+
+    tensors = {t.name: t for t in reader.tensors}
+    permute = cfg.architecture != "qwen2"
+    plan = {"qkv_proj": ["attn_q", "attn_k", "attn_v"], "o_proj": ["attn_output"],
+            "gate_up_proj": ["ffn_gate", "ffn_up"], "down_proj": ["ffn_down"]}
+    heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
+    n = 0
+    for i, layer in enumerate(model.layers):
+        for ours, parts in plan.items():
+            ts = [tensors.get(f"blk.{i}.{p}.weight") for p in parts]
+            if any(t is None or t.tensor_type not in (Q.Q4_0, Q.Q4_1) for t in ts):
+                continue
+            qs, ss, zs = [], [], []
+            for p, t in zip(parts, ts):
+                q, s, z = int4_blocks(t)
+                if permute and p in heads:  # same row order as the float weights
+                    q, s, z = (unpermute_qk(x, heads[p]) for x in (q, s, z))
+                qs.append(q), ss.append(s), zs.append(z)
+            lin = getattr(layer, ours)
+            setattr(layer, ours, Int4Linear(torch.cat(qs), torch.cat(ss), torch.cat(zs), GROUP, lin.bias,
+                                            model.dtype))
+            n += 1
+    if n == 0:
+        raise InferdError("--quantization gguf needs Q4_0 or Q4_1 weights in the GGUF file")
+    return n
