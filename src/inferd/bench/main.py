@@ -33,6 +33,10 @@ def _emit(res: dict, requests: list[dict], args, clauses) -> int:
         write_json(args.result_json, res)
     if args.csv:
         write_csv(args.csv, requests)
+    if res["completed"] == 0 and res["failed"]:
+        first = res["errors"][0] if res["errors"] else "no reason recorded"
+        sys.stderr.write(f"inferd: error: all {res['failed']} requests failed ({first})\n")
+        return 2
     bad = check_sla(res, clauses)
     if bad:
         sys.stderr.write("inferd: SLA violated: " + "; ".join(bad) + "\n")
@@ -105,6 +109,9 @@ def cmd_run(args) -> int:
             raise InferdError("--extra-body must be a JSON object")
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY") or None
 
+    from inferd.bench.http import Client
+
+    Client(args.base_url)  # validates the URL
     models = preflight(args.base_url, api_key)
     model = args.model or (models[0] if models else None)
     tok, tok_id = resolve_tokenizer(args.tokenizer, args.base_url, model, api_key)
@@ -119,7 +126,7 @@ def cmd_run(args) -> int:
            "seed": args.seed, "warmup": args.warmup, "percentiles": percentiles, "goodput": goodput,
            "timeout": args.timeout, "extra_body": extra, "api_key": api_key}
     sys.stderr.write(f"inferd bench: {len(prompts)} requests to {args.base_url}{args.endpoint} (model {model}), "
-                     f"rate {_safe(rate)}, burstiness {_safe(burst)}, max concurrency {args.max_concurrency}\n")
+                     f"rate {_safe(rate)}/s, burstiness {_safe(burst)}, max concurrency {args.max_concurrency or 'unlimited'}\n")
     trace = run_benchmark(cfg, prompts, offsets, tok, warnings)
     lines = trace_lines(trace)
     if args.trace:

@@ -263,9 +263,12 @@ def compute_result(header: dict, records: list[dict], footer: dict) -> dict:
 def run_warnings(res: dict) -> list[str]:
     w = []
     lag99, cpu = res.get("client_loop_lag_p99_ms"), res.get("client_cpu_util")
-    if (lag99 is not None and lag99 > 5.0) or (cpu is not None and cpu > 0.8):
-        w.append(f"the client may be the bottleneck: event-loop lag p99 {lag99 or 0:.1f} ms, "
-                 f"client CPU {100 * (cpu or 0):.0f}% of one core; latencies include client delay")
+    if cpu is not None and cpu > 0.8:
+        w.append(f"the client may be the bottleneck: it used {100 * cpu:.0f}% of a core (event-loop lag p99 "
+                 f"{lag99 or 0:.1f} ms); latencies include client delay")
+    elif lag99 is not None and lag99 > 5.0:
+        w.append(f"the client's event loop ran late (p99 {lag99:.1f} ms) while using {100 * (cpu or 0):.0f}% of a "
+                 f"core: the machine is busy; timestamps may be late by about that much")
     lag = res.get("p99_send_lag_ms")
     if lag is not None and lag > 10.0:
         w.append(f"sends lagged the schedule (p99 {lag:.1f} ms): the requested rate was not met exactly")

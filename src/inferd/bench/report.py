@@ -7,7 +7,7 @@ import math
 import operator
 import re
 
-from inferd.bench.metrics import compute_result, metric_field_names, request_metrics
+from inferd.bench.metrics import compute_result, metric_field_names, pct_name, request_metrics
 from inferd.bench.runner import TRACE_FORMAT
 from inferd.errors import InferdError
 
@@ -128,7 +128,7 @@ def _f(v, nd=2):
 
 
 def console_table(res: dict) -> str:
-    w = 50
+    w = 56
     lines = [" Serving Benchmark Result ".center(w, "=")]
 
     def row(label, v, nd=2):
@@ -154,27 +154,30 @@ def console_table(res: dict) -> str:
     row("Total token throughput (tok/s):", res["total_token_throughput"])
     row("Peak concurrent requests:", res["max_concurrent_requests"])
     pcts = res.get("percentiles") or []
-    from inferd.bench.metrics import pct_name
 
+    top = pct_name(pcts[-1]) if pcts else None
     for name, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
-                        ("itl", "Inter-token Latency (per chunk)"), ("itl_per_token", "Inter-token Latency (per token)"),
-                        ("e2el", "End-to-end Latency"), ("ttft_from_schedule", "TTFT from scheduled send"),
-                        ("send_lag", "Send lag behind schedule"), ("slot_wait", "Wait for a concurrency slot")):
+                        ("itl", "Inter-token Latency (per chunk gap)"), ("e2el", "End-to-end Latency")):
         if res.get(f"mean_{name}_ms") is None:
             continue
         sect(title)
-        short = {"ttft_from_schedule": "TTFT (sched)", "itl_per_token": "ITL/token", "send_lag": "send lag",
-                 "slot_wait": "slot wait"}.get(name, name.upper())
+        short = name.upper()
         row(f"Mean {short} (ms):", res[f"mean_{name}_ms"])
         row(f"Median {short} (ms):", res[f"median_{name}_ms"])
-        if name in ("ttft", "tpot", "itl", "e2el"):
-            row(f"Std {short} (ms):", res[f"std_{name}_ms"])
+        row(f"Std {short} (ms):", res[f"std_{name}_ms"])
         for p in pcts:
-            if p == 50:
-                continue
-            row(f"P{pct_name(p)[1:]} {short} (ms):", res[f"{pct_name(p)}_{name}_ms"])
-    sect("Client")
-    row("Event-loop lag p99 (ms):", res.get("client_loop_lag_p99_ms"))
+            if p != 50:
+                row(f"P{pct_name(p)[1:]} {short} (ms):", res[f"{pct_name(p)}_{name}_ms"])
+        if name == "itl" and res.get("itl_per_token_available") and top:
+            row("Mean ITL per token (ms):", res["mean_itl_per_token_ms"])
+            row(f"P{top[1:]} ITL per token (ms):", res[f"{top}_itl_per_token_ms"])
+    sect("Schedule and client")
+    for name, label in (("ttft_from_schedule", "TTFT from scheduled send"), ("send_lag", "send lag behind schedule"),
+                        ("slot_wait", "wait for a concurrency slot")):
+        if res.get(f"mean_{name}_ms") is not None and top:
+            row(f"Mean {label} (ms):", res[f"mean_{name}_ms"])
+            row(f"P{top[1:]} {label} (ms):", res[f"{top}_{name}_ms"])
+    row("Client event-loop lag P99 (ms):", res.get("client_loop_lag_p99_ms"))
     row("Client CPU (% of one core):", None if res.get("client_cpu_util") is None else 100 * res["client_cpu_util"], 1)
     lines.append("=" * w)
     for warn in res.get("warnings", []):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
-import math
 import time
 from time import perf_counter_ns, process_time_ns
 
@@ -267,9 +266,3 @@ def run_benchmark(cfg: dict, prompts: list, offsets_ns: list[int], tokenizer=Non
               "loop_lag_interval_ns": LOOP_LAG_INTERVAL_NS, "loop_lag_ns": out["lags"]}
     return [header, *recs, footer]
 
-
-def json_safe_number(x):
-    """inf -> "inf" (JSON has no infinity)."""
-    if isinstance(x, float) and math.isinf(x):
-        return "inf"
-    return x

@@ -1,0 +1,96 @@
+"""`inferd bench` against `inferd serve` on the default model: concurrency 1, 8 and 32, every output
+(console, JSON, CSV, trace), and `inferd bench report` reproducing the JSON exactly from the trace."""
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+IN, OUT = 32, 16
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(default_gguf_path):
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "inferd", "serve", "--model", "smollm2-135m", "--dtype", "float32",
+                             "--port", str(port), "--max-num-seqs", "32", "--kv-cache-memory", "256MiB"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 240
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"inferd serve exited: {proc.stderr.read()[-2000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail("inferd serve did not come up within 240 s")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def bench(*args):
+    return subprocess.run([sys.executable, "-m", "inferd", "bench", *args], capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.mark.parametrize("conc,n,endpoint,tokenizer", [
+    (1, 4, "/v1/completions", None),
+    (8, 16, "/v1/chat/completions", None),
+    (32, 32, "/v1/completions", "server"),
+])
+def test_bench_against_inferd_serve(server, tmp_path, conc, n, endpoint, tokenizer):
+    trace, res_json, csv_path, res2 = (tmp_path / "t.jsonl", tmp_path / "r.json", tmp_path / "r.csv",
+                                       tmp_path / "r2.json")
+    args = ["--base-url", server, "--endpoint", endpoint, "--dataset", "random", "--input-len", str(IN),
+            "--output-len", str(OUT), "--num-prompts", str(n), "--max-concurrency", str(conc),
+            "--goodput", "ttft:60000", "tpot:5000", "--trace", str(trace), "--result-json", str(res_json),
+            "--csv", str(csv_path)]
+    if tokenizer:
+        args += ["--tokenizer", tokenizer]
+    r = bench(*args)
+    assert r.returncode == 0, r.stderr
+    print(r.stdout)
+    assert "Serving Benchmark Result" in r.stdout and "Mean TTFT (ms):" in r.stdout
+    res = json.loads(res_json.read_text())
+    assert res["completed"] == n and res["failed"] == 0
+    assert res["total_output_tokens"] == n * OUT and res["output_len_mismatch"] == 0
+    assert res["output_tokens_source"] == {"usage": n}
+    assert res["itl_per_token_available"]
+    assert res["max_concurrent_requests"] == conc
+    assert res["total_input_tokens"] == n * IN
+    if endpoint == "/v1/completions":  # the prompts are exactly IN tokens under the server's own tokenizer
+        assert res["total_input_tokens_server"] == n * IN
+    assert res["request_goodput"] == pytest.approx(res["request_throughput"])
+    for key in ("mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "mean_e2el_ms"):
+        assert res[key] is not None and res[key] > 0
+    assert len(csv_path.read_text().splitlines()) == n + 1
+    lines = trace.read_text().splitlines()
+    assert len(lines) == n + 2
+    # per request: E2EL - TTFT is the sum of the ITLs
+    for line in lines[1:-1]:
+        q = json.loads(line)
+        c = [e for e in q["events"] if e[1] == "content"]
+        assert sum(e[2] for e in c) == OUT
+    rr = bench("report", str(trace), "--result-json", str(res2))
+    assert rr.returncode == 0, rr.stderr
+    assert json.loads(res2.read_text()) == res
+    assert rr.stdout == r.stdout
