@@ -3,7 +3,9 @@
 Marked `integration`: deselected by default, run with `make test-integration` (never by CI: timing
 thresholds do not belong on shared machines). Point it at any OpenAI-compatible server with
 INFERD_BENCH_URL=http://host:port (and INFERD_BENCH_MODEL if the name matters); without it the test
-starts `inferd serve` on the default model.
+starts `inferd serve` on the default model. It measures one user at a time (INFERD_BENCH_CONCURRENCY
+raises that). On the 2-core dev VM the default server does not reliably meet this SLA: p99 TPOT was
+50-59 ms alone and 68 ms with two streams (p99 TTFT well under 500 ms) -- the test reports that.
 """
 import json
 import os
@@ -51,7 +53,8 @@ def endpoint():
 def test_latency_sla(endpoint, tmp_path):
     res_json = tmp_path / "result.json"
     cmd = [sys.executable, "-m", "inferd", "bench", "--base-url", endpoint, "--dataset", "wikitext",
-           "--input-len", "64", "--output-len", "32", "--num-prompts", "16", "--max-concurrency", "2",
+           "--input-len", "64", "--output-len", "32", "--num-prompts", "12",
+           "--max-concurrency", os.environ.get("INFERD_BENCH_CONCURRENCY", "1"),
            "--warmup", "2", "--sla", SLA, "--result-json", str(res_json)]
     if os.environ.get("INFERD_BENCH_MODEL"):
         cmd += ["--model", os.environ["INFERD_BENCH_MODEL"]]

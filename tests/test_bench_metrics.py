@@ -202,3 +202,36 @@ def test_goodput_sla_percentiles_parsing():
             parse_goodput(g)
     with pytest.raises(InferdError):
         parse_percentiles("0,101")
+
+
+def test_http_response_parser_any_split():
+    import asyncio
+
+    events = [b'{"a": 1}', b'{"b": "x\\ny"}', b"[DONE]"]
+    sse = b"".join(b"data: " + e + b"\n\n" for e in events[:1]) + b"data: " + events[1] + b"\r\n\r\n" \
+        + b": comment\n\ndata:[DONE]\n\n"
+    body = b""
+    for i in range(0, len(sse), 7):  # chunks of 7 bytes, with an extension on one
+        piece = sse[i:i + 7]
+        body += (b"%x;ext=1" % len(piece) if i == 7 else b"%x" % len(piece)) + b"\r\n" + piece + b"\r\n"
+    raw = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+           + body + b"0\r\nX-Trailer: 1\r\n\r\n")
+    loop = asyncio.new_event_loop()
+    try:
+        for step in (1, 3, 10, len(raw)):
+            r = Response(loop)
+            for i in range(0, len(raw), step):
+                r.feed(i, raw[i:i + step])
+            assert r.done.done() and r.error is None and r.status == 200 and r.reusable
+            assert [e for _, e in r.events] == [b'{"a": 1}', b'{"b": "x\\ny"}', b"[DONE]"] and r.sse_done
+        r = Response(loop)
+        r.feed(0, b"HTTP/1.1 503 Busy\r\nContent-Length: 5\r\nConnection: close\r\n\r\nno")
+        assert not r.done.done()
+        r.feed(1, b"pe!")
+        assert r.done.done() and r.status == 503 and b"".join(r.body) == b"nope!" and not r.reusable
+        r = Response(loop)
+        r.feed(0, b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nda")
+        r.eof(9, None)
+        assert r.error and "mid-stream" in r.error
+    finally:
+        loop.close()

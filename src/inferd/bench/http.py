@@ -1,18 +1,30 @@
 """A small HTTP/1.1 client on asyncio protocols, for streaming many SSE responses at once.
 
 Why not httpx or aiohttp: the cost per received chunk decides how many concurrent streams a client
-can time honestly on a small machine. Here a chunk costs one `data_received` call: the arrival time
-is taken first (`time.perf_counter_ns`), the bytes are de-chunked and split into SSE events, and each
-event is kept as raw bytes; JSON is parsed only after the run. Connections are kept alive and reused.
+can time honestly on a small machine. Here a chunk costs one read: the bytes are de-chunked and split
+into SSE events, each kept as raw bytes with its arrival time; JSON is parsed only after the run.
+Connections are kept alive and reused.
+
+Arrival times: on Linux over plain HTTP each read returns the kernel's receive timestamp of its
+bytes (SO_TIMESTAMPNS), converted to the `time.perf_counter_ns` clock, so that a busy client (256
+streams whose chunks land at once) does not stamp the last chunks of a burst late by however long it
+took to get to them; how late the client actually read is kept too (`rx_delay`). Elsewhere (https,
+other systems) the time is taken when the read returns.
 """
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl as _ssl
-from time import perf_counter_ns
+import struct
+import sys
+from time import perf_counter_ns, time_ns
 from urllib.parse import urlsplit
 
 from inferd.errors import InferdError
+
+SO_TIMESTAMPNS = 35  # Linux (x86-64, arm64): the cmsg type SCM_TIMESTAMPNS has the same value
+_ANC = socket.CMSG_SPACE(16) if hasattr(socket, "CMSG_SPACE") else 64
 
 
 class Response:
@@ -26,6 +38,7 @@ class Response:
         self.events: list[tuple[int, bytes]] = []
         self.body: list[bytes] = []
         self.first_byte_ns: int | None = None
+        self.rx_delay_max = 0  # ns between the kernel's receive time and the client's read
         self.end_ns: int | None = None
         self.error: str | None = None  # set when the connection broke before the response ended
         self.sse = False
@@ -224,11 +237,93 @@ class _Conn(asyncio.BufferedProtocol):
     def eof_received(self):
         return False
 
+    def write(self, data: bytes):
+        self.transport.write(data)
+
+    def close(self):
+        self.transport.close()
+
+    def abort(self):
+        self.transport.abort()
+
     def connection_lost(self, exc):
         self.closed = True
         r = self.resp
         if r is not None:
             r.eof(perf_counter_ns(), exc)
+
+
+class _KConn:
+    """A plain non-blocking socket read with recvmsg_into: arrival times from the kernel."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket):
+        self.loop = loop
+        self.sock = sock
+        self.closed = False
+        self.resp: Response | None = None
+        self._buf = bytearray(1 << 16)
+        self._view = memoryview(self._buf)
+        loop.add_reader(sock.fileno(), self._readable)
+
+    def _readable(self):
+        t_user = perf_counter_ns()
+        offset = time_ns() - t_user  # realtime - perf, read together
+        while not self.closed:
+            try:
+                n, anc, _, _ = self.sock.recvmsg_into([self._view], _ANC)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                self._lost(e)
+                return
+            if n == 0:
+                self._lost(None)
+                return
+            t = t_user
+            for level, typ, data in anc:
+                if level == socket.SOL_SOCKET and typ == SO_TIMESTAMPNS and len(data) >= 16:
+                    sec, nsec = struct.unpack_from("qq", data)
+                    t = min(sec * 1_000_000_000 + nsec - offset, t_user)
+            r = self.resp
+            if r is not None:
+                if t_user - t > r.rx_delay_max:
+                    r.rx_delay_max = t_user - t
+                r.feed(t, bytes(self._view[:n]))
+            if n < len(self._buf):
+                return  # drained: another recvmsg would only say EAGAIN
+
+    def write(self, data: bytes):
+        try:
+            n = self.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            n = 0
+        except OSError as e:
+            self._lost(e)
+            return
+        if n < len(data):
+            self.loop.create_task(self._send_rest(data[n:]))
+
+    async def _send_rest(self, rest: bytes):
+        try:
+            await self.loop.sock_sendall(self.sock, rest)
+        except OSError as e:
+            self._lost(e)
+
+    def _lost(self, exc):
+        if self.closed:
+            return
+        self.close()
+        r = self.resp
+        if r is not None:
+            r.eof(perf_counter_ns(), exc)
+
+    def close(self):
+        if not self.closed:
+            self.closed = True
+            self.loop.remove_reader(self.sock.fileno())
+            self.sock.close()
+
+    abort = close
 
 
 class Client:
@@ -251,10 +346,27 @@ class Client:
             extra["Authorization"] = f"Bearer {api_key}"
         self._head_fixed = (f"Host: {hostport}\r\nUser-Agent: inferd-bench\r\nContent-Type: application/json\r\n"
                             f"Accept: text/event-stream\r\n" + "".join(f"{k}: {v}\r\n" for k, v in extra.items()))
-        self._idle: list[_Conn] = []
+        self._idle: list = []
+        self.kernel_timestamps = self.ssl is None and sys.platform.startswith("linux")
+        self._addr = None
 
-    async def _connect(self) -> _Conn:
+    async def _connect(self):
         loop = asyncio.get_running_loop()
+        if self.kernel_timestamps:
+            if self._addr is None:
+                infos = await loop.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+                self._addr = infos[0][0], infos[0][4]
+            fam, addr = self._addr
+            sock = socket.socket(fam, socket.SOCK_STREAM)
+            try:
+                sock.setblocking(False)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+                await loop.sock_connect(sock, addr)
+            except BaseException:
+                sock.close()
+                raise
+            return _KConn(loop, sock)
         _, proto = await loop.create_connection(_Conn, self.host, self.port, ssl=self.ssl,
                                                 server_hostname=self.host if self.ssl else None)
         return proto
@@ -291,12 +403,12 @@ class Client:
                     return send_ns, None, "connect", f"cannot connect to {self.host}:{self.port}: {e.strerror or e}"
             resp = Response(loop)
             conn.resp = resp
-            conn.transport.write(data)
+            conn.write(data)
             try:
                 await asyncio.wait_for(asyncio.shield(resp.done), timeout)
             except asyncio.TimeoutError:
                 conn.resp = None
-                conn.transport.abort()
+                conn.abort()
                 resp.end_ns = perf_counter_ns()
                 return send_ns, resp, "timeout", f"no complete response within {timeout:g} s"
             conn.resp = None
@@ -305,7 +417,7 @@ class Client:
             if resp.reusable and not conn.closed:
                 self._idle.append(conn)
             else:
-                conn.transport.close()
+                conn.close()
             if resp.error is not None:
                 return send_ns, resp, "stream" if resp.status is not None else "connect", resp.error
             return send_ns, resp, None, None
@@ -313,6 +425,5 @@ class Client:
 
     def close(self) -> None:
         for c in self._idle:
-            if c.transport is not None:
-                c.transport.close()
+            c.close()
         self._idle.clear()

@@ -254,6 +254,11 @@ def compute_result(header: dict, records: list[dict], footer: dict) -> dict:
     res["client_loop_lag_p50_ms"] = percentile(lag, 50)
     res["client_loop_lag_p99_ms"] = percentile(lag, 99)
     res["client_loop_lag_max_ms"] = max(lag) if lag else None
+    res["rx_timestamps"] = header.get("rx_timestamps")
+    rx = [r["rx_delay_max_ns"] / NS_PER_MS for r in recs if r.get("rx_delay_max_ns") is not None]
+    kernel = header.get("rx_timestamps") == "kernel"
+    res["client_rx_delay_p99_ms"] = percentile(rx, 99) if kernel else None
+    res["client_rx_delay_max_ms"] = max(rx) if kernel and rx else None
     wall = footer.get("wall_ns") or 0
     res["client_cpu_util"] = footer.get("cpu_ns", 0) / wall if wall else None
     res["warnings"] = list(header.get("warnings", ())) + run_warnings(res)
@@ -267,8 +272,10 @@ def run_warnings(res: dict) -> list[str]:
         w.append(f"the client may be the bottleneck: it used {100 * cpu:.0f}% of a core (event-loop lag p99 "
                  f"{lag99 or 0:.1f} ms); latencies include client delay")
     elif lag99 is not None and lag99 > 5.0:
+        which = ("send times (receive times are the kernel's)" if res.get("rx_timestamps") == "kernel"
+                 else "timestamps")
         w.append(f"the client's event loop ran late (p99 {lag99:.1f} ms) while using {100 * (cpu or 0):.0f}% of a "
-                 f"core: the machine is busy; timestamps may be late by about that much")
+                 f"core: the machine is busy; {which} may be late by about that much")
     lag = res.get("p99_send_lag_ms")
     if lag is not None and lag > 10.0:
         w.append(f"sends lagged the schedule (p99 {lag:.1f} ms): the requested rate was not met exactly")

@@ -24,10 +24,14 @@ first content chunk; MOCK_STREAM_ERROR sends an error event instead of the token
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
+import os
 import sys
 import time
 from time import perf_counter_ns
+
+from inferd.bench.loop import run as run_precise
 
 _TOKEN = " tok"
 
@@ -48,6 +52,7 @@ class MockServer:
         self.pending: list = []  # log records not yet written (written while no stream is running)
         self.active = 0
         self.n = 0
+        self.tag = os.urandom(3).hex()  # ids stay unique when several runs append to one log
         self.server: asyncio.AbstractServer | None = None
 
     # -- HTTP --------------------------------------------------------------------------------
@@ -94,7 +99,7 @@ class MockServer:
 
     async def generate(self, req: dict, chat: bool, conn, recv_ns: int, keep: bool) -> bool:
         self.n += 1
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-mock-{self.n}"
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-mock{self.tag}-{self.n}"
         n = self.plan(req)
         prompt = _prompt_text(req, chat)
         log = self.pending if self.log else None
@@ -108,6 +113,8 @@ class MockServer:
             self.active -= 1
             if self.log and (self.active == 0 or len(self.pending) > 200_000):
                 self.flush_log()
+            if self.active == 0:
+                gc.collect()  # automatic collection is off (see serve_mock): collect while idle
 
     async def _generate(self, req, chat, conn, recv_ns, keep, rid, n, prompt, log) -> bool:
         prompt_tokens = len(prompt.split())
@@ -319,6 +326,9 @@ async def _sleep_until(deadline_ns: int) -> None:
 
 
 async def serve_mock(args) -> int:
+    gc.collect()
+    gc.freeze()
+    gc.disable()  # a gen-2 pass in the middle of 256 streams would delay their chunks by milliseconds
     srv = MockServer(args.ttft_ms, args.tpot_ms, args.output_len, args.tokens_per_chunk, args.role_chunk,
                      args.log, args.served_model_name)
     port = await srv.start(args.host, args.port)
@@ -336,7 +346,7 @@ async def serve_mock(args) -> int:
 
 def main(args) -> int:
     try:
-        return asyncio.run(serve_mock(args))
+        return run_precise(serve_mock(args))
     except KeyboardInterrupt:
         return 0
     except OSError as e:

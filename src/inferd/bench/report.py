@@ -178,6 +178,8 @@ def console_table(res: dict) -> str:
             row(f"Mean {label} (ms):", res[f"mean_{name}_ms"])
             row(f"P{top[1:]} {label} (ms):", res[f"{top}_{name}_ms"])
     row("Client event-loop lag P99 (ms):", res.get("client_loop_lag_p99_ms"))
+    if res.get("client_rx_delay_max_ms") is not None:
+        row("Client read delay after arrival, max (ms):", res["client_rx_delay_max_ms"])
     row("Client CPU (% of one core):", None if res.get("client_cpu_util") is None else 100 * res["client_cpu_util"], 1)
     lines.append("=" * w)
     for warn in res.get("warnings", []):
