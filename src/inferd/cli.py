@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--no-speed", dest="speed", action="store_false", help="skip the decode speed columns")
     ev.add_argument("--threads", type=int, default=None)
     ev.add_argument("--result-json", default=None)
+    ev.add_argument("--plot", default=None, help="PNG of decode speed against mean KL, one point per config")
+    ev.add_argument("--speed-dtype", default="auto",
+                    help="activation dtype of the speed columns when --dtype float32 (default: the serving dtype)")
     ev.set_defaults(func=cmd_eval)
 
     t = sub.add_parser("throughput", help="offline throughput of the engine on N seeded requests")
@@ -337,14 +340,22 @@ def cmd_eval(args) -> int:
             raise InferdError(f"unknown quantization {c!r} (choose {', '.join(METHODS)})")
     if args.ctx < 2 or args.windows < 1:
         raise InferdError("--ctx must be >= 2 and --windows >= 1")
+    if args.plot and not args.speed:
+        raise InferdError("--plot needs the speed columns; drop --no-speed")
+    if args.plot and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
+        raise InferdError(f"--plot: no such directory {os.path.dirname(os.path.abspath(args.plot))}")
     res = run_eval(args.model, configs, args.quant_group_size, args.ctx, args.windows, args.dtype,
-                   args.quantize_lm_head, args.speed, args.dataset_path,
+                   args.quantize_lm_head, args.speed, args.dataset_path, speed_dtype=args.speed_dtype,
                    progress=lambda i, n: sys.stderr.write(f"\rwindow {i}/{n}") or sys.stderr.flush())
     sys.stderr.write("\n")
     print(format_table(res))
     if args.result_json:
         with open(args.result_json, "w") as f:
             json.dump(res, f, indent=2)
+    if args.plot:
+        from inferd.eval import plot_speed_vs_kl
+
+        plot_speed_vs_kl(res, args.plot)
     return 0
 
 

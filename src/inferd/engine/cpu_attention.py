@@ -30,7 +30,11 @@ static void decode_impl(const float* q, const T* k, const T* v, const int64_t* b
                         float* out, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t max_blocks,
                         int64_t bs, float scale, int64_t window) {
   const int64_t G = H / Hkv;
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+  // a parallel region costs more than a few short rows of work (batch-1 decode): run those serially
+  int64_t work = 0;
+  for (int64_t b = 0; b < B; ++b) work += ctx[b];
+  const int64_t grain = work * H * D < (1 << 18) ? B * Hkv : 1;
+  at::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<float> acc(G * D);
     for (int64_t task = begin; task < end; ++task) {
@@ -112,16 +116,10 @@ def load():
     if os.environ.get("INFERD_NO_CPP_ATTENTION"):
         return None
     try:
-        from torch.utils.cpp_extension import load_inline
+        from inferd.model.cpu_ops import build_inline
 
-        _module = load_inline(
-            name="inferd_paged_attention_v1",
-            cpp_sources=_SRC,
-            functions=["paged_decode"],
-            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        _module = build_inline("inferd_paged_attention_v2", _SRC, ["paged_decode"],
+                               ["-O3", "-march=native", "-ffast-math", "-fopenmp"])
     except Exception as e:  # no compiler / ninja: the torch path still works, only slower
         log.warning("paged attention kernel unavailable (%s: %s); using the torch gather path",
                     type(e).__name__, str(e).splitlines()[0] if str(e) else "")

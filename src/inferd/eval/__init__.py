@@ -115,8 +115,9 @@ FIXED_PROMPTS = [
 
 def run_eval(model: str | None, configs: list[str], group_size: int = 32, ctx: int = 512, windows: int = 64,
              dtype: str = "auto", quantize_lm_head: bool = False, speed: bool = True,
-             text_path: str | None = None, continuation_tokens: int = 16, progress=None) -> dict:
-    from inferd.model.loader import load_model
+             text_path: str | None = None, continuation_tokens: int = 16, progress=None,
+             speed_dtype: str = "auto") -> dict:
+    from inferd.model.loader import load_model, resolve_dtype
     from inferd.model.reference import reference_generate
     from inferd.quant import weight_bytes
 
@@ -129,10 +130,14 @@ def run_eval(model: str | None, configs: list[str], group_size: int = 32, ctx: i
     # the first 200k characters hold far more than 64 x 512 tokens; AWQ calibrates on text after them
     ids = tok.encode(text[:200_000], add_special_tokens=False)
     wins = token_windows(ids, ctx, windows)
+    # fp32 activations: quantized layers hold their exact dequantized weights (the packed kernels'
+    # fp32 path is 5-70x slower, same maths); speed and memory are then measured on a second,
+    # packed copy in the serving dtype, which is what `inferd serve` would run
+    fp32 = resolve_dtype(dtype, "cpu") == torch.float32
     loaded = {}
     for c in configs:
         loaded[c] = load_model(model, dtype=dtype, quantization=c, quant_group_size=group_size,
-                               quantize_lm_head=quantize_lm_head)
+                               quantize_lm_head=quantize_lm_head, dense_quant=fp32)
     acc = {c: Accumulator() for c in configs}
     ref_acc = Accumulator()
     for wi, w in enumerate(wins):
@@ -152,11 +157,19 @@ def run_eval(model: str | None, configs: list[str], group_size: int = 32, ctx: i
                "weight_mib": weight_bytes(ref.model) / 2**20}
     for c in configs:
         lm = loaded[c]
-        row = {"config": f"{c}" + (f" g{group_size}" if c == "int4" else "") + f" {str(lm.model.dtype)[6:]}",
-               **acc[c].summary(), "weight_mib": weight_bytes(lm.model) / 2**20}
+        packed = lm
+        if fp32 and resolve_dtype(speed_dtype, "cpu") != torch.float32:
+            packed = load_model(model, dtype=speed_dtype, quantization=c, quant_group_size=group_size,
+                                quantize_lm_head=quantize_lm_head, with_tokenizer=False)
+        label = f"{c}" + (f" g{group_size}" if c == "int4" else "") + (" +lm_head" if quantize_lm_head and c != "none" else "")
+        row = {"config": f"{label} {str(lm.model.dtype)[6:]} act",
+               **acc[c].summary(), "weight_mib": weight_bytes(packed.model) / 2**20,
+               "activation_dtype": str(lm.model.dtype)[6:], "speed_dtype": str(packed.model.dtype)[6:]}
         if speed:
-            row["decode_tok_s_batch1"] = decode_speed(lm, 1)
-            row["throughput_tok_s_batch32"] = decode_speed(lm, 32)
+            row["decode_tok_s_batch1"] = decode_speed(packed, 1)
+            row["throughput_tok_s_batch32"] = decode_speed(packed, 32)
+        if packed is not lm:
+            del packed
         row["continuations"] = [tok.decode(reference_generate(lm.model, p, continuation_tokens, eos_ids=eos).token_ids,
                                            skip_special_tokens=True) for p in prompts]
         rows.append(row)
@@ -184,3 +197,34 @@ def format_table(res: dict) -> str:
         for r in res["configs"]:
             lines.append(f"    {r['config']}: {r['continuations'][i]!r}")
     return "\n".join(lines)
+
+
+def plot_speed_vs_kl(res: dict, path: str) -> None:
+    """PNG: decode speed (batch 1 and batch 32) against mean KL vs the reference, one point per config."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in res["configs"] if "decode_tok_s_batch1" in r]
+    if not rows:
+        raise InferdError("the speed-vs-KL plot needs the speed columns (run without --no-speed)")
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    floor = min([r["mean_kl"] for r in rows if r["mean_kl"] > 0] + [1e-3]) / 10
+    for ax, key, title in ((axes[0], "decode_tok_s_batch1", "batch-1 decode"),
+                           (axes[1], "throughput_tok_s_batch32", "batch-32 decode throughput")):
+        for r in rows:
+            kl = max(r["mean_kl"], floor)  # an exact config (KL 0) sits on the left edge of the log axis
+            ax.scatter(kl, r[key], s=20 + r["weight_mib"] / 2, alpha=0.7)
+            ax.annotate(f"{r['config']}\n{r['weight_mib']:.0f} MiB, top-1 {100 * r['top1_agreement']:.1f}%",
+                        (kl, r[key]), textcoords="offset points", xytext=(6, 4), fontsize=7)
+        ax.set_xscale("log")
+        ax.set_xlabel("mean KL(P_ref || P_config) per token, nats (log; lower is better)")
+        ax.set_ylabel("output tok/s (higher is better)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"inferd eval: {res['model']}, {res['windows']} x {res['ctx']} tokens; "
+                 "reference = fp32 dequantized (weights were Q4_1 to begin with)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

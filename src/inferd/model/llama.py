@@ -57,16 +57,17 @@ class Rope(nn.Module):
             self.sin = torch.cat([-freqs, freqs], dim=-1).sin()
         return self.cos, self.sin
 
-    def cos_sin(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token tables [T, 1, head_dim], computed once per forward and shared by every layer."""
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token fp32 tables [T, head_dim], computed once per forward and shared by every layer."""
         cos_t, sin_t = self.tables(int(positions.max()) + 1, positions.device)
-        return cos_t[positions].unsqueeze(1).to(dtype), sin_t[positions].unsqueeze(1).to(dtype)
+        return cos_t[positions], sin_t[positions]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D]; cos/sin [T, D] fp32, used in x's dtype as HF does."""
     half = x.shape[-1] // 2
     swapped = torch.cat([x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + swapped * sin
+    return x * cos.unsqueeze(1).to(x.dtype) + swapped * sin.unsqueeze(1).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -79,6 +80,24 @@ class RMSNorm(nn.Module):
         # one fused call; for bf16 it accumulates in fp32 internally (HF upcasts explicitly: the
         # results differ only in the last bf16 bit, and the three extra dispatches cost ~15 %)
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+def _fused_ops(x: torch.Tensor):
+    """The compiled CPU kernels when they apply (CPU, no autograd, fp32/bf16), else None."""
+    if x.device.type != "cpu" or x.requires_grad or x.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    from inferd.model import cpu_ops
+
+    return cpu_ops.load()
+
+
+def add_norm(x: torch.Tensor, delta: torch.Tensor, norm: RMSNorm, ops) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, norm(x + delta)); the fused kernel updates x in place (x is always our own
+    activation tensor, never a caller's)."""
+    if ops is None:
+        x = x + delta
+        return x, norm(x)
+    return x, ops.add_rms_norm(x, delta.contiguous(), norm.weight, norm.eps)
 
 
 class Linear(nn.Linear):
@@ -115,15 +134,21 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = Linear(h, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, h, bias=False)
 
-    def forward(self, x, cos, sin, attn) -> torch.Tensor:
+    def forward(self, x, h, cos, sin, attn, next_norm: RMSNorm, ops=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the residual stream; h: input_layernorm(x), already computed by the caller's fused
+        add+norm. Returns (new residual, next_norm(new residual))."""
         t = x.shape[0]
         nq, nk = self.n_heads, self.n_kv
-        qkv = self.qkv_proj(self.input_layernorm(x)).view(t, nq + 2 * nk, self.head_dim)
-        qk = apply_rope(qkv[:, : nq + nk], cos, sin)
-        o = attn(self.idx, qk[:, :nq], qk[:, nq:], qkv[:, nq + nk:])  # [T, n_heads * head_dim]
-        x = x + self.o_proj(o)
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).split(self.ff, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        qkv = self.qkv_proj(h).view(t, nq + 2 * nk, self.head_dim)
+        if ops is not None:
+            ops.rope_(qkv, nq + nk, cos, sin)
+            qk = qkv
+        else:
+            qk = apply_rope(qkv[:, : nq + nk], cos, sin)
+        o = attn(self.idx, qk[:, :nq], qk[:, nq:nq + nk], qkv[:, nq + nk:])  # [T, n_heads * head_dim]
+        x, h = add_norm(x, self.o_proj(o), self.post_attention_layernorm, ops)
+        gate, up = self.gate_up_proj(h).split(self.ff, dim=-1)
+        return add_norm(x, self.down_proj(F.silu(gate) * up), next_norm, ops)
 
 
 class LlamaModel(nn.Module):
@@ -149,10 +174,14 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden] (normed)."""
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rope.cos_sin(positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin, attn)
-        return self.norm(x)
+        ops = _fused_ops(x)
+        cos, sin = self.rope.cos_sin(positions)
+        first = self.layers[0].input_layernorm if len(self.layers) else self.norm
+        h = ops.rms_norm(x, first.weight, first.eps) if ops is not None else first(x)
+        for i, layer in enumerate(self.layers):
+            nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            x, h = layer(x, h, cos, sin, attn, nxt, ops)
+        return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

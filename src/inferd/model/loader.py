@@ -197,7 +197,10 @@ class LoadedModel:
 
 def load_model(model: str | None = None, *, load_format: str = "auto", dtype: str = "auto",
                device: str = "cpu", with_tokenizer: bool = True, quantization: str = "none",
-               quant_group_size: int = 32, quantize_lm_head: bool = False) -> LoadedModel:
+               quant_group_size: int = 32, quantize_lm_head: bool = False,
+               dense_quant: bool = False) -> LoadedModel:
+    """dense_quant: quantized layers keep their exact dequantized weights unpacked (quality
+    evaluation with fp32 activations, see inferd.quant)."""
     if load_format not in ("auto", "gguf", "safetensors", "dummy"):
         raise InferdError(f"unknown load format {load_format!r} (choose auto, gguf, safetensors, dummy)")
     dev = resolve_device(device)
@@ -227,18 +230,20 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
     if quantization == "gguf":
         if src.kind != "gguf" or load_format == "dummy":
             raise InferdError("--quantization gguf needs a .gguf model file")
-        from inferd.quant import weight_bytes
+        from inferd.quant import quantize_lm_head_int8, weight_bytes
         from inferd.quant.gguf_native import apply_gguf_int4
 
         before = weight_bytes(net)
-        n = apply_gguf_int4(net, reader, cfg)
-        log.info("gguf-native int4: %d linears from the file's own blocks; weights %.1f MiB -> %.1f MiB",
-                 n, before / 2**20, weight_bytes(net) / 2**20)
+        n = apply_gguf_int4(net, reader, cfg, dense_quant)
+        if quantize_lm_head:
+            quantize_lm_head_int8(net, dense_quant)
+        log.info("gguf-native int4: %d linears from the file's own blocks%s; weights %.1f MiB -> %.1f MiB",
+                 n, ", lm_head int8" if quantize_lm_head else "", before / 2**20, weight_bytes(net) / 2**20)
     elif quantization not in (None, "none"):
         from inferd.quant import quantize, weight_bytes
 
         before = weight_bytes(net)
-        quantize(net, quantization, quant_group_size, quantize_lm_head)
+        quantize(net, quantization, quant_group_size, quantize_lm_head, dense_quant)
         log.info("quantized %s (group %d%s): weights %.1f MiB -> %.1f MiB", quantization, quant_group_size,
                  ", lm_head too" if quantize_lm_head else "", before / 2**20, weight_bytes(net) / 2**20)
     return LoadedModel(net, cfg, tok, src)

@@ -6,6 +6,10 @@
 Both run through PyTorch's packed CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`)
 with activations in the model's dtype; the rest of the engine does not know.
 
+`dense=True` keeps the exact dequantized weights instead of packing them, for quality evaluation
+with fp32 activations: the packed kernels take a slow path for fp32 inputs (benchmarks/quant_decode.py
+measures it), and the maths is the same (tests/test_quant.py checks kernel against dequantized).
+
 int4 layout (PyTorch's): q in 0..15 per weight, and per (group, output row) a scale and a "zero"
 such that w = (q - 8) * scale + zero. A GGUF Q4_1 block (w = q * d + m) is the same thing with
 scale = d, zero = m + 8 d; Q4_0 (w = (q - 8) * d) has zero = 0.
@@ -52,17 +56,25 @@ def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, gr
 # -- modules ----------------------------------------------------------------------------------
 
 class Int8Linear(nn.Module):
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                 dense: bool = False):
         super().__init__()
         self.out_features, self.in_features = q.shape
-        self.register_buffer("weight_int8", q.contiguous())
-        self.register_buffer("scales", scale.to(dtype))
+        self.dense = dense
+        if dense:
+            self.register_buffer("weight", (q.float() * scale.float()[:, None]).to(dtype))
+        else:
+            self.register_buffer("weight_int8", q.contiguous())
+            self.register_buffer("scales", scale.to(dtype))
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
         self.dtype = dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = torch._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(self.dtype), self.weight_int8, self.scales)
+        if self.dense:
+            y = x.reshape(-1, shape[-1]).to(self.dtype) @ self.weight.t()
+        else:
+            y = torch._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(self.dtype), self.weight_int8, self.scales)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*shape[:-1], self.out_features)
@@ -70,20 +82,28 @@ class Int8Linear(nn.Module):
 
 class Int4Linear(nn.Module):
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
-                 bias: torch.Tensor | None, dtype: torch.dtype):
+                 bias: torch.Tensor | None, dtype: torch.dtype, dense: bool = False):
         super().__init__()
         self.out_features, self.in_features = q.shape
         self.group_size = group_size
-        self.register_buffer("weight_int4", torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
-        # [K / group, N, 2]: the kernel's layout
-        self.register_buffer("scales_and_zeros", torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(dtype))
+        self.dense = dense
+        if dense:
+            self.register_buffer("weight", dequantize_int4(q, scale.float(), zero.float(), group_size).to(dtype))
+        else:
+            self.register_buffer("weight_int4", torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
+            # [K / group, N, 2]: the kernel's layout
+            self.register_buffer("scales_and_zeros",
+                                 torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(dtype))
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
         self.dtype = dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).to(self.dtype), self.weight_int4,
-                                              self.group_size, self.scales_and_zeros)
+        if self.dense:
+            y = x.reshape(-1, shape[-1]).to(self.dtype) @ self.weight.t()
+        else:
+            y = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).to(self.dtype), self.weight_int4,
+                                                  self.group_size, self.scales_and_zeros)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*shape[:-1], self.out_features)
@@ -97,7 +117,8 @@ def _targets(model: nn.Module, include_lm_head: bool):
         yield model, "lm_head"
 
 
-def quantize(model: nn.Module, method: str, group_size: int = 32, include_lm_head: bool = False) -> nn.Module:
+def quantize(model: nn.Module, method: str, group_size: int = 32, include_lm_head: bool = False,
+             dense: bool = False) -> nn.Module:
     """Rewrite the model's linear layers in place (gpt-fast style) and return it."""
     if method in (None, "none"):
         return model
@@ -113,11 +134,21 @@ def quantize(model: nn.Module, method: str, group_size: int = 32, include_lm_hea
         w = lin.weight.detach()
         if method == "int8":
             q, s = quantize_int8(w)
-            new = Int8Linear(q, s, lin.bias, dtype)
+            new = Int8Linear(q, s, lin.bias, dtype, dense)
         else:
             q, s, z = quantize_int4(w, group_size)
-            new = Int4Linear(q, s, z, group_size, lin.bias, dtype)
+            new = Int4Linear(q, s, z, group_size, lin.bias, dtype, dense)
         setattr(parent, name, new)
+    return model
+
+
+def quantize_lm_head_int8(model: nn.Module, dense: bool = False) -> nn.Module:
+    """The output layer to per-row int8 (for `gguf`, whose tied Q8_0 embedding has no int4 form:
+    one re-rounding of its 32-wide block scales into one scale per row). The embedding keeps its
+    float copy: a lookup reads one row per token, so packing it would save memory but no time."""
+    lin = model.lm_head
+    q, s = quantize_int8(lin.weight.detach())
+    model.lm_head = Int8Linear(q, s, lin.bias, model.dtype, dense)
     return model
 
 

@@ -35,7 +35,7 @@ def int4_blocks(t) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(zero)
 
 
-def apply_gguf_int4(model, reader, cfg) -> int:
+def apply_gguf_int4(model, reader, cfg, dense: bool = False) -> int:
     """Replace every linear whose GGUF parts are all Q4_0/Q4_1 by an Int4Linear; returns how many."""
     from gguf import GGMLQuantizationType as Q
 
@@ -60,7 +60,7 @@ def apply_gguf_int4(model, reader, cfg) -> int:
                 qs.append(q), ss.append(s), zs.append(z)
             lin = getattr(layer, ours)
             setattr(layer, ours, Int4Linear(torch.cat(qs), torch.cat(ss), torch.cat(zs), GROUP, lin.bias,
-                                            model.dtype))
+                                            model.dtype, dense))
             n += 1
     if n == 0:
         raise InferdError("--quantization gguf needs Q4_0 or Q4_1 weights in the GGUF file")

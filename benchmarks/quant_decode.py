@@ -1,0 +1,177 @@
+"""Batch-1 decode speed of inferd's quantized paths vs inferd bf16, HF transformers bf16 and llama.cpp.
+
+One process run, 2 threads, the default GGUF (SmolLM2-135M-Instruct Q4_1). Every contender decodes
+the same 64-token prompt greedily for --tokens tokens; tok/s counts tokens after the first, so the
+prefill is excluded. Contenders run in alternating rounds (the machine is shared and noisy) and
+the median round is reported. Also:
+  - batch-32 throughput of bf16 vs gguf (the rule for making `gguf` the default on CPU: it must beat
+    dequantized bf16 at both batch 1 and batch 32);
+  - the packed kernels with fp32 activations vs bf16 activations on one layer (why fp32 is not served).
+
+llama.cpp comes from llama-cpp-python, installed by benchmarks/llamacpp.py when missing (optional
+benchmark dependency; --skip-llamacpp to leave it out).
+
+Usage: .venv/bin/python benchmarks/quant_decode.py [--tokens 128] [--rounds 3] [--json F]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "src"))
+sys.path.insert(0, HERE)
+
+from inferd.engine.engine import LLMEngine  # noqa: E402
+from inferd.engine.request import SamplingParams  # noqa: E402
+from inferd.model.loader import default_model_path, load_model  # noqa: E402
+
+CONFIGS = [  # (label, quantization, group size, quantize lm_head)
+    ("inferd bf16", "none", 32, False),
+    ("inferd int8", "int8", 32, False),
+    ("inferd int8 +lm_head", "int8", 32, True),
+    ("inferd int4 g32 +lm_head", "int4", 32, True),
+    ("inferd gguf (Q4_1 blocks)", "gguf", 32, False),
+    ("inferd gguf +lm_head int8", "gguf", 32, True),
+]
+
+
+def engine_rate(loaded, prompt: list[int], n: int, batch: int = 1) -> float:
+    eng = LLMEngine(loaded=loaded, kv_cache_memory="256MiB", max_num_seqs=max(batch, 1))
+    eng.add_request(prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
+    while eng.has_unfinished():
+        eng.step()
+    ids = [eng.add_request(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+           for _ in range(batch)]
+    reqs = [eng.requests[i] for i in ids]
+    while eng.has_unfinished():
+        eng.step()
+    if batch == 1:
+        tt = reqs[0].timings.token_times
+        return (len(tt) - 1) / (tt[-1] - tt[0])
+    start = min(r.timings.first_token for r in reqs)
+    end = max(r.timings.finished for r in reqs)
+    return batch * (n - 1) / (end - start)
+
+
+def hf_rate(hf, prompt: list[int], n: int) -> float:
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        hf.generate(input_ids=ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+        t0 = time.perf_counter()
+        hf.generate(input_ids=ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+        t_prefill = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        hf.generate(input_ids=ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        dt = time.perf_counter() - t0 - t_prefill
+    return (n - 1) / dt
+
+
+def fp32_kernel_penalty(reps: int = 50) -> dict:
+    """One gate_up-sized layer (576 -> 3072), batch 1: packed kernels with fp32 vs bf16 activations."""
+    from inferd.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8
+
+    w = torch.randn(3072, 576)
+    out = {}
+    for name, make in (("int8", lambda dt: Int8Linear(*quantize_int8(w), None, dt)),
+                       ("int4", lambda dt: Int4Linear(*quantize_int4(w, 32), 32, None, dt))):
+        t = {}
+        for dt in (torch.bfloat16, torch.float32):
+            lin, x = make(dt), torch.randn(1, 576, dtype=dt)
+            lin(x)
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                lin(x)
+            t[dt] = (time.perf_counter() - t0) / reps
+        out[name] = {"bf16_us": t[torch.bfloat16] * 1e6, "fp32_us": t[torch.float32] * 1e6,
+                     "fp32_slowdown": t[torch.float32] / t[torch.bfloat16]}
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-llamacpp", action="store_true")
+    ap.add_argument("--skip-batch32", action="store_true")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    path = default_model_path()
+    models = {label: load_model(path, dtype="bfloat16", quantization=q, quant_group_size=g, quantize_lm_head=lm)
+              for label, q, g, lm in CONFIGS}
+    tok = models["inferd bf16"].tokenizer
+    prompt = tok.encode("The history of the printing press begins in the fifteenth century, when " * 8)[:64]
+    runners = {label: (lambda m=m: engine_rate(m, prompt, a.tokens)) for label, m in models.items()}
+    if not a.skip_hf:
+        import transformers  # benchmark/test dependency only
+
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.bfloat16,
+            attn_implementation="sdpa").eval()
+        runners["HF transformers bf16"] = lambda: hf_rate(hf, prompt, a.tokens)
+    llama_note = ""
+    if not a.skip_llamacpp:
+        try:
+            from llamacpp_decode import llamacpp_decode_rate
+
+            llamacpp_decode_rate(path, prompt, 8, threads=a.threads)  # load + warm once
+            runners["llama.cpp Q4_1 (llama-cpp-python)"] = lambda: llamacpp_decode_rate(
+                path, prompt, a.tokens, threads=a.threads)
+        except Exception as e:  # optional competitor: say why it is missing, keep the rest
+            llama_note = f"llama.cpp skipped: {type(e).__name__}: {e}"
+    rates = {k: [] for k in runners}
+    for _ in range(a.rounds):
+        for k, fn in runners.items():
+            rates[k].append(fn())
+    med = {k: statistics.median(v) for k, v in rates.items()}
+
+    b32 = {}
+    if not a.skip_batch32:
+        for k in ("inferd bf16", "inferd gguf (Q4_1 blocks)", "inferd gguf +lm_head int8"):
+            b32[k] = engine_rate(models[k], prompt, 64, batch=32)
+    pen = fp32_kernel_penalty()
+
+    four_bit = [k for k in med if "int4" in k or "gguf" in k]
+    best = max(four_bit, key=med.get)
+    print(f"\nbatch-1 decode, {a.tokens} tokens after a 64-token prompt, {a.threads} threads, bf16 activations, "
+          f"median of {a.rounds} alternating rounds")
+    print(f"{'contender':<40} {'tok/s':>8}   rounds")
+    for k, v in med.items():
+        print(f"{k:<40} {v:>8.1f}   {[round(x, 1) for x in rates[k]]}")
+    print(f"\nfastest 4-bit path: {best} = {med[best]:.1f} tok/s")
+    print(f"  vs inferd bf16:          {med[best] / med['inferd bf16']:.2f}x   (bar: >= 2.0)")
+    if "HF transformers bf16" in med:
+        print(f"  vs HF transformers bf16: {med[best] / med['HF transformers bf16']:.2f}x   (bar: >= 4.0)")
+    lk = "llama.cpp Q4_1 (llama-cpp-python)"
+    if lk in med:
+        print(f"  vs llama.cpp:            {med[best] / med[lk]:.2f}x")
+    if llama_note:
+        print("  " + llama_note)
+    if b32:
+        print("\nbatch-32 decode throughput (64 tokens each):")
+        for k, v in b32.items():
+            print(f"  {k:<38} {v:>8.1f} tok/s")
+        g = "inferd gguf (Q4_1 blocks)"
+        wins = med[g] > med["inferd bf16"] and b32[g] > b32["inferd bf16"]
+        print(f"  gguf beats bf16 at batch 1 and 32: {wins} -> default for GGUF files on CPU: "
+              f"{'gguf' if wins else 'none (dequantized bf16)'}")
+    print("\npacked kernels, one 576->3072 layer, batch 1: fp32 vs bf16 activations")
+    for k, v in pen.items():
+        print(f"  {k}: bf16 {v['bf16_us']:.0f} us, fp32 {v['fp32_us']:.0f} us ({v['fp32_slowdown']:.1f}x slower)")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"batch1_tok_s": med, "rounds": rates, "fastest_4bit": best, "batch32_tok_s": b32,
+                       "fp32_kernel_penalty": pen, "llamacpp_note": llama_note}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
