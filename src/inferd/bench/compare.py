@@ -33,7 +33,8 @@ def load_result(path: str) -> tuple[str, dict]:
     except (OSError, UnicodeDecodeError) as e:
         raise InferdError(f"compare: cannot read {path}: {e}") from None
     except ValueError as e:
-        raise InferdError(f"compare: {path} is not JSON ({e})") from None
+        hint = " (a trace? compare takes --result-json files)" if path.endswith(".jsonl") else ""
+        raise InferdError(f"compare: {path} is not JSON{hint}: {e}") from None
     name = os.path.basename(path)
     if isinstance(d, dict) and d.get("format") == SWEEP_FORMAT:
         pts = d.get("points") or []
@@ -58,28 +59,30 @@ def _f(v, nd) -> str:
 
 
 def compare_table(named: list[tuple[str, dict]]) -> str:
+    """Columns A, B, ... (named in a legend above, so that long file names do not widen the table),
+    then B-A and B/A for each run after the first."""
     base = named[0][1]
-    cols = [n for n, _ in named]
-    width = max(12, *(min(len(c), 40) + 2 for c in cols))
-    head = f"{'':<28}" + "".join(f"{c[:40]:>{width}}" for c in cols)
-    for c in cols[1:]:
-        head += f"{'Δ ' + c[:14]:>{width}}{'× ' + c[:14]:>{width}}"
-    lines = [head, "-" * len(head)]
+    tags = [chr(ord("A") + i) if i < 26 else f"R{i}" for i in range(len(named))]
+    w = 12
+    lines = [f"{t} = {n}" for t, (n, _) in zip(tags, named)]
+    head = f"{'':<28}" + "".join(f"{t:>{w}}" for t in tags)
+    for t in tags[1:]:
+        head += f"{t + '-' + tags[0]:>{w}}{t + '/' + tags[0]:>{w}}"
+    lines += [head, "-" * len(head)]
     for key, label, nd in ROWS:
         vals = [r.get(key) for _, r in named]
         if all(v is None for v in vals):
             continue
-        line = f"{label:<28}" + "".join(f"{_f(v, nd):>{width}}" for v in vals)
+        line = f"{label:<28}" + "".join(f"{_f(v, nd):>{w}}" for v in vals)
         b = base.get(key)
         for v in vals[1:]:
             num = isinstance(v, (int, float)) and isinstance(b, (int, float))
             delta = _f(v - b, nd) if num else "-"
-            if num and delta != "-" and not delta.startswith("-"):
+            if num and not delta.startswith("-"):
                 delta = "+" + delta
             ratio = f"{v / b:.3f}" if num and b else "-"
-            line += f"{delta:>{width}}{ratio:>{width}}"
+            line += f"{delta:>{w}}{ratio:>{w}}"
         lines.append(line)
-    lines.append("Δ and × are against the first column")
     return "\n".join(lines)
 
 

@@ -56,8 +56,9 @@ def scrape(base_url: str, api_key: str | None = None, timeout: float = 5.0) -> d
         return None
     if r.status_code != 200:
         return None
-    vals = parse_exposition(r.text)
-    return vals if any(k.startswith(PREFIXES) for k in vals) else None
+    names = {p + n + suf for p in PREFIXES for _, ns, _, _ in METRICS for n in ns for suf in ("_sum", "_count")}
+    vals = {k: v for k, v in parse_exposition(r.text).items() if k in names}  # what the trace keeps
+    return vals or None
 
 
 def _hist(vals: dict[str, float], names) -> tuple[str, float, float] | None:
@@ -135,3 +136,27 @@ def format_crosscheck(cc: dict | None) -> str:
         lines.append(f"note: the server saw {'/'.join(map(str, sorted(counts)))} requests, the client {n} "
                      f"(another client, or warm-up/failed requests?)")
     return "\n".join(lines)
+
+
+def sweep_lines(points: list[dict]) -> list[str]:
+    """One line per sweep point: client and server mean TTFT and E2EL with their gaps."""
+    ccs = [(p["label"], p["result"].get("crosscheck")) for p in points]
+    if all(not c for _, c in ccs):
+        return []
+    if not any(c and c.get("available") for _, c in ccs):
+        reason = next((c.get("reason") for _, c in ccs if c), "")
+        return [f"Server metrics cross-check: not available ({reason})"]
+    out = ["Client vs server mean (ms), gap %:"]
+    for label, c in ccs:
+        if not c or not c.get("available"):
+            out.append(f"  {label}: not available")
+            continue
+        parts = []
+        for key in ("ttft", "e2el"):
+            row = c["metrics"].get(key)
+            if row and row["client_mean_ms"] is not None:
+                g = row["gap_pct"]
+                parts.append(f"{row['label']} {row['client_mean_ms']:.1f} vs {row['server_mean_ms']:.1f}"
+                             + ("" if g is None else f" ({g:+.1f} %)"))
+        out.append(f"  {label}: " + ", ".join(parts))
+    return out

@@ -201,6 +201,20 @@ def sweep_page(sweep: dict, title: str | None = None) -> str:
                      _v(r.get("p99_tpot_ms")), _v(r.get("p99_e2el_ms")), verdict])
     body.append("<h2>Points</h2>" + _table(["load", "ok/failed", "req/s", "goodput req/s", "output tok/s",
                                             "P99 TTFT ms", "P99 TPOT ms", "P99 E2EL ms", "meets SLA"], rows))
+    cc_rows = []
+    for p in pts:
+        cc = p["result"].get("crosscheck") or {}
+        if cc.get("available"):
+            row = [escape(p["label"])]
+            for key in ("ttft", "e2el"):
+                m = cc["metrics"].get(key) or {}
+                g = m.get("gap_pct")
+                row += [_v(m.get("client_mean_ms")), _v(m.get("server_mean_ms")), "-" if g is None else f"{g:+.1f}"]
+            cc_rows.append(row)
+    if cc_rows:
+        body.append("<h2>Client vs server (the server's /metrics over each point)</h2>"
+                    + _table(["load", "client TTFT", "server TTFT", "gap %", "client E2EL", "server E2EL", "gap %"],
+                             cc_rows))
     xs = [p["x"] for p in pts]
     pos = [x for x in xs if x is not None and x > 0 and math.isfinite(x)]
     xlog = len(pos) == len(xs) and len(pos) > 1 and max(pos) / min(pos) >= 8

@@ -76,7 +76,9 @@ def cmd_report(args) -> int:
     if isinstance(doc, dict) and doc.get("format") == SWEEP_FORMAT:
         from inferd.bench.html import sweep_page, write_html
 
-        print(points_table(doc))
+        from inferd.bench.crosscheck import sweep_lines
+
+        print("\n".join([points_table(doc)] + sweep_lines(doc.get("points") or [])))
         if args.html:
             write_html(args.html, sweep_page(doc))
         return 0
@@ -210,19 +212,21 @@ class _Runner:
         progress = Progress(len(self.prompts), label=label) if want_progress(self.args.progress) else None
         trace_recs = run_benchmark(cfg, self.prompts, self.offsets_for(rate), self.tok, self.warnings,
                                    progress=progress, on_start=before)
+        requests = [r for r in trace_recs if r.get("type") == "request"]
+        if self.args.server_metrics:  # kept in the trace, so that `bench report` shows the same check
+            after = None
+            if scraped.get("before") is not None:
+                n_ok = sum(1 for r in requests if r.get("ok") and not r.get("warmup"))
+                after = cc.settled_after(base, key, scraped["before"], n_ok)
+            trace_recs[-1]["server_metrics"] = {"before": scraped.get("before"), "after": after}
         lines = trace_lines(trace_recs)
         if trace:
             write_trace(trace, lines)
-        res = result_from_lines(lines)
-        if self.metrics_ok:
-            after = cc.settled_after(base, key, scraped["before"], res["completed"])
-            res["crosscheck"] = cc.crosscheck(res, scraped["before"], after)
-        elif self.metrics_ok is False and self.args.server_metrics:
-            res["crosscheck"] = cc.crosscheck(res, None, None)
-        return res, [r for r in trace_recs if r.get("type") == "request"]
+        return result_from_lines(lines), requests
 
 
 def _sweep(args, runner: "_Runner", sweep, rate: float, clauses, percentiles) -> int:
+    from inferd.bench.crosscheck import sweep_lines
     from inferd.bench.report import check_sla, write_csv, write_json
     from inferd.bench.sweep import (SWEEP_FORMAT, auto_rates, capacity, point_label, points_table, samples)
 
@@ -279,7 +283,7 @@ def _sweep(args, runner: "_Runner", sweep, rate: float, clauses, percentiles) ->
            "model_id": first.get("model_id"), "dataset": first.get("dataset"), "num_prompts": len(runner.prompts),
            "percentiles": percentiles, "sla": args.sla, "sla_clauses": [list(c) for c in clauses],
            "goodput_slos_ms": first.get("goodput_slos_ms"), "points": points, "capacity": capacity(points)}
-    print(points_table(doc), flush=True)
+    print("\n".join([points_table(doc)] + sweep_lines(points)), flush=True)
     if args.result_json:
         write_json(args.result_json, doc)
     if args.html:

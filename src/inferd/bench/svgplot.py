@@ -52,13 +52,12 @@ def fmt(v: float) -> str:
 
 
 def tick_labels(ticks: list[float]) -> list[str]:
-    """The fewest decimals that tell every tick apart (a 4.9-5.1 axis needs one, 0-30 none)."""
+    """The fewest decimals that write every tick exactly (84.25 is not "84.2"; 0-30 needs none)."""
     if any(abs(v) >= 1e6 for v in ticks):
         return [fmt(v) for v in ticks]
     for d in range(0, 7):
-        labs = [f"{v:.{d}f}" for v in ticks]
-        if len(set(labs)) == len(labs):
-            return ["0" if float(x) == 0 else x for x in labs]
+        if all(abs(v - round(v, d)) <= 1e-9 * max(1.0, abs(v)) for v in ticks):
+            return ["0" if round(v, d) == 0 else f"{v:.{d}f}" for v in ticks]
     return [fmt(v) for v in ticks]
 
 
