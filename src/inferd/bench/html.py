@@ -144,7 +144,7 @@ def run_page(res: dict, requests: list[dict], title: str | None = None) -> str:
         edges, counts, w = histogram(vals)
         figs.append(plot(f"{name} histogram", label, "requests" if name != "ITL" else "gaps",
                          [{"label": name, "x": edges, "y": counts, "kind": "bars", "bar_width": w}],
-                         note=f"{len(vals)} values"))
+                         yint=True, note=f"{len(vals)} values"))
         xs, ys = cdf(vals)
         p50 = res.get(f"median_{name.lower()}_ms")
         ptop = res.get(f"{top}_{name.lower()}_ms")
@@ -168,7 +168,7 @@ def run_page(res: dict, requests: list[dict], title: str | None = None) -> str:
     rate = [{"label": "sent (req/s)", "x": edges, "y": [c / bw for c in sends] + [sends[-1] / bw], "kind": "step"},
             {"label": "completed (req/s)", "x": edges, "y": [c / bw for c in ends] + [ends[-1] / bw], "kind": "step"}]
     body.append("<h2>Over the run</h2><div class=\"grid\">"
-                + plot("Latency over the run", "request sent at (s since start)", "latency (ms)", tl)
+                + (plot("Latency over the run", "request sent at (s since start)", "latency (ms)", tl) if ok else "")
                 + plot("Request rate over the run", "time since start (s)", "requests / s", rate,
                        note=f"{bw:.2g} s bins")
                 + "</div>")

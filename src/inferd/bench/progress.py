@@ -49,20 +49,22 @@ class Progress:
         if resp is None or kind is not None or resp.status != 200:
             self.failed += 1
             return
-        content = [t for t, p in resp.events if _TEXT.search(p)]
+        ev = resp.events
+        # only the first and the last content chunk matter: scan in from both ends, not every chunk
+        first = next((t for t, p in ev if _TEXT.search(p)), None)
+        last = next((t for t, p in reversed(ev) if _TEXT.search(p)), None)
         n = 0
-        for _, p in reversed(resp.events[-3:]):
+        for _, p in reversed(ev[-3:]):
             m = _TOKENS.search(p)
             if m:
                 n = int(m.group(1))
                 break
-        n = n or len(content)
         self.tokens += n
-        if content:
-            self.ttft_sum += (content[0] - send) / 1e6
+        if first is not None:
+            self.ttft_sum += (first - send) / 1e6
             self.ttft_n += 1
             if n > 1:
-                self.tpot_sum += (content[-1] - content[0]) / 1e6 / (n - 1)
+                self.tpot_sum += (last - first) / 1e6 / (n - 1)
                 self.tpot_n += 1
 
     def line(self, now_ns: int) -> str:

@@ -11,15 +11,17 @@ from html import escape
 
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#7f7f7f")
 W, H = 600, 340
-ML, MR, MT, MB = 70, 20, 34, 52  # margins: room for the y label, the title, the x label
+ML, MR, MT, MB = 70, 20, 46, 52  # margins: room for the y label, the title and legend, the x label
 
 
-def nice_ticks(lo: float, hi: float, n: int = 6) -> list[float]:
+def nice_ticks(lo: float, hi: float, n: int = 6, integer: bool = False) -> list[float]:
     if not (math.isfinite(lo) and math.isfinite(hi)):
         return []
     if hi <= lo:
         hi = lo + (abs(lo) or 1.0)
     raw = (hi - lo) / max(1, n)
+    if integer:  # counts: no 0.2-request ticks
+        raw = max(raw, 1.0)
     mag = 10 ** math.floor(math.log10(raw))
     step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
     start = math.ceil(lo / step - 1e-9) * step
@@ -64,7 +66,7 @@ def tick_labels(ticks: list[float]) -> list[str]:
 def plot(title: str, xlabel: str, ylabel: str, series: list[dict], *, xlog: bool = False,
          xticks: list[float] | None = None, xticklabels: list[str] | None = None,
          hlines: list[tuple[float, str]] = (), vlines: list[tuple[float, str]] = (),
-         y0: bool = True, note: str | None = None, width: int = W, height: int = H) -> str:
+         y0: bool = True, yint: bool = False, note: str | None = None, width: int = W, height: int = H) -> str:
     """One SVG chart. A series: {"label", "x", "y", "kind": line|step|points|linepoints|bars,
     "color"?, "bar_width"? (x units)}."""
     xs = [x for s in series for x in s["x"] if x is not None and math.isfinite(x) and (x > 0 or not xlog)]
@@ -112,7 +114,7 @@ def plot(title: str, xlabel: str, ylabel: str, series: list[dict], *, xlog: bool
     if yhi <= ylo:
         yhi = ylo + (abs(ylo) or 1.0)
     yhi = yhi + (yhi - ylo) * 0.05  # headroom: a line along the top would hide in the frame
-    yt = nice_ticks(ylo, yhi)
+    yt = nice_ticks(ylo, yhi, integer=yint)
     ylo, yhi = min(ylo, yt[0]), max(yhi, yt[-1])
 
     def Y(v):
@@ -168,7 +170,7 @@ def plot(title: str, xlabel: str, ylabel: str, series: list[dict], *, xlog: bool
             continue
         y = Y(v)
         out.append(f'<line x1="{ML}" x2="{ML + pw}" y1="{y:.1f}" y2="{y:.1f}" stroke="#b00" stroke-dasharray="6,4"/>'
-                   f'<text x="{ML + pw - 4}" y="{y + 13:.1f}" text-anchor="end" fill="#b00">{escape(lab)}</text>')
+                   f'<text x="{ML + 4}" y="{y + 13:.1f}" fill="#b00">{escape(lab)}</text>')
     for k, (v, lab) in enumerate(vlines):
         if v is None or not math.isfinite(v) or (xlog and v <= 0):
             continue
@@ -179,15 +181,13 @@ def plot(title: str, xlabel: str, ylabel: str, series: list[dict], *, xlog: bool
                    f'text-anchor="{"end" if right else "start"}">{escape(lab)}</text>')
     out.append("</svg>")
     named = [(i, s) for i, s in enumerate(series) if s.get("label")]
-    if len(named) > 1 or (named and series[0].get("legend")):
-        lx, ly = ML + 8, MT + 8
-        out.append(f'<rect x="{lx}" y="{ly}" width="{max(len(s["label"]) for _, s in named) * 6.3 + 28:.0f}" '
-                   f'height="{len(named) * 15 + 6}" fill="#fff" fill-opacity="0.85" stroke="#ccc"/>')
-        for j, (i, s) in enumerate(named):
+    if len(named) > 1:  # one row between the title and the frame, so that it hides no data
+        lx, yy = ML, MT - 8
+        for i, s in named:
             color = s.get("color") or PALETTE[i % len(PALETTE)]
-            yy = ly + 14 + j * 15
-            out.append(f'<rect x="{lx + 6}" y="{yy - 8}" width="12" height="8" fill="{color}"/>'
-                       f'<text x="{lx + 23}" y="{yy}">{escape(s["label"])}</text>')
+            out.append(f'<rect x="{lx}" y="{yy - 8}" width="12" height="8" fill="{color}"/>'
+                       f'<text x="{lx + 16}" y="{yy}">{escape(s["label"])}</text>')
+            lx += 16 + 6.2 * len(s["label"]) + 14
     if note:
         out.append(f'<text x="{ML + pw}" y="{height - 10}" text-anchor="end" fill="#666" font-size="10">{escape(note)}</text>')
     out.append("</svg>")
