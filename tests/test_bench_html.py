@@ -126,8 +126,11 @@ def test_report_and_compare_on_saved_files(sweep_run, tmp_path):
 
 def test_auto_sweep(mock, tmp_path):
     r = bench("--base-url", mock, "--num-prompts", "6", "--input-len", "16", "--output-len", "12",
-              "--sweep", "auto:2", "--sla", "p99_ttft_ms<5000", "--result-json", str(tmp_path / "a.json"))
+              "--sweep", "auto:2", "--sla", "p99_ttft_ms<5000", "--result-json", str(tmp_path / "a.json"),
+              "--progress")
     assert r.returncode == 0, r.stderr
+    # forced on (stderr is a pipe here): a live line per point, ending complete (text mode reads \r as \n)
+    assert "saturation [########################] 6/6" in r.stderr and "tok/s" in r.stderr
     doc = json.loads((tmp_path / "a.json").read_text())
     kinds = [p["kind"] for p in doc["points"]]
     assert kinds[0] == "sync" and kinds[-1] == "saturation" and kinds.count("rate") == 2
