@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.inferd-installed
 ARGS   ?=
 
-.PHONY: run test test-integration install clean
+.PHONY: run test test-integration install clean chromium
 
 # torch first and pinned: a CPU build of 2.13.0 lies on local disk; an unpinned torch pulls CUDA (GBs).
 $(STAMP): pyproject.toml Makefile
@@ -20,7 +20,13 @@ install: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/inferd serve $(ARGS)
 
-test: $(STAMP)
+# headless Chromium renders a bench HTML report in a test; without apt (or root) that test skips.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1 || \
+	  (apt-get update -q && apt-get install -y -q chromium) || \
+	  echo "chromium not installed: the bench HTML screenshot test will skip"
+
+test: $(STAMP) chromium
 	$(PY) -m pytest -q $(ARGS)
 
 # latency-SLA tests against a live server (timing thresholds: not for CI on shared machines).

@@ -94,3 +94,28 @@ def test_bench_against_inferd_serve(server, tmp_path, conc, n, endpoint, tokeniz
     assert rr.returncode == 0, rr.stderr
     assert json.loads(res2.read_text()) == res
     assert rr.stdout == r.stdout
+
+
+def test_client_vs_server_crosscheck(server, tmp_path):
+    """The server's own /metrics histograms, over the run's window, agree with the client within 10 % on
+    mean TTFT and E2EL (the server counts from the HTTP request's arrival; the client adds the network,
+    the HTTP parsing and the SSE delivery). A gentle load, so that a busy machine stays out of it."""
+    res_json, trace, page = tmp_path / "r.json", tmp_path / "t.jsonl", tmp_path / "r.html"
+    r = bench("--base-url", server, "--dataset", "random", "--input-len", str(IN), "--output-len", str(OUT),
+              "--num-prompts", "16", "--max-concurrency", "4", "--warmup", "2", "--result-json", str(res_json),
+              "--trace", str(trace), "--html", str(page))
+    assert r.returncode == 0, r.stderr
+    print(r.stdout)
+    assert "Client vs server" in r.stdout
+    cc = json.loads(res_json.read_text())["crosscheck"]
+    assert cc["available"], cc
+    m = cc["metrics"]
+    for key in ("ttft", "e2el", "queue", "itl"):
+        assert m[key]["server_metric"].startswith("inferd:")
+    for key in ("ttft", "e2el"):
+        assert m[key]["server_count"] == 16  # the warm-up requests are outside the window
+        assert abs(m[key]["gap_pct"]) <= 10.0, (key, m[key])
+    assert "Client vs server" in page.read_text()
+    # the scrapes travel in the trace: the report shows the same cross-check
+    rr = bench("report", str(trace))
+    assert rr.returncode == 0 and rr.stdout == r.stdout

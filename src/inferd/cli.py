@@ -139,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="load-test any OpenAI-compatible endpoint (TTFT, TPOT, ITL, goodput, SLA); "
                                      "`inferd bench report TRACE` recomputes a saved run")
-    b.add_argument("action", nargs="*", help="`report TRACE.jsonl` to recompute the results of a saved trace")
+    b.add_argument("action", nargs="*", help="`report TRACE.jsonl|SWEEP.json` recomputes a saved run (and "
+                                             "redraws --html); `compare A.json B.json ...` puts results side by side")
     b.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, e.g. http://127.0.0.1:8000")
     b.add_argument("--endpoint", default="/v1/completions", help="/v1/completions | /v1/chat/completions")
     b.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
@@ -166,6 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--result-json", default=None)
     b.add_argument("--csv", default=None, help="one row per request")
     b.add_argument("--trace", default=None, help="raw trace (JSONL) for `inferd bench report`")
+    b.add_argument("--html", default=None, help="self-contained HTML report with plots (a run or a --sweep)")
+    b.add_argument("--sweep", default=None, help="concurrency:1,2,4,... | rate:1,2,5,... | auto[:N]: one run per "
+                                                 "load; with --sla, the highest load meeting it (capacity)")
+    b.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="live progress line on stderr (default: when stderr is a terminal)")
+    b.add_argument("--no-server-metrics", dest="server_metrics", action="store_false",
+                   help="do not scrape the server's /metrics for the client-vs-server cross-check")
     b.set_defaults(func=cmd_bench)
 
     ms = sub.add_parser("mock-server", help="OpenAI-compatible server with an exact, known token schedule")

@@ -262,6 +262,11 @@ def compute_result(header: dict, records: list[dict], footer: dict) -> dict:
     wall = footer.get("wall_ns") or 0
     res["client_cpu_util"] = footer.get("cpu_ns", 0) / wall if wall else None
     res["warnings"] = list(header.get("warnings", ())) + run_warnings(res)
+    sm = footer.get("server_metrics")
+    if sm is not None:  # /metrics scraped around the run: the server's view of the same window
+        from inferd.bench.crosscheck import crosscheck
+
+        res["crosscheck"] = crosscheck(res, sm.get("before"), sm.get("after"))
     return res
 
 

@@ -18,6 +18,7 @@ from time import perf_counter_ns, process_time_ns
 
 from inferd.bench.http import Client, Response
 from inferd.bench.loop import run as run_precise
+from inferd.bench.progress import TICK_S
 
 LOOP_LAG_INTERVAL_NS = 10_000_000
 MAX_PRECONNECT = 1024
@@ -50,7 +51,8 @@ def request_body(cfg: dict, prompt: str, output_len: int | None) -> bytes:
     return json.dumps(body).encode()
 
 
-async def _run(cfg: dict, bodies: list[bytes], offsets_ns: list[int], warmup_bodies: list[bytes]) -> dict:
+async def _run(cfg: dict, bodies: list[bytes], offsets_ns: list[int], warmup_bodies: list[bytes],
+               progress=None, on_start=None) -> dict:
     client = Client(cfg["base_url"], cfg.get("api_key"))
     path = cfg["endpoint"]
     timeout = cfg.get("timeout")
@@ -69,6 +71,8 @@ async def _run(cfg: dict, bodies: list[bytes], offsets_ns: list[int], warmup_bod
             send, resp, kind, err = await client.post(path, body, timeout)
         end = resp.end_ns if resp is not None and resp.end_ns is not None else perf_counter_ns()
         store[i] = (sched, dispatch, slot, send, end, resp, kind, err, warm)
+        if progress is not None and not warm:
+            progress.finished.append(i)
 
     warm_raw: list = [None] * len(warmup_bodies)
     if warmup_bodies:
@@ -80,6 +84,8 @@ async def _run(cfg: dict, bodies: list[bytes], offsets_ns: list[int], warmup_bod
             await client.preconnect(min(conc, len(bodies), MAX_PRECONNECT))
         except (OSError, asyncio.TimeoutError):
             pass  # the timed requests will connect (and report the failure) themselves
+    if on_start is not None:
+        on_start()  # e.g. a /metrics scrape: nothing is in flight, and the clock has not started
     lags: list[int] = []
     stop = asyncio.Event()
 
@@ -93,10 +99,18 @@ async def _run(cfg: dict, bodies: list[bytes], offsets_ns: list[int], warmup_bod
             if deadline < now:
                 deadline = now + LOOP_LAG_INTERVAL_NS
 
+    async def ticker():
+        while not stop.is_set():
+            await asyncio.sleep(TICK_S)
+            progress.tick(raw, perf_counter_ns())
+
     t0 = perf_counter_ns() + 20_000_000  # a little lead, so that request 0 is not late by construction
     t0_epoch = time.time_ns() + (t0 - perf_counter_ns())
     cpu0 = process_time_ns()
     mon = asyncio.create_task(monitor())
+    if progress is not None:
+        progress.start(t0)
+        tick = asyncio.create_task(ticker())
     tasks = []
     for i, off in enumerate(offsets_ns):
         due = t0 + off
@@ -108,6 +122,9 @@ async def _run(cfg: dict, bodies: list[bytes], offsets_ns: list[int], warmup_bod
     cpu = process_time_ns() - cpu0
     stop.set()
     await mon
+    if progress is not None:
+        tick.cancel()
+        progress.close(raw, perf_counter_ns())
     client.close()
     return {"rx_timestamps": "kernel" if client.kernel_timestamps else "user", "t0": t0, "t0_epoch": t0_epoch, "raw": raw, "warm": warm_raw, "lags": lags, "wall": wall, "cpu": cpu}
 
@@ -245,8 +262,10 @@ def build_record(i: int, item, t0: int, prompt, chat: bool, tokenizer) -> dict:
 
 
 def run_benchmark(cfg: dict, prompts: list, offsets_ns: list[int], tokenizer=None,
-                  warnings: list[str] | None = None) -> list[dict]:
-    """Run and return the trace as a list of JSON-ready records: header, requests..., footer."""
+                  warnings: list[str] | None = None, progress=None, on_start=None) -> list[dict]:
+    """Run and return the trace as a list of JSON-ready records: header, requests..., footer.
+    `progress` (a bench.progress.Progress) is redrawn during the run; `on_start()` is called after
+    the warm-up, just before the clock starts."""
     bodies = [request_body(cfg, p.prompt, p.output_len) for p in prompts]
     nw = cfg.get("warmup") or 0
     warm_prompts = [prompts[i % len(prompts)] for i in range(nw)] if prompts else []
@@ -259,7 +278,7 @@ def run_benchmark(cfg: dict, prompts: list, offsets_ns: list[int], tokenizer=Non
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        out = run_precise(_run(cfg, bodies, offsets_ns, warm_bodies))
+        out = run_precise(_run(cfg, bodies, offsets_ns, warm_bodies, progress, on_start))
     finally:
         if was_enabled:
             gc.enable()

@@ -48,9 +48,11 @@ class AsyncLLM:
         return len(self.engine.scheduler.running)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+                       request_id: str, arrival: float | None = None) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs (all n samples) until every sample finished.
-        Leaving the iterator early (client gone) aborts the request."""
+        Leaving the iterator early (client gone) aborts the request. `arrival` (time.monotonic())
+        is when the request reached the server; its latencies count from there. Without it they
+        would count from the engine thread's add, which waits for the running step to end."""
         if self.dead:
             raise RuntimeError(f"engine stopped: {self.dead}")
         if self.num_waiting >= self.max_waiting:
@@ -60,7 +62,7 @@ class AsyncLLM:
         fut = loop.create_future()
         self._pending_adds += 1
         self._streams[request_id] = (loop, q)
-        self._cmds.put(("add", (prompt_ids, params, request_id), (loop, fut)))
+        self._cmds.put(("add", (prompt_ids, params, request_id, arrival), (loop, fut)))
         try:
             await fut  # raises the engine's validation error, if any
         except BaseException:

@@ -7,6 +7,7 @@ past --max-waiting queued requests the answer is 503 with Retry-After.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import time
 import uuid
@@ -20,6 +21,13 @@ from inferd.errors import InferdError
 from inferd.server.metrics import Metrics
 from inferd.server.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     TokenizeRequest)
+
+
+# When the HTTP request reached the server (time.monotonic()). Set by the outermost middleware and
+# read where the engine request is made (several calls down, in a streaming task that inherits the
+# context), so that the server's TTFT/E2E/queue histograms cover what a client sees: HTTP parsing,
+# tokenization and the wait for the engine thread's current step, not only the engine's part.
+_ARRIVAL: contextvars.ContextVar[float | None] = contextvars.ContextVar("inferd_arrival", default=None)
 
 
 def create_app(llm: AsyncLLM, served_name: str, api_key: str | None = None,
@@ -51,6 +59,7 @@ def create_app(llm: AsyncLLM, served_name: str, api_key: str | None = None,
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
+        _ARRIVAL.set(time.monotonic())
         if api_key and not request.url.path.startswith(("/health", "/metrics")):
             if request.headers.get("authorization", "") != f"Bearer {api_key}":
                 e = ApiError("invalid or missing API key", status=401, type_="authentication_error",
@@ -113,7 +122,7 @@ def create_app(llm: AsyncLLM, served_name: str, api_key: str | None = None,
     async def run_one(prompt_ids, params, rid):
         """All outputs of one engine request, mapped to 503 / 400 as needed."""
         try:
-            async for out in llm.generate(prompt_ids, params, rid):
+            async for out in llm.generate(prompt_ids, params, rid, arrival=_ARRIVAL.get()):
                 yield out
         except Overloaded:
             raise ApiError("server is overloaded: too many requests waiting; retry later", status=503,
