@@ -32,7 +32,8 @@ test: $(STAMP) chromium
 # latency-SLA tests against a live server (timing thresholds: not for CI on shared machines).
 # INFERD_BENCH_URL=http://host:port points them at a running server instead of starting one.
 test-integration: $(STAMP)
-	$(PY) -m pytest -q -m integration $(ARGS)
+	INFERD_TIMING_TESTS=1 $(PY) -m pytest -q -m integration $(ARGS)
+	INFERD_TIMING_TESTS=1 $(PY) -m pytest -q tests/test_bench_mock.py tests/test_bench_rate.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

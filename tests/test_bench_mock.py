@@ -57,6 +57,10 @@ def run_once(url, log, endpoint, conc, tmp_path, tag):
     return res, reqs, rows
 
 
+# The brief keeps timing thresholds out of the CI suite: `make test-integration` sets this and
+# checks the client's clock against the mock's to 2 ms; plain `make test` checks behaviour only.
+STRICT_TIMING = os.environ.get("INFERD_TIMING_TESTS") == "1"
+
 CASES = [("/v1/completions", 1, False), ("/v1/completions", 4, False), ("/v1/chat/completions", 1, True)]
 
 
@@ -90,6 +94,8 @@ def test_mock_accuracy(mocks, tmp_path, endpoint, k, role, conc):
                f"last token {worst_last:.2f} ms, client loop lag p99 {res['client_loop_lag_p99_ms']:.2f} ms")
         report.append(msg)
         print(msg)
+        if not STRICT_TIMING:  # behaviour above is exact; the ms bounds need a quiet machine
+            return
         ok = worst_first <= 2.0 and worst_last <= 2.0
         if conc <= 64:
             ok = ok and abs(res["mean_ttft_ms"] - TTFT) <= 4.0 and abs(res["mean_tpot_ms"] - TPOT) <= 0.4

@@ -8,6 +8,7 @@ The seed fixes the schedule; its own realized rate and KS distance are printed n
 Any fixed seed's schedule passes the KS check with probability 0.99; this one is not special.
 """
 import json
+import os
 import math
 import subprocess
 import sys
@@ -52,4 +53,5 @@ def test_poisson_arrivals_2000_requests(tmp_path):
     assert d < crit
     # the sends followed the precomputed schedule (open loop: no request waited for another)
     assert [q["sched_ns"] - reqs[0]["sched_ns"] for q in reqs] == sched
-    assert res["p99_send_lag_ms"] < 10
+    if os.environ.get("INFERD_TIMING_TESTS") == "1":  # a ms bound: `make test-integration` only
+        assert res["p99_send_lag_ms"] < 10

@@ -118,21 +118,23 @@ _tried = False
 
 
 def build_inline(name: str, src: str, functions: list[str], cflags: list[str]):
-    """torch's load_inline, minus one trap: a build killed mid-way leaves a lock file that makes
-    every later process wait forever. A lock older than any plausible build is removed first."""
-    import time
+    """torch's load_inline, minus one trap: a build killed mid-way leaves torch's lock file behind
+    and every later process waits on it forever. We build under an fcntl lock of our own, which
+    the kernel releases when its holder dies; whoever holds it knows any torch lock is stale."""
+    import fcntl
 
     from torch.utils.cpp_extension import _get_build_directory, load_inline
 
-    lock = os.path.join(_get_build_directory(name, verbose=False), "lock")
-    try:
-        if time.time() - os.path.getmtime(lock) > 900:
-            log.warning("removing a stale build lock %s", lock)
-            os.remove(lock)
-    except OSError:
-        pass
-    return load_inline(name=name, cpp_sources=src, functions=functions, extra_cflags=cflags,
-                       extra_ldflags=["-fopenmp"], verbose=False)
+    build_dir = _get_build_directory(name, verbose=False)
+    with open(os.path.join(build_dir, "inferd.flock"), "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            os.remove(os.path.join(build_dir, "lock"))
+            log.warning("removed a stale build lock of %s (an earlier build was killed)", name)
+        except FileNotFoundError:
+            pass
+        return load_inline(name=name, cpp_sources=src, functions=functions, extra_cflags=cflags,
+                           extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def load():
