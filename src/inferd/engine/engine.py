@@ -208,6 +208,8 @@ class LLMEngine:
             req.finish_reason = "abort"
             req.timings.finished = now
             self._detach(req)
+        if self.spec is not None:
+            self.spec.release_finished()
         return True
 
     def has_unfinished(self) -> bool:
@@ -257,6 +259,8 @@ class LLMEngine:
             for j, (req, tok) in enumerate(zip(reqs, tokens.tolist())):
                 outputs.append(self._append(req, tok, now, lps[j] if lps else None))
         self.stats.sample_events += len(outputs)
+        if spec is not None:
+            spec.release_finished()
         self._record(batch, time.monotonic() - t0)
         return outputs
 

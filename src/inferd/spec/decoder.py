@@ -22,6 +22,7 @@ import torch
 from inferd.engine.request import Status
 from inferd.engine.sampler import build_batch, process_logits, top_logprobs
 from inferd.errors import InferdError
+from inferd.spec.attention import SpecPagedAttention
 from inferd.spec.draft import DraftProposer, SeqView, parse_self_draft, self_draft_model
 from inferd.spec.ngram import propose_ngram
 from inferd.spec.rejection import accept_greedy, rejection_sample
@@ -68,6 +69,9 @@ class SpecDecoder:
         self.stats = SpecStats()
         self.proposer: DraftProposer | None = None
         self.draft_desc = None
+        # verify chunks (k + 1 tokens) through the decode kernel instead of gather + SDPA
+        old = engine.runner.attn
+        engine.runner.attn = SpecPagedAttention(old.pool, engine.model_config.head_dim, old.window)
         if self.method == "draft":
             model = self._draft_model(engine, draft_loaded)
             mcfg = engine.model_config
@@ -102,13 +106,18 @@ class SpecDecoder:
                               f"target's ({vocab}): speculative decoding needs the same vocabulary")
         return model
 
+    def release_finished(self):
+        """Draft caches of sequences that finished, were aborted or preempted go back at once."""
+        if self.proposer is not None:
+            self.proposer.keep_only({r.request_id for r in self.engine.scheduler.running
+                                     if r.status == Status.RUNNING})
+
     # -- before scheduling ----------------------------------------------------------------------
     def propose(self, running):
         """Set req.spec_tokens (and req.spec_q) for every decoding sequence."""
         t0 = time.monotonic()
         eng = self.engine
-        if self.proposer is not None:
-            self.proposer.keep_only({r.request_id for r in running if r.status == Status.RUNNING})
+        self.release_finished()
         cands, ks = [], []
         for r in running:
             r.spec_tokens, r.spec_q = [], None

@@ -18,10 +18,10 @@ import re
 import torch
 from torch import nn
 
-from inferd.engine.attention import PagedAttention
 from inferd.engine.kv_cache import BlockManager, KVPool
 from inferd.engine.sampler import build_batch, process_logits
 from inferd.errors import InferdError
+from inferd.spec.attention import SpecPagedAttention
 
 
 class DraftSeq:
@@ -91,7 +91,7 @@ class DraftProposer:
         pool = KVPool(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
                       model.dtype, model.device)
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
-        self.attn = PagedAttention(pool, cfg.head_dim, sliding_window)
+        self.attn = SpecPagedAttention(pool, cfg.head_dim, sliding_window)
         self.seqs: dict[str, DraftSeq] = {}
         self.forwards = 0
 
