@@ -85,6 +85,7 @@ def main():
     ap.add_argument("--self-layers", type=int, nargs="+", default=[4, 10, 20])
     ap.add_argument("--quant-layers", type=int, default=10)
     ap.add_argument("--draft-k", type=int, default=3)
+    ap.add_argument("--prompts", type=int, nargs="+", default=None, help="indices of PROMPTS to run (default: all)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.threads:
@@ -92,7 +93,7 @@ def main():
     lm = load_model(None, dtype=args.dtype)
     tok = lm.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
-               for p in PROMPTS]
+               for i, p in enumerate(PROMPTS) if args.prompts is None or i in args.prompts]
     names, engines = [], []
     for name, opts in configs(args):
         names.append(name)

@@ -441,3 +441,54 @@ def test_prometheus_spec_metrics(tiny_model):
     assert f'inferd:spec_decode_num_draft_tokens_total{{model_name="tiny"}} {float(sp.num_draft_tokens)}' in text
     assert f'inferd:spec_decode_num_accepted_tokens_total{{model_name="tiny"}} {float(sp.num_accepted_tokens)}' in text
     assert "inferd:spec_decode_draft_acceptance_rate" in text and "inferd:spec_decode_mean_accepted_length" in text
+
+
+# -- command line and YAML ----------------------------------------------------------------------
+
+def _inferd(*argv, timeout=600):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "inferd", *argv], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--speculative-method", "draft"], "--draft-model"),
+    (["--speculative-method", "ngram", "--num-speculative-tokens", "0"], "at least 1"),
+    (["--speculative-method", "ngram", "--ngram-min", "3", "--ngram-max", "2"], "ngram_min"),
+    (["--speculative-method", "draft", "--draft-model", "self:layers=99", "--load-format", "dummy"], "out of range"),
+    (["--speculative-method", "draft", "--draft-model", "self:layers=x", "--load-format", "dummy"], "self:layers=N"),
+])
+def test_cli_bad_combinations_exit_2(argv, msg):
+    r = _inferd("throughput", "--num-prompts", "1", "--kv-cache-memory", "16MiB", *argv)
+    assert r.returncode == 2, r.stderr
+    last = r.stderr.strip().splitlines()[-1]  # (log lines may come first)
+    assert last.startswith("inferd: error:") and msg in last and "Traceback" not in r.stderr
+
+
+def test_yaml_config_carries_spec_options(tmp_path):
+    from inferd.cli import apply_yaml_config, build_parser, engine_config_from_args
+
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("speculative-method: draft\nnum_speculative_tokens: 3\ndraft_model: self:layers=6\n"
+                        "draft_quantization: int8\nngram_max: 5\n")
+    parser = build_parser()
+    argv = ["serve", "--config", str(cfg_file), "--num-speculative-tokens", "2"]
+    args = apply_yaml_config(parser, argv, parser.parse_args(argv))
+    cfg = engine_config_from_args(args)
+    assert (cfg.speculative_method, cfg.num_speculative_tokens, cfg.draft_model, cfg.draft_quantization,
+            cfg.ngram_max) == ("draft", 2, "self:layers=6", "int8", 5)
+
+
+def test_throughput_cli_reports_speculation(tmp_path, default_gguf_path):
+    import json
+
+    out = tmp_path / "r.json"
+    r = _inferd("throughput", "--num-prompts", "3", "--input-len", "8-24", "--output-len", "24", "--ignore-eos",
+                "--dtype", "float32", "--kv-cache-memory", "64MiB", "--speculative-method", "ngram",
+                "--num-speculative-tokens", "3", "--output-json", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "Acceptance rate" in r.stdout and "Tokens per target step" in r.stdout
+    res = json.loads(out.read_text())
+    assert res["speculative_method"] == "ngram" and res["total_output_tokens"] == 72
+    assert res["spec_num_drafts"] >= 0 and 0 <= res["spec_acceptance_rate"] <= 1
