@@ -59,7 +59,7 @@ def configs(args):
     for n in args.self_layers:
         yield f"self-draft {n}L k={args.draft_k}", dict(speculative_method="draft", draft_model=f"self:layers={n}",
                                                         num_speculative_tokens=args.draft_k)
-    for q in ("int8", "int4"):
+    for q in args.quant_methods:
         n = args.quant_layers
         yield f"self-draft {n}L {q} k={args.draft_k}", dict(speculative_method="draft",
                                                             draft_model=f"self:layers={n}",
@@ -84,6 +84,7 @@ def main():
     ap.add_argument("--ngram-max", type=int, default=4)
     ap.add_argument("--self-layers", type=int, nargs="+", default=[4, 10, 20])
     ap.add_argument("--quant-layers", type=int, default=10)
+    ap.add_argument("--quant-methods", nargs="*", default=["int8", "int4"])
     ap.add_argument("--draft-k", type=int, default=3)
     ap.add_argument("--prompts", type=int, nargs="+", default=None, help="indices of PROMPTS to run (default: all)")
     ap.add_argument("--json", default=None)
@@ -106,12 +107,18 @@ def main():
                   e.spec.stats.as_dict() if e.spec else None) for n, e in zip(names, engines)}
     for pi, p in enumerate(prompts):
         for name, eng in zip(names, engines):
+            g0, e0 = eng.stats.generated_tokens, eng.stats.sample_events
+            a0 = (eng.spec.stats.num_accepted_tokens, eng.spec.stats.num_draft_tokens) if eng.spec else (0, 0)
             out, n, dt = run_one(eng, p, args.max_tokens)
             r = res[name]
             r["tokens"] += n
             r["time"] += dt
             r["outs"].append(out)
-            print(f"prompt {pi}  {name:<24} {n / dt:6.1f} tok/s", file=sys.stderr, flush=True)
+            acc = ""
+            if eng.spec:
+                acc = (f"  acceptance {(eng.spec.stats.num_accepted_tokens - a0[0]) / max(1, eng.spec.stats.num_draft_tokens - a0[1]):.2f}")
+            print(f"prompt {pi}  {name:<24} {n / dt:6.2f} tok/s  {(eng.stats.generated_tokens - g0) / (eng.stats.sample_events - e0):.2f} "
+                  f"tok/step{acc}", file=sys.stderr, flush=True)
     base = res[names[0]]
     base_tps = base["tokens"] / base["time"]
     rows = []
