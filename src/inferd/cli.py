@@ -46,6 +46,20 @@ def add_engine_args(p: argparse.ArgumentParser):
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn off automatic prefix caching")
     g.add_argument("--scheduling", default="continuous", choices=["continuous", "static"])
+    add_spec_args(p)
+
+
+def add_spec_args(p: argparse.ArgumentParser):
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--speculative-method", default=None, choices=["none", "draft", "ngram"],
+                   help="draft: a draft model guesses; ngram: prompt lookup (no second model)")
+    g.add_argument("--num-speculative-tokens", type=int, default=4, help="tokens guessed per step (K)")
+    g.add_argument("--draft-model", default=None,
+                   help="draft: a model path with the same vocabulary, or self:layers=N (the target's first N layers)")
+    g.add_argument("--draft-quantization", default="none", choices=["none", "int8", "int4"],
+                   help="weight-only quantization of the draft (a self-draft's layers are copied first)")
+    g.add_argument("--ngram-min", type=int, default=1, help="ngram: shortest suffix to look up")
+    g.add_argument("--ngram-max", type=int, default=4, help="ngram: longest suffix to look up")
 
 
 def engine_config_from_args(args):
@@ -79,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="complete one prompt and print the result")
     add_model_args(g)
+    add_spec_args(g)
     add_sampling_args(g)
     g.add_argument("--prompt", default=None, help="prompt text (default: read standard input)")
     g.add_argument("--chat-template", action="store_true",
@@ -88,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("chat", help="interactive chat in the terminal (streams tokens)")
     add_model_args(c)
+    add_spec_args(c)
     add_sampling_args(c, max_tokens=512)
     c.add_argument("--system", default=None, help="system message")
     c.set_defaults(func=cmd_chat)
@@ -211,7 +227,10 @@ def _setup(args):
         if args.max_model_len > max_len:
             raise InferdError(f"--max-model-len {args.max_model_len} exceeds the model's context length {max_len}")
         max_len = args.max_model_len
-    llm = LLM(loaded=lm, max_model_len=max_len, num_kv_blocks=-(-max_len // 16) + 1, block_size=16)
+    spec = {k: getattr(args, k) for k in ("speculative_method", "num_speculative_tokens", "draft_model",
+                                          "draft_quantization", "ngram_min", "ngram_max")}
+    llm = LLM(loaded=lm, max_model_len=max_len, num_kv_blocks=-(-max_len // 16) + 1, block_size=16,
+              max_num_seqs=1, **spec)
     return llm, max_len
 
 

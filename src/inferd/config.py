@@ -28,6 +28,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling: str = "continuous"  # continuous | static
     seed: int = 0
+    speculative_method: str | None = None  # None | draft | ngram
+    num_speculative_tokens: int = 4
+    draft_model: str | None = None  # a model path, or self:layers=N (the target's first N layers)
+    draft_quantization: str = "none"  # none | int8 | int4
+    ngram_min: int = 1
+    ngram_max: int = 4
 
     def validate(self):
         if self.block_size < 1:
@@ -40,6 +46,19 @@ class EngineConfig:
             raise InferdError(f"unknown scheduling {self.scheduling!r} (choose continuous or static)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise InferdError("gpu_memory_utilization must be in (0, 1]")
+        if self.speculative_method in ("none", ""):
+            self.speculative_method = None
+        if self.speculative_method is not None:
+            if self.speculative_method not in ("draft", "ngram"):
+                raise InferdError(f"unknown speculative method {self.speculative_method!r} (choose draft or ngram)")
+            if self.num_speculative_tokens is None or self.num_speculative_tokens < 1:
+                raise InferdError("num_speculative_tokens must be at least 1")
+            if self.speculative_method == "draft" and not self.draft_model:
+                raise InferdError("speculative method draft needs --draft-model (a model path or self:layers=N)")
+            if self.speculative_method == "ngram" and not 1 <= self.ngram_min <= self.ngram_max:
+                raise InferdError("ngram lookup needs 1 <= ngram_min <= ngram_max")
+        if self.draft_quantization not in ("none", "int8", "int4"):
+            raise InferdError(f"unknown draft quantization {self.draft_quantization!r} (choose none, int8, int4)")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
         return self

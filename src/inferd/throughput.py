@@ -123,7 +123,13 @@ def run_throughput(args) -> dict:
         "scheduling": cfg.scheduling,
         "max_num_seqs": cfg.max_num_seqs,
         "dtype": str(eng.model.dtype).replace("torch.", ""),
+        "sample_events": s.sample_events,
+        "speculative_method": cfg.speculative_method,
     }
+    if eng.spec is not None:
+        res.update(eng.spec.stats.as_dict())
+        res["num_speculative_tokens"] = cfg.num_speculative_tokens
+        res["spec_tokens_per_step"] = s.generated_tokens / s.sample_events if s.sample_events else 0.0
     print(format_report(res))
     return res
 
@@ -143,6 +149,16 @@ def format_report(r: dict) -> str:
         ("Preemptions", f"{r['preemptions']}"),
         ("Prefix cache hit rate", f"{100 * r['prefix_cache_hit_rate']:.1f}% ({r['prefix_cache_hits']} of {r['prefix_cache_queries']} tokens)"),
     ]
+    if r.get("speculative_method"):
+        rows += [
+            ("Speculative decoding", f"{r['speculative_method']}, k={r['num_speculative_tokens']}"),
+            ("Acceptance rate", f"{100 * r['spec_acceptance_rate']:.1f}% ({r['spec_num_accepted_tokens']} of "
+                                f"{r['spec_num_draft_tokens']} proposed)"),
+            ("Mean accepted length", f"{r['spec_mean_accepted_length']:.2f} per verify step "
+                                     f"({r['spec_num_drafts']} steps)"),
+            ("Tokens per target step", f"{r['spec_tokens_per_step']:.2f} (per sequence)"),
+            ("Draft / verify time (s)", f"{r['spec_draft_time_s']:.2f} / {r['spec_verify_time_s']:.2f}"),
+        ]
     w = max(len(k) for k, _ in rows)
     title = f"inferd throughput ({r['scheduling']}, max_num_seqs={r['max_num_seqs']}, {r['dtype']})"
     return "\n".join([title, "-" * len(title)] + [f"{k:<{w}}  {v}" for k, v in rows])

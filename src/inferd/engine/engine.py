@@ -53,11 +53,12 @@ class EngineStats:
     peak_kv_blocks: int = 0
     max_prefill_chunks: int = 0  # most steps any one prompt was split over
     forks: int = 0  # n > 1 requests split into samples
+    sample_events: int = 0  # (sequence, step) pairs that gained tokens: target forwards per sequence
     history: list[StepStats] = field(default_factory=list)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, loaded=None, **overrides):
+    def __init__(self, config: EngineConfig | None = None, loaded=None, draft_loaded=None, **overrides):
         cfg = config or EngineConfig()
         for k, v in overrides.items():
             if not hasattr(cfg, k):
@@ -102,6 +103,13 @@ class LLMEngine:
         log.info("KV cache: %d blocks of %d tokens (%s, %.1f MiB): up to %d tokens in flight",
                  num_blocks, cfg.block_size, str(kv_dtype).replace("torch.", ""),
                  num_blocks * per_block / 2**20, num_blocks * cfg.block_size)
+        self.spec = None
+        if cfg.speculative_method is not None:
+            from inferd.spec.decoder import SpecDecoder
+
+            self.spec = SpecDecoder(self, draft_loaded)
+            log.info("speculative decoding: %s, %d tokens%s", cfg.speculative_method, cfg.num_speculative_tokens,
+                     f" (draft: {self.spec.draft_desc})" if self.spec.draft_desc else "")
 
     def _kv_dtype(self) -> torch.dtype:
         c = self.config.kv_cache_dtype
@@ -200,6 +208,8 @@ class LLMEngine:
             req.finish_reason = "abort"
             req.timings.finished = now
             self._detach(req)
+        if self.spec is not None:
+            self.spec.release_finished()
         return True
 
     def has_unfinished(self) -> bool:
@@ -208,19 +218,34 @@ class LLMEngine:
     # -- the loop -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.monotonic()
+        spec = self.spec
+        if spec is not None:
+            spec.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
+        if spec is not None:
+            spec.after_schedule(batch)
         if not batch.requests:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("scheduler cannot admit any request (KV cache too small?)")
             return []
+        t_fwd = time.monotonic()
         logits, idx, prompt_rows = self.runner.execute(batch.requests, batch.num_new)
+        outputs: list[RequestOutput] = []
+        if spec is not None and any(batch.requests[i].spec_tokens for i in idx):
+            logits, idx, verified = self._split_spec_rows(batch, logits, idx)
+        else:
+            verified = []
         for req, n in zip(batch.requests, batch.num_new):
+            if req.spec_tokens:
+                continue  # its computed length is known only once its guesses are verified
             req.num_computed += n
             req.max_computed = max(req.max_computed, req.num_computed)
             self.block_manager.register_full_blocks(req)
         for i, (first, rows) in prompt_rows.items():
             self._prompt_logprobs(batch.requests[i], first, rows)
-        outputs: list[RequestOutput] = []
+        if verified:
+            outputs.extend(spec.verify(verified))
+            spec.stats.verify_time += time.monotonic() - t_fwd
         reqs = [batch.requests[i] for i in idx]
         forks = [r for r in reqs if r.fork_into]
         if forks:
@@ -233,8 +258,44 @@ class LLMEngine:
             now = time.monotonic()
             for j, (req, tok) in enumerate(zip(reqs, tokens.tolist())):
                 outputs.append(self._append(req, tok, now, lps[j] if lps else None))
+        self.stats.sample_events += len(outputs)
+        if spec is not None:
+            spec.release_finished()
         self._record(batch, time.monotonic() - t0)
         return outputs
+
+    def _split_spec_rows(self, batch: ScheduledBatch, logits: torch.Tensor, idx: list[int]):
+        """Separate the k + 1 logits rows of each sequence verifying guesses from the one-row rest."""
+        keep, keep_idx, verified = [], [], []
+        off = 0
+        for i in idx:
+            req = batch.requests[i]
+            m = 1 + len(req.spec_tokens)
+            if req.spec_tokens:
+                verified.append((req, logits[off:off + m]))
+            else:
+                keep.append(off)
+                keep_idx.append(i)
+            off += m
+        return logits[keep], keep_idx, verified
+
+    def _append_many(self, req: Request, toks: list[int], lps=None) -> RequestOutput:
+        """Append tokens in order through the usual stop handling; what follows a stop is dropped.
+        One RequestOutput carries them all."""
+        now = time.monotonic()
+        outs = []
+        for j, tok in enumerate(toks):
+            outs.append(self._append(req, tok, now, lps[j] if lps else None))
+            if req.finished:
+                break
+        o = outs[-1]
+        if len(outs) > 1:
+            o.new_token_ids = [t for x in outs for t in x.new_token_ids]
+            o.text_delta = "".join(x.text_delta for x in outs)
+            o.logprobs = [lp for x in outs for lp in x.logprobs] if lps else None
+            o.prompt_logprobs = outs[0].prompt_logprobs
+            o.prompt_ids = outs[0].prompt_ids
+        return o
 
     def _prompt_logprobs(self, req: Request, first: int, rows: torch.Tensor):
         """rows[j] are the logits at prompt position first + j, which predict token first + j + 1."""

@@ -101,6 +101,22 @@ class BlockManager:
         req.block_hashes = []
         req.num_cached_hashed = 0
 
+    def truncate(self, req: Request, num_tokens: int):
+        """Give back the blocks wholly past the first num_tokens tokens (rejected speculative
+        slots). They were allocated this step and never registered, so they go straight to free."""
+        keep = -(-num_tokens // self.block_size)
+        for b in reversed(req.block_table[keep:]):
+            self.ref[b] -= 1
+            assert self.ref[b] >= 0, f"block {b} freed twice"
+            if self.ref[b] == 0:
+                if self.key_of[b] is not None:
+                    self.evictable[b] = None
+                else:
+                    self.free.append(b)
+        del req.block_table[keep:]
+        del req.block_hashes[keep:]
+        req.num_cached_hashed = min(req.num_cached_hashed, keep)
+
     def fork(self, parent: Request, child: Request):
         """Share parent's blocks with child (n > 1 samples of one prompt)."""
         for b in parent.block_table:

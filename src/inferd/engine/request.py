@@ -142,6 +142,11 @@ class Request:
         self.num_preemptions = 0
         self.num_prefill_chunks = 0
         self.prefix_hit_tokens = 0  # on first admission only
+        # speculative decoding: this step's guesses, the distributions they were drawn from
+        # ([k, vocab], None for greedy or prompt lookup), and the draft's own sampling stream
+        self.spec_tokens: list[int] = []
+        self.spec_q: torch.Tensor | None = None
+        self.draft_generator: torch.Generator | None = None
         self.timings = Timings(arrived=time.monotonic() if arrival is None else arrival)
         self.generator: torch.Generator | None = None
         if not params.greedy:

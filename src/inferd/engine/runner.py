@@ -17,7 +17,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, requests: list[Request], num_new: list[int]):
         """Compute num_new[i] tokens of each request. Returns logits [S, vocab] (fp32) for the
-        requests whose last known token was computed (they sample next), their batch indices, and
+        requests whose last known token was computed (they sample next; one row each, or
+        1 + len(spec_tokens) rows for a request verifying guesses), their batch indices, and
         {batch index: (first prompt position, logits rows)} for requests that want prompt logprobs."""
         ids: list[int] = []
         starts = []
@@ -27,6 +28,8 @@ class ModelRunner:
         for i, (req, n) in enumerate(zip(requests, num_new)):
             c = req.num_computed
             p = req.num_prompt
+            spec = req.spec_tokens  # speculative guesses follow the known tokens in the chunk
+            n_all, n = n, n - len(spec)
             if c + n <= p:
                 ids.extend(req.prompt_ids[c:c + n])
             elif c >= p:
@@ -38,9 +41,11 @@ class ModelRunner:
             if req.params.prompt_logprobs is not None and c < p - 1:
                 end = min(c + n, p - 1)
                 prompt_spans[i] = (c, row, row + end - c)
-            row += n
+            ids.extend(spec)
+            row += n_all
             if c + n == req.num_tokens:
-                sample_rows.append(row - 1)
+                # with guesses, every row of the chunk is a position to verify: k + 1 rows
+                sample_rows.extend(range(row - 1 - len(spec), row))
                 sample_idx.append(i)
         positions = self.attn.prepare([r.block_table for r in requests], starts, num_new)
         hidden = self.model(torch.tensor(ids, dtype=torch.long, device=self.device),

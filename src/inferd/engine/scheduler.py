@@ -78,6 +78,7 @@ class Scheduler:
         self.running.remove(req)
         self.bm.free_request(req)
         req.num_computed = 0
+        req.spec_tokens = []
         req.status = Status.WAITING
         req.num_preemptions += 1
         req.timings.preempted.append(time.monotonic())
@@ -94,7 +95,10 @@ class Scheduler:
                 break
             if req.status != Status.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(req.num_tokens - req.num_computed, budget)
+            # speculative guesses ride along as extra tokens of the chunk; a short budget trims them
+            n = min(req.num_tokens - req.num_computed + len(req.spec_tokens), budget)
+            if req.spec_tokens:
+                del req.spec_tokens[max(0, n - 1):]
             while not self.bm.allocate(req, n):
                 victim = max(self.running, key=lambda r: r.timings.arrived)
                 self._preempt(victim, batch)

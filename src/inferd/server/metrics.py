@@ -8,7 +8,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.
 
 
 class Metrics:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, speculative: bool = False):
         self.registry = r = CollectorRegistry()
         L = ["model_name"]
         self.labels = {"model_name": model_name}
@@ -33,6 +33,29 @@ class Metrics:
         self.requests = Counter("inferd:request_success", "Finished requests by reason.",
                                 L + ["finished_reason"], registry=r)
         self._last = {"queries": 0, "hits": 0, "preempt": 0}
+        self.spec = None
+        if speculative:
+            self.spec = {
+                "num_drafts": Counter("inferd:spec_decode_num_drafts", "Sequence-steps that verified guesses.", L,
+                                      registry=r),
+                "num_draft_tokens": Counter("inferd:spec_decode_num_draft_tokens", "Speculative tokens proposed.",
+                                            L, registry=r),
+                "num_accepted_tokens": Counter("inferd:spec_decode_num_accepted_tokens",
+                                               "Speculative tokens accepted.", L, registry=r),
+                "num_emitted_tokens": Counter("inferd:spec_decode_num_emitted_tokens",
+                                              "Tokens emitted by verify steps (accepted + the target's own).", L,
+                                              registry=r),
+                "draft_time": Counter("inferd:spec_decode_draft_time_seconds", "Time spent proposing.", L,
+                                      registry=r),
+                "verify_time": Counter("inferd:spec_decode_verify_time_seconds",
+                                       "Time of target forwards that verified guesses, with acceptance.", L,
+                                       registry=r),
+            }
+            self.spec_rate = Gauge("inferd:spec_decode_draft_acceptance_rate", "Accepted / proposed tokens.", L,
+                                   registry=r)
+            self.spec_len = Gauge("inferd:spec_decode_mean_accepted_length",
+                                  "Mean accepted guesses per verify step.", L, registry=r)
+            self._last.update({k: 0 for k in self.spec})
 
     def on_step(self, engine):
         """Engine thread, after every step: gauges and counter deltas."""
@@ -46,6 +69,16 @@ class Metrics:
             if now > self._last[key]:
                 counter.labels(**lab).inc(now - self._last[key])
             self._last[key] = now
+        spec = getattr(engine, "spec", None)
+        if self.spec is not None and spec is not None:
+            st = spec.stats
+            for key, counter in self.spec.items():
+                now = getattr(st, key)
+                if now > self._last[key]:
+                    counter.labels(**lab).inc(now - self._last[key])
+                self._last[key] = now
+            self.spec_rate.labels(**lab).set(st.acceptance_rate)
+            self.spec_len.labels(**lab).set(st.mean_accepted_length)
 
     def on_finish(self, out):
         """Engine thread, for each finished sequence: its latencies from the engine's events."""

@@ -29,7 +29,7 @@ def serve(args) -> int:
         raise InferdError("the server needs a model with a tokenizer")
     name = args.served_model_name or engine.loaded.source.name
     aliases = {n for n in (args.model, engine.loaded.source.name) if n}
-    metrics = Metrics(name)
+    metrics = Metrics(name, speculative=engine.spec is not None)
     llm = AsyncLLM(engine, max_waiting=args.max_waiting, on_step=metrics.on_step, on_finish=metrics.on_finish)
     app = create_app(llm, name, api_key=args.api_key or os.environ.get("INFERD_API_KEY"), metrics=metrics,
                      aliases=aliases)

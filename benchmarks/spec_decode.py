@@ -1,0 +1,158 @@
+"""Speculative decoding at batch 1 on the default model: plain decode vs prompt lookup (ngram)
+vs self-drafts (the model's first N layers, bf16 and quantized), in one process run.
+
+Prompts ask the model to repeat or edit a passage of the prompt (the chat template is applied),
+the case prompt lookup is for. Every configuration runs every prompt, round-robin per prompt so
+that a noisy machine slows all of them alike. Greedy, so each configuration must reproduce the
+baseline's tokens (bf16: up to a near tie; the "same" column counts identical outputs).
+
+Columns: decode tok/s (first to last output token: prefill excluded), speedup vs plain decode,
+acceptance rate (accepted / proposed), mean accepted guesses per verify step, output tokens per
+target forward pass of the sequence, draft and verify seconds.
+
+Usage: .venv/bin/python benchmarks/spec_decode.py [--max-tokens 160] [--threads 2] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+from inferd.engine.engine import LLMEngine  # noqa: E402
+from inferd.engine.request import SamplingParams  # noqa: E402
+from inferd.model.loader import load_model  # noqa: E402
+
+PASSAGE_A = ("The lighthouse stood on a narrow spit of rock at the mouth of the harbour. Every evening the keeper "
+             "climbed the one hundred and twelve steps to light the lamp, and every morning he climbed them again "
+             "to put it out. In forty years he had missed only one night, during the great storm of 1953, when the "
+             "sea broke through the door and filled the lower room with water and sand.")
+PASSAGE_B = ("Photosynthesis is the process by which green plants use sunlight to turn water and carbon dioxide "
+             "into sugar and oxygen. It takes place mainly in the leaves, inside small structures called "
+             "chloroplasts, which contain the green pigment chlorophyll. The oxygen is released into the air, "
+             "while the sugar gives the plant the energy it needs to grow.")
+TYPOS_C = ("Our team meeting will be held on Thursday at ten oclock in the main conferense room. Please bring "
+           "your laptop and the quarterly report, and be ready to discus the new budget. Lunch will be provded "
+           "after the meeting for everyone who attends.")
+CODE_D = ("def average(values):\n    total = 0\n    for v in values:\n        total = total + v\n"
+          "    return total / len(values)\n\n\ndef maximum(values):\n    best = values[0]\n    for v in values:\n"
+          "        if v > best:\n            best = v\n    return best\n")
+
+PROMPTS = [
+    f"Repeat the following paragraph exactly, word for word:\n\n{PASSAGE_A}",
+    f"Copy this text exactly as it is:\n\n{PASSAGE_B}",
+    f"Fix the spelling mistakes in the following text and write out the corrected text in full:\n\n{TYPOS_C}",
+    f"Rename the variable `values` to `numbers` in this Python code and return the whole code:\n\n{CODE_D}",
+]
+
+
+def configs(args):
+    yield "plain decode", {}
+    for k in args.ngram_k:
+        yield f"ngram k={k}", dict(speculative_method="ngram", num_speculative_tokens=k, ngram_min=1,
+                                   ngram_max=args.ngram_max)
+    for n in args.self_layers:
+        yield f"self-draft {n}L k={args.draft_k}", dict(speculative_method="draft", draft_model=f"self:layers={n}",
+                                                        num_speculative_tokens=args.draft_k)
+    for q in args.quant_methods:
+        n = args.quant_layers
+        yield f"self-draft {n}L {q} k={args.draft_k}", dict(speculative_method="draft",
+                                                            draft_model=f"self:layers={n}",
+                                                            draft_quantization=q, num_speculative_tokens=args.draft_k)
+
+
+def run_one(eng: LLMEngine, prompt_ids: list[int], max_tokens: int):
+    rid = eng.add_request(prompt_ids, SamplingParams(max_tokens=max_tokens, temperature=0))
+    req = eng.requests[rid]
+    while eng.has_unfinished():
+        eng.step()
+    t = req.timings
+    return req.output_ids, len(t.token_times) - 1, t.token_times[-1] - t.token_times[0]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--ngram-k", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--ngram-max", type=int, default=4)
+    ap.add_argument("--self-layers", type=int, nargs="+", default=[4, 10, 20])
+    ap.add_argument("--quant-layers", type=int, default=10)
+    ap.add_argument("--quant-methods", nargs="*", default=["int8", "int4"])
+    ap.add_argument("--draft-k", type=int, default=3)
+    ap.add_argument("--prompts", type=int, nargs="+", default=None, help="indices of PROMPTS to run (default: all)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lm = load_model(None, dtype=args.dtype)
+    tok = lm.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
+               for i, p in enumerate(PROMPTS) if args.prompts is None or i in args.prompts]
+    names, engines = [], []
+    for name, opts in configs(args):
+        names.append(name)
+        engines.append(LLMEngine(loaded=lm, kv_cache_memory="96MiB", max_num_seqs=1, **opts))
+    # warm-up: kernels, rope tables, allocator
+    for eng in engines:
+        run_one(eng, prompts[0][:64], 8)
+    res = {n: {"tokens": 0, "time": 0.0, "outs": []} for n in names}
+    before = {n: (e.stats.generated_tokens, e.stats.sample_events,
+                  e.spec.stats.as_dict() if e.spec else None) for n, e in zip(names, engines)}
+    for pi, p in enumerate(prompts):
+        for name, eng in zip(names, engines):
+            g0, e0 = eng.stats.generated_tokens, eng.stats.sample_events
+            a0 = (eng.spec.stats.num_accepted_tokens, eng.spec.stats.num_draft_tokens) if eng.spec else (0, 0)
+            out, n, dt = run_one(eng, p, args.max_tokens)
+            r = res[name]
+            r["tokens"] += n
+            r["time"] += dt
+            r["outs"].append(out)
+            acc = ""
+            if eng.spec:
+                acc = (f"  acceptance {(eng.spec.stats.num_accepted_tokens - a0[0]) / max(1, eng.spec.stats.num_draft_tokens - a0[1]):.2f}")
+            print(f"prompt {pi}  {name:<24} {n / dt:6.2f} tok/s  {(eng.stats.generated_tokens - g0) / (eng.stats.sample_events - e0):.2f} "
+                  f"tok/step{acc}", file=sys.stderr, flush=True)
+    base = res[names[0]]
+    base_tps = base["tokens"] / base["time"]
+    rows = []
+    for name, eng in zip(names, engines):
+        r = res[name]
+        g0, e0, s0 = before[name]
+        gen, ev = eng.stats.generated_tokens - g0, eng.stats.sample_events - e0
+        row = {"config": name, "decode_tok_s": r["tokens"] / r["time"], "speedup": r["tokens"] / r["time"] / base_tps,
+               "tokens_per_target_step": gen / ev, "same_as_plain": sum(a == b for a, b in zip(r["outs"], base["outs"]))}
+        if eng.spec is not None:
+            s1 = eng.spec.stats.as_dict()
+            d = {k: s1[k] - s0[k] for k in ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens",
+                                            "spec_draft_time_s", "spec_verify_time_s")}
+            row["acceptance"] = d["spec_num_accepted_tokens"] / max(1, d["spec_num_draft_tokens"])
+            row["accepted_per_verify"] = d["spec_num_accepted_tokens"] / max(1, d["spec_num_drafts"])
+            row["draft_s"], row["verify_s"] = d["spec_draft_time_s"], d["spec_verify_time_s"]
+        rows.append(row)
+    print(f"batch-1 greedy decode, SmolLM2-135M-Instruct ({args.dtype}), {len(prompts)} repeat/edit prompts, "
+          f"max_tokens={args.max_tokens}, torch threads={torch.get_num_threads()}")
+    hdr = f"{'config':<26}{'tok/s':>8}{'speedup':>9}{'accept':>8}{'acc/step':>9}{'tok/step':>9}" \
+          f"{'draft s':>9}{'verify s':>9}{'same':>6}"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        acc = f"{100 * r['acceptance']:.0f}%" if "acceptance" in r else "-"
+        aps = f"{r['accepted_per_verify']:.2f}" if "acceptance" in r else "-"
+        ds = f"{r['draft_s']:.1f}" if "acceptance" in r else "-"
+        vs = f"{r['verify_s']:.1f}" if "acceptance" in r else "-"
+        print(f"{r['config']:<26}{r['decode_tok_s']:>8.1f}{r['speedup']:>8.2f}x{acc:>8}{aps:>9}"
+              f"{r['tokens_per_target_step']:>9.2f}{ds:>9}{vs:>9}{r['same_as_plain']:>4}/{len(prompts)}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""Verify chunks through the decode kernel.
+
+A verify step gives each sequence k+1 new tokens. Through the prefill path that means gathering
+the sequence's whole K/V per layer and a masked SDPA call, which at batch 1 cost as much as the
+weights' matmuls. But query j of a chunk starting at position s is exactly a decode query with
+context length s + j + 1 (this layer's new K/V are written before anyone attends), so short
+chunks are handed to the paged decode kernel as k+1 single-query rows sharing one block table:
+K/V read in place, causality from the per-row context length, no mask.
+"""
+from __future__ import annotations
+
+from inferd.engine.attention import PagedAttention
+
+
+class SpecPagedAttention(PagedAttention):
+    max_rows_per_chunk = 16  # longer chunks (prompts) stay on the batched prefill path
+
+    def prepare(self, block_tables, starts, lengths):
+        if self.kernel is None:
+            return super().prepare(block_tables, starts, lengths)
+        bts, sts, lens = [], [], []
+        for bt, s, n in zip(block_tables, starts, lengths):
+            if 1 < n <= self.max_rows_per_chunk:
+                bts.extend([bt] * n)
+                sts.extend(range(s, s + n))
+                lens.extend([1] * n)
+            else:
+                bts.append(bt)
+                sts.append(s)
+                lens.append(n)
+        return super().prepare(bts, sts, lens)
