@@ -1,0 +1,149 @@
+"""llama.cpp as a benchmark competitor: one build of the llama.cpp sources vendored in the
+llama-cpp-python sdist gives both `llama-server` and the `libllama.so` that the llama_cpp
+Python bindings load in-process.
+
+Usage:
+  .venv/bin/python benchmarks/llamacpp.py --build      # build (or reuse) llama-server + libllama.so
+  .venv/bin/python benchmarks/llamacpp.py --bindings   # also make `import llama_cpp` work
+
+An optional benchmark dependency: nothing here is imported by inferd itself or by the tests.
+The cache lives in $INFERD_BENCH_CACHE (default ~/.cache/inferd-bench); a finished build is
+reused, so every call after the first is cheap.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import importlib
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+# One pin for the sdist, the build and the bindings: the ctypes bindings are generated against
+# exactly the llama.cpp revision this sdist vendors, so mixing versions breaks the ABI silently.
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+
+CACHE = Path(os.environ.get("INFERD_BENCH_CACHE", Path.home() / ".cache" / "inferd-bench"))
+SDIST_DIR = CACHE / "sdist"
+SRC_ROOT = CACHE / "src" / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}"
+BUILD_DIR = CACHE / f"llama.cpp-build-{LLAMA_CPP_PYTHON_VERSION}"
+
+
+def _log(msg: str) -> None:
+    print(f"[llamacpp] {msg}", file=sys.stderr, flush=True)
+
+
+def _run(cmd: list[str], **kw) -> None:
+    _log(" ".join(cmd))
+    subprocess.run(cmd, check=True, **kw)
+
+
+def _nice() -> list[str]:
+    # The benchmark machines are shared: a compile at full priority starves everyone else.
+    return ["nice", "-n", "10"] if shutil.which("nice") else []
+
+
+def ensure_sources() -> Path:
+    """Download the sdist (never a wheel: we want the vendored C++ sources) and extract it."""
+    if (SRC_ROOT / "vendor" / "llama.cpp" / "CMakeLists.txt").exists():
+        return SRC_ROOT
+    SDIST_DIR.mkdir(parents=True, exist_ok=True)
+    tarballs = glob.glob(str(SDIST_DIR / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"))
+    if not tarballs:
+        _run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
+              f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(SDIST_DIR)])
+        tarballs = glob.glob(str(SDIST_DIR / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"))
+    SRC_ROOT.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(tarballs[0]) as tf:
+        tf.extractall(SRC_ROOT.parent, filter="data")
+    return SRC_ROOT
+
+
+def _find_built(name: str) -> Path | None:
+    hits = sorted(BUILD_DIR.glob(f"**/{name}"))
+    return hits[0] if hits else None
+
+
+def _built() -> tuple[Path, Path] | None:
+    server, lib = _find_built("llama-server"), _find_built("libllama.so")
+    return (server, lib) if server and lib else None
+
+
+def build(jobs: int = 2) -> tuple[Path, Path]:
+    """Configure and build llama-server + libllama.so (and the libggml*.so it needs). Idempotent."""
+    done = _built()
+    if done:
+        return done
+    src = ensure_sources() / "vendor" / "llama.cpp"
+    t0 = time.monotonic()
+    _run(["cmake", "-S", str(src), "-B", str(BUILD_DIR),
+          "-DCMAKE_BUILD_TYPE=Release",
+          # Shared libs so the same build serves llama-server and the Python bindings.
+          "-DBUILD_SHARED_LIBS=ON",
+          "-DGGML_NATIVE=ON",
+          "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TOOLS=ON",
+          "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+          # No network at build time: the web UI would be fetched from Hugging Face or built by npm.
+          "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
+          "-DLLAMA_OPENSSL=OFF"])
+    targets = ["llama-server", "llama"]
+    _run(_nice() + ["cmake", "--build", str(BUILD_DIR), "--config", "Release",
+                    "-j", str(jobs), "--target", *targets])
+    done = _built()
+    if not done:
+        raise RuntimeError(f"build finished but llama-server/libllama.so not found under {BUILD_DIR}")
+    _log(f"built in {time.monotonic() - t0:.0f} s: {done[0]}, {done[1]}")
+    return done
+
+
+def ensure_llama_server(jobs: int = 2) -> Path:
+    return build(jobs)[0]
+
+
+def lib_dir(jobs: int = 2) -> Path:
+    return build(jobs)[1].parent
+
+
+def ensure_llama_cpp_python(jobs: int = 2):
+    """Import llama_cpp, installing the bindings without a second llama.cpp compile if needed.
+
+    The sdist's top-level CMakeLists has `option(LLAMA_BUILD ... ON)`; with it OFF the wheel is
+    the pure-Python ctypes package, and `LLAMA_CPP_LIB_PATH` (read by llama_cpp/llama_cpp.py)
+    points it at the libllama.so built above.
+    """
+    libdir = lib_dir(jobs)
+    os.environ["LLAMA_CPP_LIB_PATH"] = str(libdir)
+    try:
+        return importlib.import_module("llama_cpp")
+    except ImportError:
+        pass
+    src = ensure_sources()
+    env = dict(os.environ, CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF")
+    _run([sys.executable, "-m", "pip", "install", "--no-deps", str(src)], env=env)
+    # The runtime deps the bindings import at module load (numpy is already an inferd dep).
+    _run([sys.executable, "-m", "pip", "install", "typing-extensions>=4.5.0", "diskcache>=5.6.1"])
+    importlib.invalidate_caches()
+    return importlib.import_module("llama_cpp")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--build", action="store_true", help="build (or reuse) llama-server and libllama.so")
+    ap.add_argument("--bindings", action="store_true", help="make `import llama_cpp` work in this venv")
+    ap.add_argument("-j", "--jobs", type=int, default=2)
+    args = ap.parse_args()
+    if not (args.build or args.bindings):
+        ap.error("nothing to do: pass --build and/or --bindings")
+    server, lib = build(args.jobs)
+    print(f"llama-server: {server}\nlibllama:     {lib}")
+    if args.bindings:
+        mod = ensure_llama_cpp_python(args.jobs)
+        print(f"llama_cpp {mod.__version__} from {mod.__file__}, LLAMA_CPP_LIB_PATH={os.environ['LLAMA_CPP_LIB_PATH']}")
+
+
+if __name__ == "__main__":
+    main()
