@@ -13,6 +13,8 @@ reused, so every call after the first is cheap.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import glob
 import importlib
 import os
@@ -64,48 +66,62 @@ def ensure_sources() -> Path:
 
 
 def _find_built(name: str) -> Path | None:
-    hits = sorted(BUILD_DIR.glob(f"**/{name}"))
+    hits = sorted(p for p in BUILD_DIR.glob(f"**/{name}") if p.is_file())
     return hits[0] if hits else None
 
 
-def _built() -> tuple[Path, Path] | None:
-    server, lib = _find_built("llama-server"), _find_built("libllama.so")
-    return (server, lib) if server and lib else None
+@contextlib.contextmanager
+def _build_lock():
+    # Two callers building into one tree at once (a benchmark started while `--build` still runs)
+    # would race on the same object files; the second waits and then finds the work done.
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / f".build-{LLAMA_CPP_PYTHON_VERSION}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def build(jobs: int = 2) -> tuple[Path, Path]:
-    """Configure and build llama-server + libllama.so (and the libggml*.so it needs). Idempotent."""
-    done = _built()
-    if done:
-        return done
-    src = ensure_sources() / "vendor" / "llama.cpp"
-    t0 = time.monotonic()
-    _run(["cmake", "-S", str(src), "-B", str(BUILD_DIR),
-          "-DCMAKE_BUILD_TYPE=Release",
-          # Shared libs so the same build serves llama-server and the Python bindings.
-          "-DBUILD_SHARED_LIBS=ON",
-          "-DGGML_NATIVE=ON",
-          "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TOOLS=ON",
-          "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-          # No network at build time: the web UI would be fetched from Hugging Face or built by npm.
-          "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
-          "-DLLAMA_OPENSSL=OFF"])
-    targets = ["llama-server", "llama"]
-    _run(_nice() + ["cmake", "--build", str(BUILD_DIR), "--config", "Release",
-                    "-j", str(jobs), "--target", *targets])
-    done = _built()
-    if not done:
-        raise RuntimeError(f"build finished but llama-server/libllama.so not found under {BUILD_DIR}")
-    _log(f"built in {time.monotonic() - t0:.0f} s: {done[0]}, {done[1]}")
-    return done
+# cmake target -> the file it produces
+TARGETS = {"llama-server": "llama-server", "llama": "libllama.so"}
+
+
+def build(targets: tuple[str, ...] = ("llama-server", "llama"), jobs: int = 2) -> dict[str, Path]:
+    """Configure and build the targets (libllama.so brings the libggml*.so it needs). Idempotent."""
+    with _build_lock():
+        found = {t: _find_built(TARGETS[t]) for t in targets}
+        if all(found.values()):
+            return found
+        src = ensure_sources() / "vendor" / "llama.cpp"
+        t0 = time.monotonic()
+        if not (BUILD_DIR / "CMakeCache.txt").exists():
+            _run(["cmake", "-S", str(src), "-B", str(BUILD_DIR),
+                  "-DCMAKE_BUILD_TYPE=Release",
+                  # Shared libs so the same build serves llama-server and the Python bindings.
+                  "-DBUILD_SHARED_LIBS=ON",
+                  "-DGGML_NATIVE=ON",
+                  "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TOOLS=ON",
+                  "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+                  # No network at build time: the web UI would come from Hugging Face or npm.
+                  "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
+                  "-DLLAMA_OPENSSL=OFF"])
+        _run(_nice() + ["cmake", "--build", str(BUILD_DIR), "--config", "Release",
+                        "-j", str(jobs), "--target", *targets])
+        found = {t: _find_built(TARGETS[t]) for t in targets}
+        missing = [TARGETS[t] for t, p in found.items() if p is None]
+        if missing:
+            raise RuntimeError(f"build finished but {missing} not found under {BUILD_DIR}")
+        _log(f"built {', '.join(targets)} in {time.monotonic() - t0:.0f} s")
+        return found
 
 
 def ensure_llama_server(jobs: int = 2) -> Path:
-    return build(jobs)[0]
+    return build(("llama-server",), jobs)["llama-server"]
 
 
 def lib_dir(jobs: int = 2) -> Path:
-    return build(jobs)[1].parent
+    return build(("llama",), jobs)["llama"].parent
 
 
 def ensure_llama_cpp_python(jobs: int = 2):
@@ -138,8 +154,8 @@ def main() -> None:
     args = ap.parse_args()
     if not (args.build or args.bindings):
         ap.error("nothing to do: pass --build and/or --bindings")
-    server, lib = build(args.jobs)
-    print(f"llama-server: {server}\nlibllama:     {lib}")
+    built = build(jobs=args.jobs)
+    print(f"llama-server: {built['llama-server']}\nlibllama:     {built['llama']}")
     if args.bindings:
         mod = ensure_llama_cpp_python(args.jobs)
         print(f"llama_cpp {mod.__version__} from {mod.__file__}, LLAMA_CPP_LIB_PATH={os.environ['LLAMA_CPP_LIB_PATH']}")
