@@ -83,6 +83,48 @@ def _build_lock():
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+# /proc/cpuinfo flag -> ggml option; ggml's x86 kernels test exactly these.
+_X86_ISA = [("sse4_2", "GGML_SSE42"), ("f16c", "GGML_F16C"), ("fma", "GGML_FMA"), ("bmi2", "GGML_BMI2"),
+            ("avx", "GGML_AVX"), ("avx2", "GGML_AVX2"), ("avx_vnni", "GGML_AVX_VNNI"),
+            ("avx512f", "GGML_AVX512"), ("avx512vbmi", "GGML_AVX512_VBMI"),
+            ("avx512_vnni", "GGML_AVX512_VNNI"), ("avx512_bf16", "GGML_AVX512_BF16")]
+
+
+def _cpu_options() -> list[str]:
+    """ISA options for ggml-cpu: this CPU's features, but never AMX.
+
+    Not GGML_NATIVE: -march=native turns AMX on wherever CPUID lists it, and on the Firecracker VMs
+    we benchmark on CPUID lists amx_int8 while the first AMX tile load in ggml's Q4_1 matmul kills
+    the process with SIGILL. Explicit flags (as ggml's own non-native build does) keep everything
+    else native. Off x86 (or without /proc/cpuinfo) native is fine.
+    """
+    try:
+        flags = next(ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")).split(":", 1)[1].split()
+    except (OSError, StopIteration):
+        return ["-DGGML_NATIVE=ON"]
+    if "avx" not in flags:
+        return ["-DGGML_NATIVE=ON"]
+    have = set(flags)
+    opts = ["-DGGML_NATIVE=OFF"]
+    for flag, opt in _X86_ISA:
+        on = flag in have and (opt != "GGML_AVX512" or {"avx512cd", "avx512vl", "avx512dq", "avx512bw"} <= have)
+        opts.append(f"-D{opt}={'ON' if on else 'OFF'}")
+    return opts + ["-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+
+
+def configure_args(src: Path) -> list[str]:
+    return ["cmake", "-S", str(src), "-B", str(BUILD_DIR),
+            "-DCMAKE_BUILD_TYPE=Release",
+            # Shared libs so the same build serves llama-server and the Python bindings.
+            "-DBUILD_SHARED_LIBS=ON",
+            *_cpu_options(),
+            "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TOOLS=ON",
+            "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+            # No network at build time: the web UI would come from Hugging Face or npm.
+            "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
+            "-DLLAMA_OPENSSL=OFF"]
+
+
 # cmake target -> the file it produces
 TARGETS = {"llama-server": "llama-server", "llama": "libllama.so"}
 
@@ -90,22 +132,19 @@ TARGETS = {"llama-server": "llama-server", "llama": "libllama.so"}
 def build(targets: tuple[str, ...] = ("llama-server", "llama"), jobs: int = 2) -> dict[str, Path]:
     """Configure and build the targets (libllama.so brings the libggml*.so it needs). Idempotent."""
     with _build_lock():
+        src = SRC_ROOT / "vendor" / "llama.cpp"
+        args = configure_args(src)
+        stamp = BUILD_DIR / ".inferd-configure-args"
+        # A tree configured with other options is rebuilt (cmake recompiles only what they touch).
+        configured = stamp.exists() and stamp.read_text() == "\n".join(args)
         found = {t: _find_built(TARGETS[t]) for t in targets}
-        if all(found.values()):
+        if configured and all(found.values()):
             return found
-        src = ensure_sources() / "vendor" / "llama.cpp"
+        ensure_sources()
         t0 = time.monotonic()
-        if not (BUILD_DIR / "CMakeCache.txt").exists():
-            _run(["cmake", "-S", str(src), "-B", str(BUILD_DIR),
-                  "-DCMAKE_BUILD_TYPE=Release",
-                  # Shared libs so the same build serves llama-server and the Python bindings.
-                  "-DBUILD_SHARED_LIBS=ON",
-                  "-DGGML_NATIVE=ON",
-                  "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TOOLS=ON",
-                  "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-                  # No network at build time: the web UI would come from Hugging Face or npm.
-                  "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
-                  "-DLLAMA_OPENSSL=OFF"])
+        if not configured:
+            _run(args)
+            stamp.write_text("\n".join(args))
         _run(_nice() + ["cmake", "--build", str(BUILD_DIR), "--config", "Release",
                         "-j", str(jobs), "--target", *targets])
         found = {t: _find_built(TARGETS[t]) for t in targets}
