@@ -112,6 +112,9 @@ def run_bench(base_url: str, *args: str, timeout: float = 1800) -> dict:
               f"{res.get('errors', [])[:3]}", file=sys.stderr, flush=True)
     for w in res.get("warnings") or ():
         print(f"[bench] warning: {w}", file=sys.stderr, flush=True)
+    # One line per run as it finishes: a long comparison shows its numbers before the last table.
+    print("[bench] " + ", ".join(f"{label} {fmt(res.get(key), spec)}" for label, key, spec in METRICS),
+          file=sys.stderr, flush=True)
     return res
 
 
