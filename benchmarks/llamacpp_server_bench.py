@@ -4,7 +4,8 @@ max_tokens + ignore_eos, counted from each server's own `usage`), at concurrency
 
 llama-server: built from the llama.cpp sources vendored in the llama-cpp-python sdist (see
 benchmarks/llamacpp.py), 2 threads, 32 slots (-np 32), prompt caching off (--no-cache-prompt,
---cache-ram 0). inferd serve: 2 threads, --max-num-seqs 32, prefix caching off to match, once per
+--cache-ram 0), OMP_WAIT_POLICY=passive unless set (see llamacpp.OMP_ENV: on a busy machine
+spinning OpenMP barriers cost llama.cpp up to 8x). inferd serve: 2 threads, --max-num-seqs 32, prefix caching off to match, once per
 --quantization given (default: `gguf`, the file's own Q4_1 blocks, and `none`, dequantized
 weights in the default dtype), since neither wins at every batch size.
 
@@ -22,7 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
-from llamacpp import ensure_llama_server  # noqa: E402
+from llamacpp import ensure_llama_server, llamacpp_env  # noqa: E402
 from serving import METRICS, fmt, free_port, inferd_env, inferd_serve_cmd, print_table, run_bench, server  # noqa: E402
 
 # Concurrency -> number of prompts: enough requests to fill every slot a few times over, few
@@ -75,7 +76,7 @@ def main() -> None:
     if not a.skip_llamacpp:
         binary = str(ensure_llama_server())
         cmd = llama_server_cmd(binary, gguf, free_port(), a.threads, a.slots, a.ctx_per_slot)
-        with server(cmd, "llama-server") as url:
+        with server(cmd, "llama-server", env=llamacpp_env()) as url:
             results["llama.cpp"] = bench_all(url)
     for q in a.quantization.split(","):
         cmd = inferd_serve_cmd("--model", gguf, "--threads", str(a.threads), "--max-num-seqs", str(a.slots),
