@@ -6,6 +6,9 @@ first token comes out of the prefill's logits).
 
 Usage: .venv/bin/python benchmarks/llamacpp_decode.py [--gguf PATH] [--prompt-len 64] [--n-out 128]
 Builds llama.cpp and installs the bindings on first use (see benchmarks/llamacpp.py).
+OpenMP: llama.cpp runs with OMP_WAIT_POLICY=passive (see llamacpp.OMP_ENV), set by importing this
+module, which only takes effect if no libgomp is loaded yet (torch loads one); when importing it
+from a script that has already imported torch, export OMP_WAIT_POLICY=passive in the shell.
 """
 from __future__ import annotations
 
@@ -20,7 +23,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
-from llamacpp import ensure_llama_cpp_python  # noqa: E402
+from llamacpp import OMP_ENV, ensure_llama_cpp_python  # noqa: E402
+
+# torch ships a libgomp.so.1 too, and whichever process loads one first fixes the OpenMP wait
+# policy for both: it has to be in the environment before torch (inferd) is imported. A script
+# importing this module after torch gets the policy only from its own environment.
+for _k, _v in OMP_ENV.items():
+    os.environ.setdefault(_k, _v)
 
 
 def load_llama(gguf_path: str, threads: int = 2, n_ctx: int = 1024, flash_attn: bool = True):
