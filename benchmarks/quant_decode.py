@@ -8,8 +8,9 @@ the median round is reported. Also:
     dequantized bf16 at both batch 1 and batch 32);
   - the packed kernels with fp32 activations vs bf16 activations on one layer (why fp32 is not served).
 
-llama.cpp comes from llama-cpp-python, installed by benchmarks/llamacpp.py when missing (optional
-benchmark dependency; --skip-llamacpp to leave it out).
+llama.cpp comes from llama-cpp-python, built and installed by benchmarks/llamacpp.py when missing
+(optional benchmark dependency; --skip-llamacpp to leave it out), run in a subprocess per round with
+OMP_WAIT_POLICY=passive (its random 64-token prompt has the same length as ours).
 
 Usage: .venv/bin/python benchmarks/quant_decode.py [--tokens 128] [--rounds 3] [--json F]
 """
@@ -120,12 +121,23 @@ def main():
         runners["HF transformers bf16"] = lambda: hf_rate(hf, prompt, a.tokens)
     llama_note = ""
     if not a.skip_llamacpp:
-        try:
-            from llamacpp_decode import llamacpp_decode_rate
+        # its own process: llama.cpp wants OMP_WAIT_POLICY=passive, and whichever library loads
+        # libgomp first fixes the policy for the whole process (benchmarks/llamacpp_decode.py)
+        import re
+        import subprocess
 
-            llamacpp_decode_rate(path, prompt, 8, threads=a.threads)  # load + warm once
-            runners["llama.cpp Q4_1 (llama-cpp-python)"] = lambda: llamacpp_decode_rate(
-                path, prompt, a.tokens, threads=a.threads)
+        def llamacpp_round() -> float:
+            r = subprocess.run([sys.executable, os.path.join(HERE, "llamacpp_decode.py"), "--gguf", path,
+                                "--prompt-len", str(len(prompt)), "--n-out", str(a.tokens), "--threads",
+                                str(a.threads), "--rounds", "1"], capture_output=True, text=True, timeout=3600)
+            m = re.search(r"decode: ([0-9.]+) tok/s", r.stdout)
+            if r.returncode or not m:
+                raise RuntimeError((r.stderr or r.stdout).strip().splitlines()[-1:] or "no output")
+            return float(m.group(1))
+
+        try:
+            llamacpp_round()  # builds/installs on first use
+            runners["llama.cpp Q4_1 (llama-cpp-python)"] = llamacpp_round
         except Exception as e:  # optional competitor: say why it is missing, keep the rest
             llama_note = f"llama.cpp skipped: {type(e).__name__}: {e}"
     rates = {k: [] for k in runners}
