@@ -270,17 +270,18 @@ def test_awq_keeps_the_float_function_before_rounding():
     A._round_floats_fp16(ref)  # the checkpoint's fp16 embeddings and norms, minus the scale folds
     m = make_tiny_model().model
     captured = {}
-    orig = A.quantize_groups
+    orig = A.search_codes
 
-    def spy(w, group_size, lo=None, hi=None):  # the final quantization sees the folded float weight
+    def spy(w, h, group_size, shrinks=(1.0,)):  # the final quantization sees the folded float weight
         captured[id(w)] = w
-        return orig(w, group_size, lo, hi)
+        return orig(w, h, group_size, shrinks)
 
-    A.quantize_groups = spy
+
+    A.search_codes = spy
     try:
         res = awq_quantize(m, _calib(), 32, clip=False)
     finally:
-        A.quantize_groups = orig
+        A.search_codes = orig
     ws = list(captured.values())
     assert len(ws) == 8
     with torch.no_grad():

@@ -12,8 +12,8 @@ activations by s, folding 1/s into whatever produced them so no extra work happe
                                                  v row feeds several query heads, so the scale is
                                                  tied across the query heads of a kv head)
 
-s = mean|x|^alpha, alpha picked on a grid, then a per-group clipping range (shrink of min/max) is
-picked too; both minimise the layer's output error on calibration text.
+s = mean|x|^alpha, alpha picked on a grid, then per group a clipping range (shrink of min/max) and
+an integer grid for it; all minimise the layer's output error on calibration text.
 
 All errors are computed from second moments: for a weight error D [out, in] and inputs X [T, in],
 ||X D^T||^2 / T = sum_n D_n H D_n^T with H = X^T X / T. H is accumulated once over every
@@ -129,6 +129,47 @@ def output_error(d: torch.Tensor, h: torch.Tensor) -> float:
 
 # -- the searches ---------------------------------------------------------------------------
 
+def candidate_grids(lo: torch.Tensor, hi: torch.Tensor):
+    """Integer grids (s, z) worth trying for a group spanning [lo, hi]: the covering one, and the
+    min/max step (hi - lo) / 15 with the zero rounded down or up -- a finer step that clips up to
+    one step at one end. Which wins depends on where the group's weights and activations sit."""
+    lo, hi = lo.clamp(max=0), hi.clamp(min=0)
+    yield int_grid(lo, hi)
+    s = ((hi - lo) / 15).clamp(min=2.0**-14, max=60000.0).half().float()
+    zc = (-lo / s).clamp(0, 15)
+    yield s, zc.floor().to(torch.int32)
+    yield s, zc.ceil().to(torch.int32)
+
+
+def block_diagonal(h: torch.Tensor, group_size: int) -> torch.Tensor:
+    ng = h.shape[0] // group_size
+    return torch.stack([h[j * group_size:(j + 1) * group_size, j * group_size:(j + 1) * group_size]
+                        for j in range(ng)])
+
+
+def search_codes(w: torch.Tensor, h: torch.Tensor, group_size: int, shrinks=(1.0,)):
+    """Codes for W [N, K]: per (row, group), of every candidate grid of the range [f lo, f hi]
+    (f in `shrinks`: clipping), the one with the least output error. Groups are independent given
+    the block diagonal of H, so each takes its own grid. Returns (q, z, s fp16) as quantize_groups."""
+    N, K = w.shape
+    ng = K // group_size
+    g = w.float().reshape(N, ng, group_size)
+    hb = block_diagonal(h, group_size)
+    lo0, hi0 = g.amin(-1), g.amax(-1)
+    best = torch.full((N, ng), math.inf)
+    best_s, best_z = torch.ones(N, ng), torch.zeros(N, ng, dtype=torch.int32)
+    for f in shrinks:
+        for s, z in candidate_grids(lo0 * f, hi0 * f):
+            zf = z[..., None].float()
+            d = (torch.clamp(torch.round(g / s[..., None]), -zf, 15 - zf) * s[..., None] - g).transpose(0, 1)
+            err = (torch.bmm(d, hb) * d).sum(-1).t()
+            take = err < best
+            best = torch.where(take, err, best)
+            best_s, best_z = torch.where(take, s, best_s), torch.where(take, z, best_z)
+    q = (torch.round(g / best_s[..., None]) + best_z[..., None]).clamp(0, 15).to(torch.int32)
+    return q.reshape(N, K), best_z, best_s.half()
+
+
 def search_scale(w: torch.Tensor, h: torch.Tensor, x_mean: torch.Tensor, group_size: int,
                  grid: int = 20) -> tuple[torch.Tensor, float]:
     """Per-input-channel scale s (folded out of the activations) minimising the output error of
@@ -140,33 +181,17 @@ def search_scale(w: torch.Tensor, h: torch.Tensor, x_mean: torch.Tensor, group_s
         a = i / grid
         s = xm.pow(a).clamp(min=1e-4)
         s = s / (s.max() * s.min()).sqrt()  # centre the scales around 1 so neither end leaves fp16
+        # the plain covering grid here: trying every grid per alpha would triple the search for a
+        # choice the final search_codes makes anyway
         err = output_error(fake_quant(w * s, group_size) / s - w, h)
         if err < best_err:
             best_err, best_s = err, s
     return best_s, best_err
 
 
-def search_clip(w: torch.Tensor, h: torch.Tensor, group_size: int, grid: int = 20,
-                max_shrink: float = 0.5) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per (row, group) clipping range [f lo, f hi], f in 1, 1 - 1/grid, ... > 1 - max_shrink,
-    minimising that group's contribution to the output error. Groups are independent given the
-    block-diagonal of H, so every group takes its own best f."""
-    N, K = w.shape
-    ng = K // group_size
-    g = w.float().reshape(N, ng, group_size)
-    hb = torch.stack([h[j * group_size:(j + 1) * group_size, j * group_size:(j + 1) * group_size]
-                      for j in range(ng)])
-    lo0, hi0 = g.amin(-1), g.amax(-1)
-    best = torch.full((N, ng), math.inf)
-    best_f = torch.ones(N, ng)
-    for i in range(max(1, int(max_shrink * grid))):
-        f = 1 - i / grid
-        d = (fake_quant(w, group_size, lo0 * f, hi0 * f).reshape(N, ng, group_size) - g).transpose(0, 1)
-        err = (torch.bmm(d, hb) * d).sum(-1).t()
-        better = err < best
-        best = torch.where(better, err, best)
-        best_f = torch.where(better, torch.full_like(best_f, f), best_f)
-    return lo0 * best_f, hi0 * best_f
+def clip_shrinks(grid: int = 20, max_shrink: float = 0.5) -> list[float]:
+    """1, 1 - 1/grid, ... while the shrink stays under max_shrink (AWQ's clipping grid)."""
+    return [1 - i / grid for i in range(max(1, int(max_shrink * grid)))]
 
 
 # -- calibration statistics ---------------------------------------------------------------------
@@ -268,10 +293,7 @@ def quantize_layer(layer, stats: dict, cfg, group_size: int, grid: int = 20, cli
     for n in LINEARS:
         w = w0[n] * s[n][None, :] / rows[n][:, None]
         h = h0[n] / (s[n][:, None] * s[n][None, :])
-        lo = hi = None
-        if clip:
-            lo, hi = search_clip(w, h, group_size, clip_grid)
-        q, z, sc = quantize_groups(w, group_size, lo, hi)
+        q, z, sc = search_codes(w, h, group_size, clip_shrinks(clip_grid) if clip else (1.0,))
         codes[n] = (q, z, sc)
         ref = output_error(w0[n], h0[n])
         d_awq = (dequantize(q, z, sc, group_size) - w) * rows[n][:, None]
