@@ -25,8 +25,9 @@ def add_model_args(p: argparse.ArgumentParser):
     g.add_argument("--device", default="cpu", help="cpu | cuda")
     g.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
     g.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
-    g.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "gguf"],
-                   help="weight-only quantization of the linear layers (CPU packed kernels)")
+    g.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "gguf", "awq"],
+                   help="weight-only quantization of the linear layers (CPU packed kernels); awq: an AWQ "
+                        "checkpoint folder (picked automatically for one)")
     g.add_argument("--quant-group-size", type=int, default=32, help="int4 group size (must divide the input size)")
     g.add_argument("--quantize-lm-head", action="store_true", help="quantize the output layer too")
 
@@ -125,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--quantization", default="none,int8,int4",
                     help="comma-separated configurations to compare with the fp32 reference")
     ev.add_argument("--quant-group-size", type=int, default=32)
+    ev.add_argument("--awq-path", default=None,
+                    help="awq config: this AWQ folder (from inferd quantize); default: calibrate in memory "
+                         "at --quant-group-size the way inferd quantize does")
     ev.add_argument("--quantize-lm-head", action="store_true")
     ev.add_argument("--dtype", default="auto", help="activation dtype of the evaluated configs")
     ev.add_argument("--dataset", default="wikitext", choices=["wikitext"])
@@ -138,6 +142,21 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--speed-dtype", default="auto",
                     help="activation dtype of the speed columns when --dtype float32 (default: the serving dtype)")
     ev.set_defaults(func=cmd_eval)
+
+    qz = sub.add_parser("quantize", help="AWQ int4: calibrate, search scales and clipping, write a Hugging Face "
+                                         "AWQ folder that inferd serve/generate/eval load")
+    qz.add_argument("--model", default=None, help="the model to quantize (default: the embedded default)")
+    qz.add_argument("--method", default="awq", choices=["awq"])
+    qz.add_argument("--group-size", type=int, default=64, help="input channels per scale: 32, 64, 128 or 256")
+    qz.add_argument("--calib", default="wikitext",
+                    help="wikitext (WikiText-2 test text after the characters inferd eval uses) or a text file")
+    qz.add_argument("--calib-samples", type=int, default=32, help="calibration sequences")
+    qz.add_argument("--calib-seqlen", type=int, default=512, help="tokens per calibration sequence")
+    qz.add_argument("--grid", type=int, default=20, help="grid points of the scale exponent and of the clipping")
+    qz.add_argument("--no-clip", dest="clip", action="store_false", help="skip the clipping search")
+    qz.add_argument("--out", required=True, help="output folder (created; must be empty)")
+    qz.add_argument("--threads", type=int, default=None)
+    qz.set_defaults(func=cmd_quantize)
 
     t = sub.add_parser("throughput", help="offline throughput of the engine on N seeded requests")
     add_model_args(t)
@@ -371,8 +390,11 @@ def cmd_eval(args) -> int:
         raise InferdError("--plot needs the speed columns; drop --no-speed")
     if args.plot and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
         raise InferdError(f"--plot: no such directory {os.path.dirname(os.path.abspath(args.plot))}")
+    if args.awq_path and "awq" not in configs:
+        raise InferdError("--awq-path is for the awq configuration: add awq to --quantization")
     res = run_eval(args.model, configs, args.quant_group_size, args.ctx, args.windows, args.dtype,
                    args.quantize_lm_head, args.speed, args.dataset_path, speed_dtype=args.speed_dtype,
+                   awq_path=args.awq_path,
                    progress=lambda i, n: sys.stderr.write(f"\rwindow {i}/{n}") or sys.stderr.flush())
     sys.stderr.write("\n")
     print(format_table(res))
@@ -384,6 +406,12 @@ def cmd_eval(args) -> int:
 
         plot_speed_vs_kl(res, args.plot)
     return 0
+
+
+def cmd_quantize(args) -> int:
+    from inferd.quant.awq import run_quantize
+
+    return run_quantize(args)
 
 
 def cmd_throughput(args) -> int:

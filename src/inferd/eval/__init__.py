@@ -21,6 +21,8 @@ from inferd.errors import InferdError
 from inferd.model.llama import ContiguousKV
 
 WIKITEXT_RELATIVE = os.path.join("..", "shared", "data", "wikitext-2", "test.txt")
+# evaluation windows come from this many leading characters of the text; AWQ calibrates on the rest
+EVAL_TEXT_CHARS = 200_000
 
 
 def wikitext_path() -> str:
@@ -116,7 +118,7 @@ FIXED_PROMPTS = [
 def run_eval(model: str | None, configs: list[str], group_size: int = 32, ctx: int = 512, windows: int = 64,
              dtype: str = "auto", quantize_lm_head: bool = False, speed: bool = True,
              text_path: str | None = None, continuation_tokens: int = 16, progress=None,
-             speed_dtype: str = "auto") -> dict:
+             speed_dtype: str = "auto", awq_path: str | None = None) -> dict:
     from inferd.model.loader import load_model, resolve_dtype
     from inferd.model.reference import reference_generate
     from inferd.quant import weight_bytes
@@ -128,14 +130,18 @@ def run_eval(model: str | None, configs: list[str], group_size: int = 32, ctx: i
     with open(text_path or wikitext_path(), encoding="utf-8") as f:
         text = f.read()
     # the first 200k characters hold far more than 64 x 512 tokens; AWQ calibrates on text after them
-    ids = tok.encode(text[:200_000], add_special_tokens=False)
+    ids = tok.encode(text[:EVAL_TEXT_CHARS], add_special_tokens=False)
     wins = token_windows(ids, ctx, windows)
     # fp32 activations: quantized layers hold their exact dequantized weights (the packed kernels'
     # fp32 path is 5-70x slower, same maths); speed and memory are then measured on a second,
     # packed copy in the serving dtype, which is what `inferd serve` would run
     fp32 = resolve_dtype(dtype, "cpu") == torch.float32
-    loaded = {}
+    loaded, labels = {}, {}
     for c in configs:
+        labels[c] = c + (f" g{group_size}" if c == "int4" else "")
+        if c == "awq":
+            loaded[c], labels[c] = _awq_config(model, awq_path, group_size, dtype, ref)
+            continue
         loaded[c] = load_model(model, dtype=dtype, quantization=c, quant_group_size=group_size,
                                quantize_lm_head=quantize_lm_head, dense_quant=fp32)
     acc = {c: Accumulator() for c in configs}
@@ -158,10 +164,10 @@ def run_eval(model: str | None, configs: list[str], group_size: int = 32, ctx: i
     for c in configs:
         lm = loaded[c]
         packed = lm
-        if fp32 and resolve_dtype(speed_dtype, "cpu") != torch.float32:
+        if fp32 and c != "awq" and resolve_dtype(speed_dtype, "cpu") != torch.float32:
             packed = load_model(model, dtype=speed_dtype, quantization=c, quant_group_size=group_size,
                                 quantize_lm_head=quantize_lm_head, with_tokenizer=False)
-        label = f"{c}" + (f" g{group_size}" if c == "int4" else "") + (" +lm_head" if quantize_lm_head and c != "none" else "")
+        label = labels[c] + (" +lm_head" if quantize_lm_head and c not in ("none", "awq") else "")
         row = {"config": f"{label} {str(lm.model.dtype)[6:]} act",
                **acc[c].summary(), "weight_mib": weight_bytes(packed.model) / 2**20,
                "activation_dtype": str(lm.model.dtype)[6:], "speed_dtype": str(packed.model.dtype)[6:]}
@@ -177,6 +183,23 @@ def run_eval(model: str | None, configs: list[str], group_size: int = 32, ctx: i
             "reference": ref_row, "configs": rows, "prompts": FIXED_PROMPTS, "reference_continuations": cont_ref,
             "note": "the default model's weights are Q4_1 to begin with; the reference is that model dequantized to fp32",
             "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def _awq_config(model, awq_path, group_size, dtype, ref):
+    """The awq configuration: a saved AWQ folder, or the same calibration run in memory."""
+    from inferd.model.loader import load_model
+
+    if awq_path is None:
+        from inferd.quant.awq import awq_model
+
+        lm, _ = awq_model(model, group_size, dtype)
+        return lm, f"awq g{group_size}"
+    lm = load_model(awq_path, dtype=dtype, quantization="awq")
+    if lm.config.vocab_size != ref.config.vocab_size or lm.config.hidden_size != ref.config.hidden_size:
+        raise InferdError(f"--awq-path {awq_path} is not a quantization of the evaluated model")
+    from inferd.quant.awq_checkpoint import read_quant_config
+
+    return lm, f"awq g{read_quant_config(awq_path)['group_size']}"
 
 
 def format_table(res: dict) -> str:

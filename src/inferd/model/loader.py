@@ -207,6 +207,7 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
     tdtype = resolve_dtype(dtype, device)
     src = resolve_model(model, load_format)
     tok = None
+    awq = None
     if src.kind == "builtin":
         cfg = builtin_config(src.name)
         sd = None
@@ -222,12 +223,31 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
         if with_tokenizer:
             tok = _tokenizer_from_meta(meta)
     else:
+        from inferd.quant.awq_checkpoint import read_quant_config, take_awq_linears
+
         cfg = load_hf_config(src.path)
+        awq = None if load_format == "dummy" else read_quant_config(src.path)
         sd = None if load_format == "dummy" else load_safetensors_folder(src.path)
+        if awq is not None:
+            if quantization not in (None, "none", "awq"):
+                raise InferdError(f"{src.path} is an AWQ checkpoint: it serves as --quantization awq, not {quantization}")
+            awq_parts = take_awq_linears(sd, cfg, awq["group_size"])
         if with_tokenizer and os.path.isfile(os.path.join(src.path, "tokenizer.json")):
             tok = _load_tokenizer(src.path)
+    if quantization == "awq" and awq is None:
+        raise InferdError("--quantization awq needs an AWQ checkpoint folder (quantization_config.quant_method "
+                          "awq); make one with `inferd quantize --method awq`")
     net = build_model(cfg, sd, tdtype, dev)
-    if quantization == "gguf":
+    if awq is not None:
+        from inferd.quant import weight_bytes
+        from inferd.quant.awq_checkpoint import attach_awq_linears
+
+        if dev.type != "cpu":
+            raise InferdError("AWQ int4 kernels are CPU-only in this build")
+        n = attach_awq_linears(net, awq_parts, awq["group_size"])
+        log.info("AWQ checkpoint: %d int4 linears (group %d); weights %.1f MiB", n, awq["group_size"],
+                 weight_bytes(net) / 2**20)
+    elif quantization == "gguf":
         if src.kind != "gguf" or load_format == "dummy":
             raise InferdError("--quantization gguf needs a .gguf model file")
         from inferd.quant import quantize_lm_head_int8, weight_bytes

@@ -3,6 +3,9 @@
     quantize(model, "int8")                  symmetric, per output channel
     quantize(model, "int4", group_size=64)   asymmetric, group-wise, round to nearest
 
+AWQ (calibrated, saved as a Hugging Face AWQ folder, loaded onto the same int4 kernel) lives in
+`awq.py` and `awq_checkpoint.py`.
+
 Both run through PyTorch's packed CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`)
 with activations in the model's dtype; the rest of the engine does not know.
 
@@ -21,7 +24,7 @@ from torch import nn
 
 from inferd.errors import InferdError
 
-METHODS = ("none", "int8", "int4", "gguf")
+METHODS = ("none", "int8", "int4", "gguf", "awq")
 
 
 # -- pure functions ---------------------------------------------------------------------------
@@ -124,6 +127,8 @@ def quantize(model: nn.Module, method: str, group_size: int = 32, include_lm_hea
         return model
     if method == "gguf":
         raise InferdError("gguf quantization is applied at load time from the file's own blocks")
+    if method == "awq":
+        raise InferdError("awq needs calibration: `inferd quantize --method awq`, then load the folder it writes")
     if method not in METHODS:
         raise InferdError(f"unknown quantization {method!r} (choose {', '.join(METHODS)})")
     if model.device.type != "cpu":
