@@ -398,11 +398,11 @@ def test_eval_awq_config(tiny_folder, tiny_awq):
     res = run_eval(tiny_folder, ["int4", "awq"], group_size=32, ctx=32, windows=2, dtype="float32", speed=False,
                    continuation_tokens=2)
     names = [r["config"] for r in res["configs"]]
-    assert names == ["int4 g32 float32", "awq g32 float32"]
+    assert names == ["int4 g32 float32 act", "awq g32 float32 act"]
     res2 = run_eval(tiny_folder, ["awq"], group_size=32, ctx=32, windows=2, dtype="float32", speed=False,
                     continuation_tokens=2, awq_path=tiny_awq)
     # 4 x 128 calibration tokens in the folder vs 32 x 512 in memory: different codes, both finite
-    assert res2["configs"][0]["config"] == "awq g32 float32" and res2["configs"][0]["mean_kl"] > 0
+    assert res2["configs"][0]["config"] == "awq g32 float32 act" and res2["configs"][0]["mean_kl"] > 0
     assert res2["reference"]["perplexity"] == res["reference"]["perplexity"]
 
 

@@ -238,7 +238,9 @@ def collect_stats(layer, hidden: list[torch.Tensor], cos, sin, attn) -> tuple[di
              for n in LINEARS]
     try:
         with torch.inference_mode():
-            out = [layer(x, cos[:x.shape[0]], sin[:x.shape[0]], attn) for x in hidden]
+            # the layer's torch path (ops=None); it returns (residual, next norm): keep the residual
+            out = [layer(x, layer.input_layernorm(x), cos[:x.shape[0]], sin[:x.shape[0]], attn,
+                         layer.input_layernorm)[0] for x in hidden]
     finally:
         for hk in hooks:
             hk.remove()
@@ -342,7 +344,7 @@ def awq_quantize(model, calib: list[list[int]], group_size: int, grid: int = 20,
     t0 = time.perf_counter()
     seqlen = max(len(c) for c in calib)
     pos = torch.arange(seqlen)
-    cos, sin = model.rope.cos_sin(pos, torch.float32)
+    cos, sin = model.rope.cos_sin(pos)
     attn = _causal_attention(cfg.head_dim ** -0.5)
     hidden = [model.embed_tokens(torch.tensor(c)) for c in calib]
     codes, reports = {}, []
