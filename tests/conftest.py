@@ -49,3 +49,53 @@ def make_tiny_model(seed: int = 0, scale: float = 0.15, **over):
 @pytest.fixture(scope="session")
 def tiny_model():
     return make_tiny_model()
+
+
+# -- a real `inferd serve` subprocess on 127.0.0.1 ------------------------------------------------
+import contextlib  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(args: list[str], log_path=None, timeout: float = 240):
+    """`inferd serve ARGS --port P` until /health answers; yields the base URL, stops it after.
+    Output goes to log_path when given (so a test can read the server's log), else is dropped."""
+    import httpx
+
+    port = free_port()
+    fh = open(log_path, "w") if log_path else subprocess.DEVNULL
+    proc = subprocess.Popen([sys.executable, "-m", "inferd", "serve", *args, "--port", str(port)],
+                            stdout=fh, stderr=subprocess.STDOUT if log_path else subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            if proc.poll() is not None:
+                tail = open(log_path).read() if log_path else proc.stderr.read()
+                pytest.fail(f"inferd serve exited: {tail[-2000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"inferd serve did not come up within {timeout:.0f} s")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        if log_path:
+            fh.close()

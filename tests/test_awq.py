@@ -406,34 +406,14 @@ def test_eval_awq_config(tiny_folder, tiny_awq):
     assert res2["reference"]["perplexity"] == res["reference"]["perplexity"]
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_saved_awq_folder_serves(tiny_awq):
     """`inferd serve --model AWQ_FOLDER`: /v1/completions gives the offline engine's greedy text."""
     from inferd.model.reference import reference_generate
 
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "inferd", "serve", "--model", tiny_awq, "--dtype", "float32",
-                             "--quantization", "awq", "--host", "127.0.0.1", "--port", str(port),
-                             "--kv-cache-memory", "64MiB"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"inferd serve exited: {proc.stderr.read()[-2000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.5)
+    from conftest import running_server
+
+    with running_server(["--model", tiny_awq, "--dtype", "float32", "--quantization", "awq", "--host", "127.0.0.1",
+                         "--kv-cache-memory", "64MiB"]) as url:
         models = httpx.get(url + "/v1/models", timeout=30).json()["data"]
         prompt = "The capital of France is"
         r = httpx.post(url + "/v1/completions", json={"model": models[0]["id"], "prompt": prompt, "max_tokens": 8,
@@ -444,9 +424,3 @@ def test_saved_awq_folder_serves(tiny_awq):
         lm = load_model(tiny_awq, dtype="float32")
         ids = reference_generate(lm.model, lm.tokenizer.encode(prompt), 8).token_ids
         assert body["choices"][0]["text"] == lm.tokenizer.decode(ids)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()

@@ -12,39 +12,13 @@ import pytest
 IN, OUT = 32, 16
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(default_gguf_path):
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "inferd", "serve", "--model", "smollm2-135m", "--dtype", "float32",
-                             "--port", str(port), "--max-num-seqs", "32", "--kv-cache-memory", "256MiB"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"inferd serve exited: {proc.stderr.read()[-2000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("inferd serve did not come up within 240 s")
-            time.sleep(0.5)
+    from conftest import running_server
+
+    with running_server(["--model", "smollm2-135m", "--dtype", "float32", "--max-num-seqs", "32",
+                         "--kv-cache-memory", "256MiB"]) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def bench(*args):

@@ -6,52 +6,21 @@ served, not a float fallback: the server logs the packed weight memory, and its 
 the offline engine's on the same quantized model.
 """
 import json
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def qserver(default_gguf_path, tmp_path_factory):
-    port = _free_port()
+    from conftest import running_server
+
     log = tmp_path_factory.mktemp("qserve") / "serve.log"
-    fh = open(log, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "inferd", "serve", "--model", default_gguf_path,
-                             "--quantization", "gguf", "--quantize-lm-head", "--dtype", "bfloat16",
-                             "--port", str(port), "--max-num-seqs", "8", "--kv-cache-memory", "128MiB"],
-                            stdout=fh, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"inferd serve exited: {log.read_text()[-2000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("inferd serve did not come up within 240 s")
-            time.sleep(0.5)
+    with running_server(["--model", default_gguf_path, "--quantization", "gguf", "--quantize-lm-head",
+                         "--dtype", "bfloat16", "--max-num-seqs", "8", "--kv-cache-memory", "128MiB"], log) as url:
         yield url, log
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        fh.close()
 
 
 def test_quantized_serve_logs_packed_weights_and_matches_offline(qserver, default_gguf_path):
