@@ -25,8 +25,9 @@ def add_model_args(p: argparse.ArgumentParser):
     g.add_argument("--device", default="cpu", help="cpu | cuda")
     g.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
     g.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
-    g.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "gguf", "awq"],
-                   help="weight-only quantization of the linear layers (CPU packed kernels); awq: an AWQ "
+    g.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "int8-gptq", "int4-gptq", "gguf", "awq"],
+                   help="weight-only quantization of the linear layers (CPU packed kernels); *-gptq: the same "
+                        "formats with GPTQ rounding (a calibration pass on WikiText-2 at load); awq: an AWQ "
                         "checkpoint folder (picked automatically for one)")
     g.add_argument("--quant-group-size", type=int, default=32, help="int4 group size (must divide the input size)")
     g.add_argument("--quantize-lm-head", action="store_true", help="quantize the output layer too")

@@ -13,7 +13,7 @@ class EngineConfig:
     load_format: str = "auto"
     dtype: str = "auto"
     device: str = "cpu"
-    quantization: str = "none"  # none | int8 | int4 | gguf | awq
+    quantization: str = "none"  # none | int8 | int4 | int8-gptq | int4-gptq | gguf | awq
     quant_group_size: int = 32
     quantize_lm_head: bool = False
     threads: int | None = None

@@ -259,6 +259,8 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
             quantize_lm_head_int8(net, dense_quant)
         log.info("gguf-native int4: %d linears from the file's own blocks%s; weights %.1f MiB -> %.1f MiB",
                  n, ", lm_head int8" if quantize_lm_head else "", before / 2**20, weight_bytes(net) / 2**20)
+    elif quantization in ("int8-gptq", "int4-gptq"):
+        _apply_gptq(net, cfg, sd, tok, quantization[:4], quant_group_size, quantize_lm_head, dense_quant)
     elif quantization not in (None, "none"):
         from inferd.quant import quantize, weight_bytes
 
@@ -267,6 +269,36 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
         log.info("quantized %s (group %d%s): weights %.1f MiB -> %.1f MiB", quantization, quant_group_size,
                  ", lm_head too" if quantize_lm_head else "", before / 2**20, weight_bytes(net) / 2**20)
     return LoadedModel(net, cfg, tok, src)
+
+
+def _apply_gptq(net, cfg, sd, tok, method: str, group_size: int, lm_head: bool, dense: bool):
+    """GPTQ codes from a calibration pass on an fp32 copy (the serving model may be bf16)."""
+    import sys
+
+    from inferd.quant import quantize_lm_head_int8, weight_bytes
+    from inferd.quant.awq import calibration_ids
+    from inferd.quant.gptq import DEFAULT_SAMPLES, DEFAULT_SEQLEN, gptq_quantize
+
+    if tok is None:
+        raise InferdError(f"{method}-gptq calibrates on WikiText-2 and needs the model's tokenizer")
+    if net.device.type != "cpu":
+        raise InferdError(f"{method} kernels are CPU-only in this build")
+    seqlen = min(DEFAULT_SEQLEN, cfg.max_position_embeddings)
+    calib = calibration_ids(tok, DEFAULT_SAMPLES, seqlen)
+    fp32 = net if net.dtype == torch.float32 else build_model(cfg, sd, torch.float32, net.device)
+    before = weight_bytes(net)
+
+    def progress(i, n):
+        sys.stderr.write(f"\rGPTQ calibration: layer {i}/{n}" + ("\n" if i == n else ""))
+        sys.stderr.flush()
+
+    rep = gptq_quantize(net, fp32, calib, method, group_size, dense, progress)
+    if lm_head:
+        quantize_lm_head_int8(net, dense)
+    log.info("%s-gptq (group %d%s): %d linears on %d calibration tokens in %.0f s; relative output error "
+             "%.2e (round-to-nearest %.2e); weights %.1f MiB -> %.1f MiB", method, group_size,
+             ", lm_head int8 RTN" if lm_head else "", rep["linears"], rep["tokens"], rep["seconds"],
+             rep["rel_output_error_gptq"], rep["rel_output_error_rtn"], before / 2**20, weight_bytes(net) / 2**20)
 
 
 def _load_tokenizer(path: str):

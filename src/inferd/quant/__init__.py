@@ -3,7 +3,8 @@
     quantize(model, "int8")                  symmetric, per output channel
     quantize(model, "int4", group_size=64)   asymmetric, group-wise, round to nearest
 
-AWQ (calibrated, saved as a Hugging Face AWQ folder, loaded onto the same int4 kernel) lives in
+GPTQ rounding (`int8-gptq`, `int4-gptq`: the same layouts, codes chosen with a calibration pass at
+load) lives in `gptq.py`. AWQ (calibrated, saved as a Hugging Face AWQ folder, loaded onto the same int4 kernel) lives in
 `awq.py` and `awq_checkpoint.py`.
 
 Both run through PyTorch's packed CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`)
@@ -24,7 +25,7 @@ from torch import nn
 
 from inferd.errors import InferdError
 
-METHODS = ("none", "int8", "int4", "gguf", "awq")
+METHODS = ("none", "int8", "int4", "int8-gptq", "int4-gptq", "gguf", "awq")
 
 
 # -- pure functions ---------------------------------------------------------------------------
@@ -127,6 +128,9 @@ def quantize(model: nn.Module, method: str, group_size: int = 32, include_lm_hea
         return model
     if method == "gguf":
         raise InferdError("gguf quantization is applied at load time from the file's own blocks")
+    if method.endswith("-gptq"):
+        raise InferdError(f"{method} needs calibration text: load the model with quantization={method!r}, "
+                          "or call inferd.quant.gptq.gptq_quantize")
     if method == "awq":
         raise InferdError("awq needs calibration: `inferd quantize --method awq`, then load the folder it writes")
     if method not in METHODS:
