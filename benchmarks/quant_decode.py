@@ -33,13 +33,14 @@ from inferd.engine.engine import LLMEngine  # noqa: E402
 from inferd.engine.request import SamplingParams  # noqa: E402
 from inferd.model.loader import default_model_path, load_model  # noqa: E402
 
-CONFIGS = [  # (label, quantization, group size, quantize lm_head)
-    ("inferd bf16", "none", 32, False),
-    ("inferd int8", "int8", 32, False),
-    ("inferd int8 +lm_head", "int8", 32, True),
-    ("inferd int4 g32 +lm_head", "int4", 32, True),
-    ("inferd gguf (Q4_1 blocks)", "gguf", 32, False),
-    ("inferd gguf +lm_head int8", "gguf", 32, True),
+CONFIGS = [  # (label, quantization, group size, quantize lm_head, dtype)
+    ("inferd bf16", "none", 32, False, "bfloat16"),
+    ("inferd fp32", "none", 32, False, "float32"),
+    ("inferd int8", "int8", 32, False, "bfloat16"),
+    ("inferd int8 +lm_head", "int8", 32, True, "bfloat16"),
+    ("inferd int4 g32 +lm_head", "int4", 32, True, "bfloat16"),
+    ("inferd gguf (Q4_1 blocks)", "gguf", 32, False, "bfloat16"),
+    ("inferd gguf +lm_head int8", "gguf", 32, True, "bfloat16"),
 ]
 
 
@@ -107,18 +108,20 @@ def main():
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     path = default_model_path()
-    models = {label: load_model(path, dtype="bfloat16", quantization=q, quant_group_size=g, quantize_lm_head=lm)
-              for label, q, g, lm in CONFIGS}
+    models = {label: load_model(path, dtype=dt, quantization=q, quant_group_size=g, quantize_lm_head=lm)
+              for label, q, g, lm, dt in CONFIGS}
     tok = models["inferd bf16"].tokenizer
     prompt = tok.encode("The history of the printing press begins in the fifteenth century, when " * 8)[:64]
     runners = {label: (lambda m=m: engine_rate(m, prompt, a.tokens)) for label, m in models.items()}
     if not a.skip_hf:
         import transformers  # benchmark/test dependency only
 
-        hf = transformers.AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.bfloat16,
-            attn_implementation="sdpa").eval()
-        runners["HF transformers bf16"] = lambda: hf_rate(hf, prompt, a.tokens)
+        # transformers dequantizes a GGUF into dense tensors of `dtype` at load
+        for name, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+            hf = transformers.AutoModelForCausalLM.from_pretrained(
+                os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dt,
+                attn_implementation="sdpa").eval()
+            runners[f"HF transformers {name}"] = lambda hf=hf: hf_rate(hf, prompt, a.tokens)
     llama_note = ""
     if not a.skip_llamacpp:
         # its own process: llama.cpp wants OMP_WAIT_POLICY=passive, and whichever library loads
@@ -148,21 +151,25 @@ def main():
 
     b32 = {}
     if not a.skip_batch32:
-        for k in ("inferd bf16", "inferd gguf (Q4_1 blocks)", "inferd gguf +lm_head int8"):
+        for k in ("inferd bf16", "inferd fp32", "inferd gguf (Q4_1 blocks)", "inferd gguf +lm_head int8"):
             b32[k] = engine_rate(models[k], prompt, 64, batch=32)
     pen = fp32_kernel_penalty()
 
     four_bit = [k for k in med if "int4" in k or "gguf" in k]
     best = max(four_bit, key=med.get)
-    print(f"\nbatch-1 decode, {a.tokens} tokens after a 64-token prompt, {a.threads} threads, bf16 activations, "
+    print(f"\nCPU: {torch.backends.cpu.get_cpu_capability()} kernels, {a.threads} threads "
+          "(bf16 GEMMs are fast only with AVX512-BF16/AMX; elsewhere fp32 is the fast dense dtype)")
+    print(f"batch-1 decode, {a.tokens} tokens after a 64-token prompt, {a.threads} threads, bf16 activations, "
           f"median of {a.rounds} alternating rounds")
     print(f"{'contender':<40} {'tok/s':>8}   rounds")
     for k, v in med.items():
         print(f"{k:<40} {v:>8.1f}   {[round(x, 1) for x in rates[k]]}")
     print(f"\nfastest 4-bit path: {best} = {med[best]:.1f} tok/s")
     print(f"  vs inferd bf16:          {med[best] / med['inferd bf16']:.2f}x   (bar: >= 2.0)")
+    print(f"  vs inferd fp32:          {med[best] / med['inferd fp32']:.2f}x   (the faster dense dtype without AVX512-BF16)")
     if "HF transformers bf16" in med:
         print(f"  vs HF transformers bf16: {med[best] / med['HF transformers bf16']:.2f}x   (bar: >= 4.0)")
+        print(f"  vs HF transformers fp32: {med[best] / med['HF transformers fp32']:.2f}x")
     lk = "llama.cpp Q4_1 (llama-cpp-python)"
     if lk in med:
         print(f"  vs llama.cpp:            {med[best] / med[lk]:.2f}x")
@@ -173,15 +180,16 @@ def main():
         for k, v in b32.items():
             print(f"  {k:<38} {v:>8.1f} tok/s")
         g = "inferd gguf (Q4_1 blocks)"
-        wins = med[g] > med["inferd bf16"] and b32[g] > b32["inferd bf16"]
-        print(f"  gguf beats bf16 at batch 1 and 32: {wins} -> default for GGUF files on CPU: "
-              f"{'gguf' if wins else 'none (dequantized bf16)'}")
+        dense = max(("inferd bf16", "inferd fp32"), key=med.get)  # the faster dense dtype here
+        wins = med[g] > med[dense] and b32[g] > b32[dense]
+        print(f"  gguf beats dense {dense[7:]} at batch 1 and 32: {wins} -> default for GGUF files on CPU: "
+              f"{'gguf' if wins else 'none (dequantized)'}")
     print("\npacked kernels, one 576->3072 layer, batch 1: fp32 vs bf16 activations")
     for k, v in pen.items():
         print(f"  {k}: bf16 {v['bf16_us']:.0f} us, fp32 {v['fp32_us']:.0f} us ({v['fp32_slowdown']:.1f}x slower)")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"batch1_tok_s": med, "rounds": rates, "fastest_4bit": best, "batch32_tok_s": b32,
+            json.dump({"cpu_capability": torch.backends.cpu.get_cpu_capability(), "batch1_tok_s": med, "rounds": rates, "fastest_4bit": best, "batch32_tok_s": b32,
                        "fp32_kernel_penalty": pen, "llamacpp_note": llama_note}, f, indent=2)
 
 

@@ -164,9 +164,9 @@ def run_eval(model: str | None, configs: list[str], group_size: int = 32, ctx: i
     for c in configs:
         lm = loaded[c]
         packed = lm
-        if fp32 and c != "awq" and resolve_dtype(speed_dtype, "cpu") != torch.float32:
+        if fp32 and c not in ("none", "awq"):  # lm holds dense weights: memory and speed need the packed form
             packed = load_model(model, dtype=speed_dtype, quantization=c, quant_group_size=group_size,
-                                quantize_lm_head=quantize_lm_head, with_tokenizer=False)
+                                quantize_lm_head=quantize_lm_head, with_tokenizer=c.endswith("-gptq"))
         label = labels[c] + (" +lm_head" if quantize_lm_head and c not in ("none", "awq") else "")
         row = {"config": f"{label} {str(lm.model.dtype)[6:]} act",
                **acc[c].summary(), "weight_mib": weight_bytes(packed.model) / 2**20,

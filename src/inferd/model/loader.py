@@ -260,7 +260,8 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
         log.info("gguf-native int4: %d linears from the file's own blocks%s; weights %.1f MiB -> %.1f MiB",
                  n, ", lm_head int8" if quantize_lm_head else "", before / 2**20, weight_bytes(net) / 2**20)
     elif quantization in ("int8-gptq", "int4-gptq"):
-        _apply_gptq(net, cfg, sd, tok, quantization[:4], quant_group_size, quantize_lm_head, dense_quant)
+        _apply_gptq(net, cfg, sd, tok, quantization[:4], quant_group_size, quantize_lm_head, dense_quant,
+                    (src.kind, src.path or src.name))
     elif quantization not in (None, "none"):
         from inferd.quant import quantize, weight_bytes
 
@@ -271,28 +272,35 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
     return LoadedModel(net, cfg, tok, src)
 
 
-def _apply_gptq(net, cfg, sd, tok, method: str, group_size: int, lm_head: bool, dense: bool):
+_GPTQ_CODES: dict = {}  # (model, method, group) -> (codes, report): a process calibrates once per model
+
+
+def _apply_gptq(net, cfg, sd, tok, method: str, group_size: int, lm_head: bool, dense: bool, key):
     """GPTQ codes from a calibration pass on an fp32 copy (the serving model may be bf16)."""
     import sys
 
     from inferd.quant import quantize_lm_head_int8, weight_bytes
     from inferd.quant.awq import calibration_ids
-    from inferd.quant.gptq import DEFAULT_SAMPLES, DEFAULT_SEQLEN, gptq_quantize
+    from inferd.quant.gptq import DEFAULT_SAMPLES, DEFAULT_SEQLEN, attach_codes, gptq_codes
 
-    if tok is None:
-        raise InferdError(f"{method}-gptq calibrates on WikiText-2 and needs the model's tokenizer")
     if net.device.type != "cpu":
         raise InferdError(f"{method} kernels are CPU-only in this build")
-    seqlen = min(DEFAULT_SEQLEN, cfg.max_position_embeddings)
-    calib = calibration_ids(tok, DEFAULT_SAMPLES, seqlen)
-    fp32 = net if net.dtype == torch.float32 else build_model(cfg, sd, torch.float32, net.device)
     before = weight_bytes(net)
+    key = (*key, method, group_size)
+    if key not in _GPTQ_CODES:
+        if tok is None:
+            raise InferdError(f"{method}-gptq calibrates on WikiText-2 and needs the model's tokenizer")
+        seqlen = min(DEFAULT_SEQLEN, cfg.max_position_embeddings)
+        calib = calibration_ids(tok, DEFAULT_SAMPLES, seqlen)
+        fp32 = net if net.dtype == torch.float32 else build_model(cfg, sd, torch.float32, net.device)
 
-    def progress(i, n):
-        sys.stderr.write(f"\rGPTQ calibration: layer {i}/{n}" + ("\n" if i == n else ""))
-        sys.stderr.flush()
+        def progress(i, n):
+            sys.stderr.write(f"\rGPTQ calibration: layer {i}/{n}" + ("\n" if i == n else ""))
+            sys.stderr.flush()
 
-    rep = gptq_quantize(net, fp32, calib, method, group_size, dense, progress)
+        _GPTQ_CODES[key] = gptq_codes(fp32, calib, method, group_size, progress)
+    codes, rep = _GPTQ_CODES[key]
+    attach_codes(net, codes, method, group_size, dense)
     if lm_head:
         quantize_lm_head_int8(net, dense)
     log.info("%s-gptq (group %d%s): %d linears on %d calibration tokens in %.0f s; relative output error "

@@ -81,7 +81,7 @@ def gptq_int4(w: torch.Tensor, h: torch.Tensor, group_size: int):
         q = torch.round((x - l0) / s).clamp(0, 15)
         return q * s + l0, q
 
-    return gptq_round(w, h, col), scale, lo + 8 * scale
+    return gptq_round(w, h, col).to(torch.uint8), scale, lo + 8 * scale
 
 
 def collect_hessians(model, calib: list[list[int]], progress=None) -> dict:
@@ -105,38 +105,55 @@ def collect_hessians(model, calib: list[list[int]], progress=None) -> dict:
     return hs
 
 
-def gptq_quantize(target, calib_model, calib: list[list[int]], method: str, group_size: int = 32,
-                  dense: bool = False, progress=None) -> dict:
-    """Rewrite `target`'s fused linears to `method` ("int8" or "int4") with GPTQ codes computed from
-    the fp32 `calib_model` (the same weights; may be `target` itself). Returns a small report."""
-    from inferd.quant import Int4Linear, Int8Linear, dequantize_int4, quantize_int4, quantize_int8
+def gptq_codes(calib_model, calib: list[list[int]], method: str, group_size: int = 32, progress=None):
+    """GPTQ codes of every fused linear of the fp32 `calib_model`: ({(layer, name): codes}, report)."""
+    from inferd.quant import dequantize_int4, quantize_int4, quantize_int8
     from inferd.quant.awq import output_error
 
     if method not in ("int8", "int4"):
         raise InferdError(f"GPTQ rounds to int8 or int4, not {method}")
-    if target.device.type != "cpu":
-        raise InferdError("int8/int4 kernels are CPU-only in this build")
     t0 = time.perf_counter()
     hs = collect_hessians(calib_model, calib, progress)
-    err_rtn = err_gptq = 0.0
+    codes, err_rtn, err_gptq = {}, 0.0, 0.0
     for (i, n), h in hs.items():
-        lin = getattr(target.layers[i], n)
         w = getattr(calib_model.layers[i], n).weight.detach().float()
         if method == "int8":
             q, s = gptq_int8(w, h)
-            new = Int8Linear(q, s, lin.bias, target.dtype, dense)
+            codes[(i, n)] = (q, s)
             deq = q.float() * s[:, None]
             q0, s0 = quantize_int8(w)
             rtn = q0.float() * s0[:, None]
         else:
-            q, s, z = gptq_int4(w, h, group_size)
-            new = Int4Linear(q, s, z, group_size, lin.bias, target.dtype, dense)
-            deq = dequantize_int4(q, s, z, group_size)
+            codes[(i, n)] = gptq_int4(w, h, group_size)
+            deq = dequantize_int4(*codes[(i, n)], group_size)
             rtn = dequantize_int4(*quantize_int4(w, group_size), group_size)
         ref = output_error(w, h)
         err_rtn += output_error(rtn - w, h) / ref
         err_gptq += output_error(deq - w, h) / ref
+    k = len(hs)
+    return codes, {"linears": k, "tokens": sum(len(c) for c in calib), "seconds": time.perf_counter() - t0,
+                   "rel_output_error_rtn": err_rtn / k, "rel_output_error_gptq": err_gptq / k}
+
+
+def attach_codes(target, codes: dict, method: str, group_size: int = 32, dense: bool = False) -> None:
+    """Swap `target`'s fused linears for int8/int4 modules holding the codes (in its dtype)."""
+    from inferd.quant import Int4Linear, Int8Linear
+
+    if target.device.type != "cpu":
+        raise InferdError("int8/int4 kernels are CPU-only in this build")
+    for (i, n), c in codes.items():
+        lin = getattr(target.layers[i], n)
+        new = (Int8Linear(*c, lin.bias, target.dtype, dense) if method == "int8"
+               else Int4Linear(*c, group_size, lin.bias, target.dtype, dense))
         setattr(target.layers[i], n, new)
-    n = len(hs)
-    return {"linears": n, "tokens": sum(len(c) for c in calib), "seconds": time.perf_counter() - t0,
-            "rel_output_error_rtn": err_rtn / n, "rel_output_error_gptq": err_gptq / n}
+
+
+def gptq_quantize(target, calib_model, calib: list[list[int]], method: str, group_size: int = 32,
+                  dense: bool = False, progress=None) -> dict:
+    """Rewrite `target`'s fused linears to `method` ("int8" or "int4") with GPTQ codes computed from
+    the fp32 `calib_model` (the same weights; may be `target` itself). Returns a small report."""
+    if target.device.type != "cpu":
+        raise InferdError("int8/int4 kernels are CPU-only in this build")
+    codes, rep = gptq_codes(calib_model, calib, method, group_size, progress)
+    attach_codes(target, codes, method, group_size, dense)
+    return rep
