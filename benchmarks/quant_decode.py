@@ -116,11 +116,13 @@ def main():
     if not a.skip_hf:
         import transformers  # benchmark/test dependency only
 
-        # transformers dequantizes a GGUF into dense tensors of `dtype` at load
+        # transformers 5 can keep a GGUF's blocks packed: ask for the dense model explicitly
         for name, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
             hf = transformers.AutoModelForCausalLM.from_pretrained(
-                os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dt,
-                attn_implementation="sdpa").eval()
+                os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dt, attn_implementation="sdpa",
+                quantization_config=transformers.GgufConfig(dequantize=True)).eval()
+            q_proj = hf.model.layers[0].self_attn.q_proj  # a dense model in `dt`, not packed GGUF blocks
+            assert type(q_proj) is torch.nn.Linear and q_proj.weight.dtype == dt, (type(q_proj), q_proj.weight.dtype)
             runners[f"HF transformers {name}"] = lambda hf=hf: hf_rate(hf, prompt, a.tokens)
     llama_note = ""
     if not a.skip_llamacpp:

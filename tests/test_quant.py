@@ -114,3 +114,14 @@ def test_gguf_native_on_default_model_matches_dequantized():
             outs.append(lm.model.compute_logits(lm.model(ids, pos, c)))
     torch.testing.assert_close(outs[1], outs[0], atol=2e-3, rtol=1e-4)
     assert torch.equal(outs[0].argmax(-1), outs[1].argmax(-1))
+
+
+def test_auto_dtype_with_packed_weights_is_bf16_on_cpu():
+    """--dtype auto + a packed method: bf16 activations on any CPU (fp32 ones take the kernels' slow
+    path); an explicit --dtype float32 is kept."""
+    from inferd.model.loader import load_model
+
+    lm = load_model("smollm2-135m", load_format="dummy", with_tokenizer=False, quantization="int8")
+    assert lm.model.dtype == torch.bfloat16
+    lm = load_model("smollm2-135m", load_format="dummy", with_tokenizer=False, quantization="int8", dtype="float32")
+    assert lm.model.dtype == torch.float32

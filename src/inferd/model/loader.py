@@ -237,6 +237,12 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
     if quantization == "awq" and awq is None:
         raise InferdError("--quantization awq needs an AWQ checkpoint folder (quantization_config.quant_method "
                           "awq); make one with `inferd quantize --method awq`")
+    packed = quantization not in (None, "none") or awq is not None
+    if dtype == "auto" and dev.type == "cpu" and packed and not dense_quant and tdtype == torch.float32:
+        # the packed int8/int4 CPU kernels are fast only with bf16 activations, on any CPU: with fp32
+        # ones they take a path 8-11x slower (benchmarks/quant_decode.py, AVX2 and AVX-512 alike)
+        tdtype = torch.bfloat16
+        log.info("--dtype auto with packed weights on CPU: bfloat16 activations (the kernels' fast path)")
     net = build_model(cfg, sd, tdtype, dev)
     if awq is not None:
         from inferd.quant import weight_bytes
