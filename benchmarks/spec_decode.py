@@ -55,7 +55,11 @@ def configs(args):
     yield "plain decode", {}
     for k in args.ngram_k:
         yield f"ngram k={k}", dict(speculative_method="ngram", num_speculative_tokens=k, ngram_min=1,
-                                   ngram_max=args.ngram_max)
+                                   ngram_max=args.ngram_max, ngram_backoff=args.ngram_backoff)
+    if args.ngram_backoff and args.ngram_k:  # what the backoff buys: the first k without it
+        k = args.ngram_k[0]
+        yield f"ngram k={k} no backoff", dict(speculative_method="ngram", num_speculative_tokens=k, ngram_min=1,
+                                              ngram_max=args.ngram_max, ngram_backoff=0)
     for n in args.self_layers:
         yield f"self-draft {n}L k={args.draft_k}", dict(speculative_method="draft", draft_model=f"self:layers={n}",
                                                         num_speculative_tokens=args.draft_k)
@@ -82,7 +86,11 @@ def main():
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--ngram-k", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--ngram-max", type=int, default=4)
-    ap.add_argument("--self-layers", type=int, nargs="+", default=[4, 10, 20])
+    ap.add_argument("--ngram-backoff", type=int, default=8)
+    ap.add_argument("--quantization", default="none",
+                    help="the target's weights (e.g. gguf: the file's own Q4_1 blocks); drafts are separate")
+    ap.add_argument("--quant-group-size", type=int, default=32)
+    ap.add_argument("--self-layers", type=int, nargs="*", default=[4, 10, 20])
     ap.add_argument("--quant-layers", type=int, default=10)
     ap.add_argument("--quant-methods", nargs="*", default=["int8", "int4"])
     ap.add_argument("--draft-k", type=int, default=3)
@@ -91,7 +99,7 @@ def main():
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    lm = load_model(None, dtype=args.dtype)
+    lm = load_model(None, dtype=args.dtype, quantization=args.quantization, quant_group_size=args.quant_group_size)
     tok = lm.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
                for i, p in enumerate(PROMPTS) if args.prompts is None or i in args.prompts]
@@ -136,7 +144,8 @@ def main():
             row["accepted_per_verify"] = d["spec_num_accepted_tokens"] / max(1, d["spec_num_drafts"])
             row["draft_s"], row["verify_s"] = d["spec_draft_time_s"], d["spec_verify_time_s"]
         rows.append(row)
-    print(f"batch-1 greedy decode, SmolLM2-135M-Instruct ({args.dtype}), {len(prompts)} repeat/edit prompts, "
+    print(f"batch-1 greedy decode, SmolLM2-135M-Instruct ({args.dtype}, target weights: {args.quantization}), "
+          f"{torch.backends.cpu.get_cpu_capability()} kernels, {len(prompts)} repeat/edit prompts, "
           f"max_tokens={args.max_tokens}, torch threads={torch.get_num_threads()}")
     hdr = f"{'config':<26}{'tok/s':>8}{'speedup':>9}{'accept':>8}{'acc/step':>9}{'tok/step':>9}" \
           f"{'draft s':>9}{'verify s':>9}{'same':>6}"

@@ -212,6 +212,21 @@ def test_greedy_with_a_separate_draft_model(tiny_model, mixed):
     assert eng.spec.stats.num_draft_tokens > 0  # a random draft rarely agrees: rejection path
 
 
+def test_ngram_backoff_pauses_failed_lookups(tiny_model, mixed):
+    """After a verify that kept no guess, a sequence skips lookups for a while (1, 2, 4 .. steps):
+    the same tokens, fewer wasted guesses."""
+    reqs, ref = mixed
+    got, _, eng = run_spec(tiny_model, reqs, speculative_method="ngram", num_speculative_tokens=4)
+    compare(got, ref)
+    got0, _, eng0 = run_spec(tiny_model, reqs, speculative_method="ngram", num_speculative_tokens=4, ngram_backoff=0)
+    compare(got0, ref)
+    s, s0 = eng.spec.stats, eng0.spec.stats
+    print("backoff", s.as_dict(), "\nno backoff", s0.as_dict())
+    assert s.num_skipped > 0 and s0.num_skipped == 0
+    assert_speculated(eng)
+    assert s.num_draft_tokens < s0.num_draft_tokens
+
+
 def test_preemption_prefix_caching_and_small_budget(tiny_model):
     """Rollback under memory pressure, shared prefixes and a budget that trims the guesses."""
     reqs = make_requests(seed=2, n=32, shared_prefixes=3)

@@ -62,6 +62,9 @@ def add_spec_args(p: argparse.ArgumentParser):
                    help="weight-only quantization of the draft (a self-draft's layers are copied first)")
     g.add_argument("--ngram-min", type=int, default=1, help="ngram: shortest suffix to look up")
     g.add_argument("--ngram-max", type=int, default=4, help="ngram: longest suffix to look up")
+    g.add_argument("--ngram-backoff", type=int, default=8,
+                   help="ngram: after a step whose guesses were all rejected, skip lookups for 1, 2, 4 .. up to "
+                        "this many steps (a rejected guess run costs a verify step; 0: always guess)")
 
 
 def engine_config_from_args(args):
@@ -248,7 +251,7 @@ def _setup(args):
             raise InferdError(f"--max-model-len {args.max_model_len} exceeds the model's context length {max_len}")
         max_len = args.max_model_len
     spec = {k: getattr(args, k) for k in ("speculative_method", "num_speculative_tokens", "draft_model",
-                                          "draft_quantization", "ngram_min", "ngram_max")}
+                                          "draft_quantization", "ngram_min", "ngram_max", "ngram_backoff")}
     llm = LLM(loaded=lm, max_model_len=max_len, num_kv_blocks=-(-max_len // 16) + 1, block_size=16,
               max_num_seqs=1, **spec)
     return llm, max_len

@@ -34,6 +34,7 @@ class EngineConfig:
     draft_quantization: str = "none"  # none | int8 | int4
     ngram_min: int = 1
     ngram_max: int = 4
+    ngram_backoff: int = 8  # after a verify that kept no guess, skip lookups for 1, 2, 4 .. this many steps; 0: never
 
     def validate(self):
         if self.block_size < 1:
@@ -57,6 +58,8 @@ class EngineConfig:
                 raise InferdError("speculative method draft needs --draft-model (a model path or self:layers=N)")
             if self.speculative_method == "ngram" and not 1 <= self.ngram_min <= self.ngram_max:
                 raise InferdError("ngram lookup needs 1 <= ngram_min <= ngram_max")
+            if self.ngram_backoff < 0:
+                raise InferdError("ngram_backoff must be >= 0")
         if self.draft_quantization not in ("none", "int8", "int4"):
             raise InferdError(f"unknown draft quantization {self.draft_quantization!r} (choose none, int8, int4)")
         if self.kv_cache_memory is not None:

@@ -147,6 +147,8 @@ class Request:
         self.spec_tokens: list[int] = []
         self.spec_q: torch.Tensor | None = None
         self.draft_generator: torch.Generator | None = None
+        self.spec_skip = 0  # prompt lookup: steps left without guesses after a fully rejected run
+        self.spec_backoff = 0  # ... and the length of the last such pause
         self.timings = Timings(arrived=time.monotonic() if arrival is None else arrival)
         self.generator: torch.Generator | None = None
         if not params.greedy:

@@ -37,6 +37,7 @@ class SpecStats:
     draft_time: float = 0.0
     verify_time: float = 0.0
     draft_forwards: int = 0
+    num_skipped: int = 0  # sequence-steps with no lookup because of a backoff pause (ngram)
 
     @property
     def acceptance_rate(self) -> float:
@@ -56,7 +57,7 @@ class SpecStats:
                 "spec_num_emitted_tokens": self.num_emitted_tokens,
                 "spec_acceptance_rate": self.acceptance_rate, "spec_mean_accepted_length": self.mean_accepted_length,
                 "spec_draft_time_s": self.draft_time, "spec_verify_time_s": self.verify_time,
-                "spec_draft_forwards": self.draft_forwards}
+                "spec_draft_forwards": self.draft_forwards, "spec_num_skipped": self.num_skipped}
 
 
 class SpecDecoder:
@@ -66,6 +67,7 @@ class SpecDecoder:
         self.method = cfg.speculative_method
         self.k = cfg.num_speculative_tokens
         self.n_min, self.n_max = cfg.ngram_min, cfg.ngram_max
+        self.backoff = cfg.ngram_backoff if self.method == "ngram" else 0
         self.stats = SpecStats()
         self.proposer: DraftProposer | None = None
         self.draft_desc = None
@@ -125,6 +127,10 @@ class SpecDecoder:
                 continue
             # never guess past max_tokens or the context: k guesses can yield k + 1 tokens
             k = min(self.k, r.params.max_tokens - len(r.output_ids) - 1, eng.max_model_len - r.num_tokens)
+            if k >= 1 and r.spec_skip > 0:
+                r.spec_skip -= 1
+                self.stats.num_skipped += 1
+                continue
             if k >= 1:
                 cands.append(r)
                 ks.append(k)
@@ -181,6 +187,11 @@ class SpecDecoder:
             st.num_drafts += 1
             st.num_draft_tokens += k
             st.num_accepted_tokens += a
+            if self.backoff:
+                # a lookup whose continuation the model does not follow tends to keep failing (it
+                # paraphrases instead of copying): pause, 1, 2, 4 .. steps, until a guess is kept
+                req.spec_backoff = 0 if a else min(self.backoff, max(1, 2 * req.spec_backoff))
+                req.spec_skip = req.spec_backoff
             st.num_emitted_tokens += len(out.new_token_ids)
             outputs.append(out)
             if req.finished:
