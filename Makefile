@@ -27,7 +27,7 @@ chromium:
 	  echo "chromium not installed: the bench HTML screenshot test will skip"
 
 test: $(STAMP) chromium
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q --durations=15 $(ARGS)
 
 # latency-SLA tests against a live server (timing thresholds: not for CI on shared machines).
 # INFERD_BENCH_URL=http://host:port points them at a running server instead of starting one.
