@@ -33,14 +33,17 @@ from inferd.engine.engine import LLMEngine  # noqa: E402
 from inferd.engine.request import SamplingParams  # noqa: E402
 from inferd.model.loader import default_model_path, load_model  # noqa: E402
 
-CONFIGS = [  # (label, quantization, group size, quantize lm_head, dtype)
-    ("inferd bf16", "none", 32, False, "bfloat16"),
-    ("inferd fp32", "none", 32, False, "float32"),
-    ("inferd int8", "int8", 32, False, "bfloat16"),
-    ("inferd int8 +lm_head", "int8", 32, True, "bfloat16"),
-    ("inferd int4 g32 +lm_head", "int4", 32, True, "bfloat16"),
-    ("inferd gguf (Q4_1 blocks)", "gguf", 32, False, "bfloat16"),
-    ("inferd gguf +lm_head int8", "gguf", 32, True, "bfloat16"),
+CONFIGS = [  # (label, quantization, group size, quantize lm_head, dtype, int8 activations: W4A8)
+    ("inferd bf16", "none", 32, False, "bfloat16", False),
+    ("inferd fp32", "none", 32, False, "float32", False),
+    ("inferd int8", "int8", 32, False, "bfloat16", False),
+    ("inferd int8 +lm_head", "int8", 32, True, "bfloat16", False),
+    ("inferd int4 g32 +lm_head", "int4", 32, True, "bfloat16", False),
+    ("inferd gguf (Q4_1 blocks)", "gguf", 32, False, "bfloat16", False),
+    ("inferd gguf +lm_head int8", "gguf", 32, True, "bfloat16", False),
+    # int4 weights x int8 activations (inferd.quant.w4a8), fp32 glue; its quality: inferd eval int4+a8
+    ("inferd int4 g32 +lm_head W4A8", "int4", 32, True, "float32", True),
+    ("inferd gguf W4A8", "gguf", 32, False, "float32", True),
 ]
 
 
@@ -108,8 +111,9 @@ def main():
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     path = default_model_path()
-    models = {label: load_model(path, dtype=dt, quantization=q, quant_group_size=g, quantize_lm_head=lm)
-              for label, q, g, lm, dt in CONFIGS}
+    models = {label: load_model(path, dtype=dt, quantization=q, quant_group_size=g, quantize_lm_head=lm,
+                                quantize_activations=a8)
+              for label, q, g, lm, dt, a8 in CONFIGS}
     tok = models["inferd bf16"].tokenizer
     prompt = tok.encode("The history of the printing press begins in the fifteenth century, when " * 8)[:64]
     runners = {label: (lambda m=m: engine_rate(m, prompt, a.tokens)) for label, m in models.items()}
@@ -153,7 +157,8 @@ def main():
 
     b32 = {}
     if not a.skip_batch32:
-        for k in ("inferd bf16", "inferd fp32", "inferd gguf (Q4_1 blocks)", "inferd gguf +lm_head int8"):
+        for k in ("inferd bf16", "inferd fp32", "inferd gguf (Q4_1 blocks)", "inferd gguf +lm_head int8",
+                  "inferd gguf W4A8", "inferd int4 g32 +lm_head W4A8"):
             b32[k] = engine_rate(models[k], prompt, 64, batch=32)
     pen = fp32_kernel_penalty()
 
@@ -161,12 +166,18 @@ def main():
     best = max(four_bit, key=med.get)
     print(f"\nCPU: {torch.backends.cpu.get_cpu_capability()} kernels, {a.threads} threads "
           "(bf16 GEMMs are fast only with AVX512-BF16/AMX; elsewhere fp32 is the fast dense dtype)")
-    print(f"batch-1 decode, {a.tokens} tokens after a 64-token prompt, {a.threads} threads, bf16 activations, "
-          f"median of {a.rounds} alternating rounds")
+    print(f"batch-1 decode, {a.tokens} tokens after a 64-token prompt, {a.threads} threads, bf16 activations "
+          f"(fp32 for the fp32 and W4A8 rows), median of {a.rounds} alternating rounds")
     print(f"{'contender':<40} {'tok/s':>8}   rounds")
     for k, v in med.items():
         print(f"{k:<40} {v:>8.1f}   {[round(x, 1) for x in rates[k]]}")
     print(f"\nfastest 4-bit path: {best} = {med[best]:.1f} tok/s")
+    weight_only = [k for k in four_bit if "W4A8" not in k]
+    if "W4A8" in best and weight_only:
+        wo = max(weight_only, key=med.get)
+        print(f"  (activations rounded to int8 per 32-block: lossy beyond the weights, judged by inferd eval "
+              f"--quantization int4+a8; fastest weight-only 4-bit path: {wo} = {med[wo]:.1f} tok/s, "
+              f"{med[wo] / med['inferd bf16']:.2f}x inferd bf16)")
     print(f"  vs inferd bf16:          {med[best] / med['inferd bf16']:.2f}x   (bar: >= 2.0)")
     print(f"  vs inferd fp32:          {med[best] / med['inferd fp32']:.2f}x   (the faster dense dtype without AVX512-BF16)")
     if "HF transformers bf16" in med:

@@ -31,6 +31,10 @@ def add_model_args(p: argparse.ArgumentParser):
                         "checkpoint folder (picked automatically for one)")
     g.add_argument("--quant-group-size", type=int, default=32, help="int4 group size (must divide the input size)")
     g.add_argument("--quantize-lm-head", action="store_true", help="quantize the output layer too")
+    g.add_argument("--quantize-activations", action="store_true",
+                   help="int4 weights only (int4, int4-gptq, gguf, awq): round activations to int8 per 32-block "
+                        "and use the W4A8 kernel (as llama.cpp's Q4 x Q8_1); lossy, judge it with "
+                        "`inferd eval --quantization int4+a8`")
 
 
 def add_engine_args(p: argparse.ArgumentParser):
@@ -240,7 +244,7 @@ def _setup(args):
 
     lm = load_model(args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
                     quantization=args.quantization, quant_group_size=args.quant_group_size,
-                    quantize_lm_head=args.quantize_lm_head)
+                    quantize_lm_head=args.quantize_lm_head, quantize_activations=args.quantize_activations)
     if lm.tokenizer is None:
         raise InferdError("this model has no tokenizer (tokenizer.json or GGUF vocabulary); text generation needs one")
     max_len = lm.config.max_position_embeddings
@@ -379,15 +383,19 @@ def cmd_eval(args) -> int:
 
     import torch
 
-    from inferd.eval import format_table, run_eval
+    from inferd.eval import format_table, run_eval, split_config
     from inferd.quant import METHODS
 
     if args.threads:
         torch.set_num_threads(args.threads)
     configs = [c.strip() for c in args.quantization.split(",") if c.strip()]
     for c in configs:
-        if c not in METHODS:
-            raise InferdError(f"unknown quantization {c!r} (choose {', '.join(METHODS)})")
+        base, a8 = split_config(c)
+        if base not in METHODS:
+            raise InferdError(f"unknown quantization {c!r} (choose {', '.join(METHODS)}; int4, int4-gptq, "
+                              "gguf and awq also as +a8: int8 activations, the W4A8 kernel)")
+        if a8 and base not in ("int4", "int4-gptq", "gguf", "awq"):
+            raise InferdError(f"{c}: +a8 applies to int4 weights (int4, int4-gptq, gguf, awq)")
     if args.ctx < 2 or args.windows < 1:
         raise InferdError("--ctx must be >= 2 and --windows >= 1")
     if args.plot and not args.speed:

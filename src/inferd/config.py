@@ -16,6 +16,7 @@ class EngineConfig:
     quantization: str = "none"  # none | int8 | int4 | int8-gptq | int4-gptq | gguf | awq
     quant_group_size: int = 32
     quantize_lm_head: bool = False
+    quantize_activations: bool = False  # int4 weights x int8 activations (W4A8 kernel)
     threads: int | None = None
     max_model_len: int | None = None
     block_size: int = 16

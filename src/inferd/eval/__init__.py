@@ -115,6 +115,11 @@ FIXED_PROMPTS = [
 ]
 
 
+def split_config(c: str) -> tuple[str, bool]:
+    """'int4+a8' -> ('int4', True): the weight method, and whether activations go to int8 (W4A8)."""
+    return (c[:-3], True) if c.endswith("+a8") else (c, False)
+
+
 def run_eval(model: str | None, configs: list[str], group_size: int = 32, ctx: int = 512, windows: int = 64,
              dtype: str = "auto", quantize_lm_head: bool = False, speed: bool = True,
              text_path: str | None = None, continuation_tokens: int = 16, progress=None,
@@ -138,12 +143,22 @@ def run_eval(model: str | None, configs: list[str], group_size: int = 32, ctx: i
     fp32 = resolve_dtype(dtype, "cpu") == torch.float32
     loaded, labels = {}, {}
     for c in configs:
-        labels[c] = c + (f" g{group_size}" if c == "int4" else "")
-        if c == "awq":
+        base, a8 = split_config(c)
+        labels[c] = base + (f" g{group_size}" if base == "int4" else "")
+        if base == "awq":
             loaded[c], labels[c] = _awq_config(model, awq_path, group_size, dtype, ref)
-            continue
-        loaded[c] = load_model(model, dtype=dtype, quantization=c, quant_group_size=group_size,
-                               quantize_lm_head=quantize_lm_head, dense_quant=fp32)
+            if a8:
+                from inferd.quant.w4a8 import quantize_activations
+
+                quantize_activations(loaded[c].model)
+        elif a8:  # W4A8 layers round activations themselves: evaluated (and timed) in their packed form
+            loaded[c] = load_model(model, dtype=dtype, quantization=base, quant_group_size=group_size,
+                                   quantize_lm_head=quantize_lm_head, quantize_activations=True)
+        else:
+            loaded[c] = load_model(model, dtype=dtype, quantization=c, quant_group_size=group_size,
+                                   quantize_lm_head=quantize_lm_head, dense_quant=fp32)
+        if a8:
+            labels[c] += " W4A8"
     acc = {c: Accumulator() for c in configs}
     ref_acc = Accumulator()
     for wi, w in enumerate(wins):
@@ -164,10 +179,10 @@ def run_eval(model: str | None, configs: list[str], group_size: int = 32, ctx: i
     for c in configs:
         lm = loaded[c]
         packed = lm
-        if fp32 and c not in ("none", "awq"):  # lm holds dense weights: memory and speed need the packed form
+        if fp32 and c not in ("none", "awq") and not split_config(c)[1]:  # dense weights: time the packed form
             packed = load_model(model, dtype=speed_dtype, quantization=c, quant_group_size=group_size,
                                 quantize_lm_head=quantize_lm_head, with_tokenizer=c.endswith("-gptq"))
-        label = labels[c] + (" +lm_head" if quantize_lm_head and c not in ("none", "awq") else "")
+        label = labels[c] + (" +lm_head" if quantize_lm_head and split_config(c)[0] not in ("none", "awq") else "")
         row = {"config": f"{label} {str(lm.model.dtype)[6:]} act",
                **acc[c].summary(), "weight_mib": weight_bytes(packed.model) / 2**20,
                "activation_dtype": str(lm.model.dtype)[6:], "speed_dtype": str(packed.model.dtype)[6:]}

@@ -198,9 +198,10 @@ class LoadedModel:
 def load_model(model: str | None = None, *, load_format: str = "auto", dtype: str = "auto",
                device: str = "cpu", with_tokenizer: bool = True, quantization: str = "none",
                quant_group_size: int = 32, quantize_lm_head: bool = False,
-               dense_quant: bool = False) -> LoadedModel:
+               dense_quant: bool = False, quantize_activations: bool = False) -> LoadedModel:
     """dense_quant: quantized layers keep their exact dequantized weights unpacked (quality
-    evaluation with fp32 activations, see inferd.quant)."""
+    evaluation with fp32 activations, see inferd.quant). quantize_activations: int4 layers become
+    W4A8 ones (inferd.quant.w4a8: activations rounded to int8 per 32-block, for CPUs without fast bf16)."""
     if load_format not in ("auto", "gguf", "safetensors", "dummy"):
         raise InferdError(f"unknown load format {load_format!r} (choose auto, gguf, safetensors, dummy)")
     dev = resolve_device(device)
@@ -238,7 +239,17 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
         raise InferdError("--quantization awq needs an AWQ checkpoint folder (quantization_config.quant_method "
                           "awq); make one with `inferd quantize --method awq`")
     packed = quantization not in (None, "none") or awq is not None
-    if dtype == "auto" and dev.type == "cpu" and packed and not dense_quant and tdtype == torch.float32:
+    if quantize_activations:
+        if quantization not in ("int4", "int4-gptq", "gguf", "awq") and awq is None:
+            raise InferdError("--quantize-activations applies to int4 weights: --quantization int4, int4-gptq, "
+                              "gguf or awq")
+        if dev.type != "cpu" or dense_quant:
+            raise InferdError("--quantize-activations is a CPU kernel for packed int4 weights")
+        if quantization == "gguf" and quantize_lm_head:
+            raise InferdError("--quantize-activations with gguf: the lm_head has no int4 form there "
+                              "(drop --quantize-lm-head, or use --quantization int4 --quantize-lm-head)")
+    if (dtype == "auto" and dev.type == "cpu" and packed and not dense_quant and not quantize_activations
+            and tdtype == torch.float32):
         # the packed int8/int4 CPU kernels are fast only with bf16 activations, on any CPU: with fp32
         # ones they take a path 8-11x slower (benchmarks/quant_decode.py, AVX2 and AVX-512 alike)
         tdtype = torch.bfloat16
@@ -275,6 +286,13 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
         quantize(net, quantization, quant_group_size, quantize_lm_head, dense_quant)
         log.info("quantized %s (group %d%s): weights %.1f MiB -> %.1f MiB", quantization, quant_group_size,
                  ", lm_head too" if quantize_lm_head else "", before / 2**20, weight_bytes(net) / 2**20)
+    if quantize_activations:
+        from inferd.quant import weight_bytes
+        from inferd.quant.w4a8 import quantize_activations as to_w4a8
+
+        n = to_w4a8(net)
+        log.info("W4A8: %d int4 linears take int8 activations (per 32-block); %s glue; weights %.1f MiB",
+                 n, str(net.dtype)[6:], weight_bytes(net) / 2**20)
     return LoadedModel(net, cfg, tok, src)
 
 

@@ -1,0 +1,144 @@
+"""W4A8 (`--quantize-activations`): int4 weights times activations rounded to int8 per 32-block.
+
+The oracle for the kernel is torch: round x the documented way (`fake_quant_activations`), then
+multiply by the dequantized weights in fp32. The model-level tests check that the rewrite really
+happened (every int4 layer is a W4A8 one) and that the engine on top stays lossless: batching,
+chunking and paging give the reference loop's greedy tokens on the same W4A8 model.
+"""
+import pytest
+import torch
+
+from inferd.errors import InferdError
+from inferd.quant import Int4Linear, dequantize_int4, quantize, quantize_int4
+from inferd.quant import w4a8
+
+pytestmark = pytest.mark.skipif(w4a8.load() is None, reason="no C++ compiler for the W4A8 kernel")
+
+
+@pytest.mark.parametrize("group", [32, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 17, 40])
+def test_kernel_equals_rounded_x_times_dequantized_w(group, rows):
+    torch.manual_seed(rows)
+    N, K = 96, 192
+    q, s, z = quantize_int4(torch.randn(N, K), group)
+    lin = w4a8.W4A8Linear(q, s, z, group, None, torch.float32)
+    x = torch.randn(rows, K) * 3
+    xr = w4a8.fake_quant_activations(x)
+    assert torch.equal(lin.kernel.fake_quant(x), xr)  # the C++ rounding is torch's, bit for bit
+    assert (xr != x).any()  # and it really rounds
+    want = xr @ dequantize_int4(q, s, z, group).t()
+    torch.testing.assert_close(lin(x), want, atol=1e-4, rtol=1e-5)
+    xb = x.bfloat16()  # bf16 in: rounded from its own values, out in bf16
+    want_b = w4a8.fake_quant_activations(xb) @ dequantize_int4(q, s, z, group).t()
+    got_b = lin(xb)
+    assert got_b.dtype == torch.bfloat16
+    torch.testing.assert_close(got_b.float(), want_b, atol=0.05, rtol=1e-2)
+
+
+def test_rounding_is_per_32_block():
+    x = torch.zeros(1, 64)
+    x[0, 0], x[0, 1], x[0, 32] = 127.0, 0.4, 1.0  # block 0: step 1.0; block 1: step 1/127
+    r = w4a8.fake_quant_activations(x)
+    assert r[0, 0] == 127 and r[0, 1] == 0 and r[0, 32] == 1.0
+
+
+def test_unpack_torch_int4_layout_roundtrips():
+    q, s, z = quantize_int4(torch.randn(64, 96), 32)
+    lin = Int4Linear(q, s, z, 32, None, torch.float32)
+    assert torch.equal(w4a8.unpack_torch_int4(lin.weight_int4, 64, 96), q)
+
+
+def _w4a8_tiny(**over):
+    from conftest import make_tiny_model
+
+    lm = make_tiny_model(**over)
+    quantize(lm.model, "int4", group_size=32, include_lm_head=True)
+    n = w4a8.quantize_activations(lm.model)
+    return lm, n
+
+
+def test_rewrite_covers_every_int4_layer():
+    lm, n = _w4a8_tiny()
+    assert n == 4 * lm.config.num_hidden_layers + 1
+    kinds = {type(m).__name__ for m in lm.model.modules()}
+    assert "W4A8Linear" in kinds and "Int4Linear" not in kinds
+    with pytest.raises(InferdError, match="int4"):
+        w4a8.quantize_activations(lm.model)  # nothing int4 left: a clear error, not a silent no-op
+
+
+def test_engine_on_w4a8_model_gives_reference_greedy_tokens():
+    """Lossless machinery on top of a lossy model: a batch of 24 mixed requests, chunked prefill and
+    paging, against the reference loop on the same W4A8 weights. Decode rows go through the kernel
+    (<= 16 rows), prefill chunks through the dequantized GEMM: the same function up to summation
+    order, except that a last-bit difference can flip one activation's int8 rounding. So the
+    near-tie rule is 1e-2 here, not 1e-4."""
+    from test_engine import assert_no_leaks, make_requests
+
+    from inferd.engine.engine import LLMEngine
+    from inferd.engine.request import SamplingParams
+    from inferd.model.reference import reference_generate
+
+    lm, _ = _w4a8_tiny()
+    reqs = make_requests(seed=3, n=24)
+    eng = LLMEngine(loaded=lm, dtype="float32", max_num_seqs=16, max_num_batched_tokens=128, num_kv_blocks=700)
+    rids = [eng.add_request(p, SamplingParams(max_tokens=n, temperature=0)) for p, n in reqs]
+    outs = {r: [] for r in rids}
+    while eng.has_unfinished():
+        for o in eng.step():
+            outs[o.request_id].extend(o.new_token_ids)
+    assert_no_leaks(eng)
+    assert eng.stats.max_batch_seqs >= 8  # a real batch went through the kernel's multi-row path
+    cut = 0
+    for rid, (prompt, n) in zip(rids, reqs):
+        ref = reference_generate(lm.model, prompt, n, keep_logits=True)
+        got = outs[rid]
+        assert len(got) == n
+        for j, (a, b) in enumerate(zip(got, ref.token_ids)):
+            if a != b:
+                top2 = torch.topk(ref.logits[j], 2).values
+                assert float(top2[0] - top2[1]) < 1e-2, (rid, j, a, b)
+                cut += 1
+                break
+    assert cut <= 2
+
+
+def test_loader_flags_and_errors():
+    from inferd.model.loader import load_model
+
+    lm = load_model("smollm2-135m", load_format="dummy", with_tokenizer=False, quantization="int4",
+                    quantize_lm_head=True, quantize_activations=True)
+    assert lm.model.dtype == torch.float32  # auto dtype: the kernel takes fp32, no bf16 glue on AVX2
+    assert type(lm.model.lm_head).__name__ == "W4A8Linear"
+    for q in ("none", "int8"):
+        with pytest.raises(InferdError, match="int4 weights"):
+            load_model("smollm2-135m", load_format="dummy", with_tokenizer=False, quantization=q,
+                       quantize_activations=True)
+
+
+def test_default_model_w4a8_engine_matches_its_reference_loop(default_gguf_path):
+    """The real model: gguf's own Q4_1 blocks with int8 activations, served by the engine."""
+    from inferd.engine.engine import LLM
+    from inferd.engine.request import SamplingParams
+    from inferd.model.loader import load_model
+    from inferd.model.reference import reference_generate
+
+    lm = load_model(default_gguf_path, quantization="gguf", quantize_activations=True)
+    assert type(lm.model.layers[0].gate_up_proj).__name__ == "W4A8Linear"
+    prompt = lm.tokenizer.encode("The capital of France is")
+    ref = reference_generate(lm.model, prompt, 12, keep_logits=True)
+    got = LLM(loaded=lm, kv_cache_memory="32MiB").generate([prompt], SamplingParams(max_tokens=12, temperature=0))[0]
+    for j, (a, b) in enumerate(zip(got.token_ids, ref.token_ids)):
+        if a != b:
+            top2 = torch.topk(ref.logits[j], 2).values
+            assert float(top2[0] - top2[1]) < 1e-2, (j, a, b)
+            break
+    assert "Paris" in lm.tokenizer.decode(got.token_ids)
+
+
+def test_eval_rejects_a8_on_non_int4_weights():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "inferd", "eval", "--quantization", "int8+a8", "--windows", "1"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "int4 weights" in r.stderr and "Traceback" not in r.stderr
