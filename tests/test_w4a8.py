@@ -1,4 +1,4 @@
-"""W4A8 (`--quantize-activations`): int4 weights times activations rounded to int8 per 32-block.
+"""W4A8/W8A8 (`--quantize-activations`): int4 or int8 weights times activations rounded to int8 per 32-block.
 
 The oracle for the kernel is torch: round x the documented way (`fake_quant_activations`), then
 multiply by the dequantized weights in fp32. The model-level tests check that the rewrite really
@@ -35,6 +35,25 @@ def test_kernel_equals_rounded_x_times_dequantized_w(group, rows):
     torch.testing.assert_close(got_b.float(), want_b, atol=0.05, rtol=1e-2)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 17])
+def test_w8a8_kernel_equals_rounded_x_times_dequantized_w(rows):
+    from inferd.quant import Int8Linear, quantize_int8
+
+    torch.manual_seed(rows)
+    q, sc = quantize_int8(torch.randn(72, 128))
+    lin = w4a8.W8A8Linear(q, sc, None, torch.float32)
+    x = torch.randn(rows, 128) * 3
+    want = w4a8.fake_quant_activations(x) @ (q.float() * sc[:, None]).t()
+    torch.testing.assert_close(lin(x), want, atol=1e-4, rtol=1e-5)
+    # the rewrite takes an Int8Linear's own buffers
+    from torch import nn
+    holder = nn.Module()
+    holder.lin = Int8Linear(q, sc, None, torch.float32)
+    holder.dtype = torch.float32
+    assert w4a8.quantize_activations(holder) == 1 and isinstance(holder.lin, w4a8.W8A8Linear)
+    torch.testing.assert_close(holder.lin(x), want, atol=1e-4, rtol=1e-5)
+
+
 def test_rounding_is_per_32_block():
     x = torch.zeros(1, 64)
     x[0, 0], x[0, 1], x[0, 32] = 127.0, 0.4, 1.0  # block 0: step 1.0; block 1: step 1/127
@@ -62,8 +81,8 @@ def test_rewrite_covers_every_int4_layer():
     assert n == 4 * lm.config.num_hidden_layers + 1
     kinds = {type(m).__name__ for m in lm.model.modules()}
     assert "W4A8Linear" in kinds and "Int4Linear" not in kinds
-    with pytest.raises(InferdError, match="int4"):
-        w4a8.quantize_activations(lm.model)  # nothing int4 left: a clear error, not a silent no-op
+    with pytest.raises(InferdError, match="packed"):
+        w4a8.quantize_activations(lm.model)  # nothing packed left: a clear error, not a silent no-op
 
 
 def test_engine_on_w4a8_model_gives_reference_greedy_tokens():
@@ -109,21 +128,23 @@ def test_loader_flags_and_errors():
                     quantize_lm_head=True, quantize_activations=True)
     assert lm.model.dtype == torch.float32  # auto dtype: the kernel takes fp32, no bf16 glue on AVX2
     assert type(lm.model.lm_head).__name__ == "W4A8Linear"
-    for q in ("none", "int8"):
-        with pytest.raises(InferdError, match="int4 weights"):
-            load_model("smollm2-135m", load_format="dummy", with_tokenizer=False, quantization=q,
-                       quantize_activations=True)
+    lm = load_model("smollm2-135m", load_format="dummy", with_tokenizer=False, quantization="int8",
+                    quantize_activations=True)
+    assert type(lm.model.layers[0].qkv_proj).__name__ == "W8A8Linear"
+    with pytest.raises(InferdError, match="quantized weights"):
+        load_model("smollm2-135m", load_format="dummy", with_tokenizer=False, quantize_activations=True)
 
 
 def test_default_model_w4a8_engine_matches_its_reference_loop(default_gguf_path):
-    """The real model: gguf's own Q4_1 blocks with int8 activations, served by the engine."""
+    """The real model: gguf's own Q4_1 blocks (W4A8) and its int8 lm_head (W8A8), served by the engine."""
     from inferd.engine.engine import LLM
     from inferd.engine.request import SamplingParams
     from inferd.model.loader import load_model
     from inferd.model.reference import reference_generate
 
-    lm = load_model(default_gguf_path, quantization="gguf", quantize_activations=True)
+    lm = load_model(default_gguf_path, quantization="gguf", quantize_lm_head=True, quantize_activations=True)
     assert type(lm.model.layers[0].gate_up_proj).__name__ == "W4A8Linear"
+    assert type(lm.model.lm_head).__name__ == "W8A8Linear"
     prompt = lm.tokenizer.encode("The capital of France is")
     ref = reference_generate(lm.model, prompt, 12, keep_logits=True)
     got = LLM(loaded=lm, kv_cache_memory="32MiB").generate([prompt], SamplingParams(max_tokens=12, temperature=0))[0]
@@ -135,10 +156,10 @@ def test_default_model_w4a8_engine_matches_its_reference_loop(default_gguf_path)
     assert "Paris" in lm.tokenizer.decode(got.token_ids)
 
 
-def test_eval_rejects_a8_on_non_int4_weights():
+def test_eval_rejects_a8_without_quantized_weights():
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "inferd", "eval", "--quantization", "int8+a8", "--windows", "1"],
+    r = subprocess.run([sys.executable, "-m", "inferd", "eval", "--quantization", "none+a8", "--windows", "1"],
                        capture_output=True, text=True, timeout=300)
-    assert r.returncode == 2 and "int4 weights" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "quantized weights" in r.stderr and "Traceback" not in r.stderr

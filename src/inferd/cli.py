@@ -32,8 +32,9 @@ def add_model_args(p: argparse.ArgumentParser):
     g.add_argument("--quant-group-size", type=int, default=32, help="int4 group size (must divide the input size)")
     g.add_argument("--quantize-lm-head", action="store_true", help="quantize the output layer too")
     g.add_argument("--quantize-activations", action="store_true",
-                   help="int4 weights only (int4, int4-gptq, gguf, awq): round activations to int8 per 32-block "
-                        "and use the W4A8 kernel (as llama.cpp's Q4 x Q8_1); lossy, judge it with "
+                   help="round activations to int8 per 32-block and multiply with integer dot products: "
+                        "W4A8 for int4 weights (int4, int4-gptq, gguf, awq; as llama.cpp's Q4 x Q8_1), W8A8 for "
+                        "int8 ones (int8, int8-gptq, gguf's --quantize-lm-head); lossy, judge it with "
                         "`inferd eval --quantization int4+a8`")
 
 
@@ -392,10 +393,10 @@ def cmd_eval(args) -> int:
     for c in configs:
         base, a8 = split_config(c)
         if base not in METHODS:
-            raise InferdError(f"unknown quantization {c!r} (choose {', '.join(METHODS)}; int4, int4-gptq, "
-                              "gguf and awq also as +a8: int8 activations, the W4A8 kernel)")
-        if a8 and base not in ("int4", "int4-gptq", "gguf", "awq"):
-            raise InferdError(f"{c}: +a8 applies to int4 weights (int4, int4-gptq, gguf, awq)")
+            raise InferdError(f"unknown quantization {c!r} (choose {', '.join(METHODS)}; each but none also "
+                              "as +a8: int8 activations, the W4A8/W8A8 kernels)")
+        if a8 and base == "none":
+            raise InferdError(f"{c}: +a8 applies to quantized weights (int4, int4-gptq, gguf, awq; int8, int8-gptq)")
     if args.ctx < 2 or args.windows < 1:
         raise InferdError("--ctx must be >= 2 and --windows >= 1")
     if args.plot and not args.speed:

@@ -240,14 +240,11 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
                           "awq); make one with `inferd quantize --method awq`")
     packed = quantization not in (None, "none") or awq is not None
     if quantize_activations:
-        if quantization not in ("int4", "int4-gptq", "gguf", "awq") and awq is None:
-            raise InferdError("--quantize-activations applies to int4 weights: --quantization int4, int4-gptq, "
-                              "gguf or awq")
+        if quantization in (None, "none") and awq is None:
+            raise InferdError("--quantize-activations applies to quantized weights: add --quantization "
+                              "int4, int4-gptq, gguf, awq (W4A8) or int8, int8-gptq (W8A8)")
         if dev.type != "cpu" or dense_quant:
-            raise InferdError("--quantize-activations is a CPU kernel for packed int4 weights")
-        if quantization == "gguf" and quantize_lm_head:
-            raise InferdError("--quantize-activations with gguf: the lm_head has no int4 form there "
-                              "(drop --quantize-lm-head, or use --quantization int4 --quantize-lm-head)")
+            raise InferdError("--quantize-activations is a CPU kernel for packed weights")
     if (dtype == "auto" and dev.type == "cpu" and packed and not dense_quant and not quantize_activations
             and tdtype == torch.float32):
         # the packed int8/int4 CPU kernels are fast only with bf16 activations, on any CPU: with fp32
@@ -291,7 +288,7 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
         from inferd.quant.w4a8 import quantize_activations as to_w4a8
 
         n = to_w4a8(net)
-        log.info("W4A8: %d int4 linears take int8 activations (per 32-block); %s glue; weights %.1f MiB",
+        log.info("W4A8/W8A8: %d packed linears take int8 activations (per 32-block); %s glue; weights %.1f MiB",
                  n, str(net.dtype)[6:], weight_bytes(net) / 2**20)
     return LoadedModel(net, cfg, tok, src)
 

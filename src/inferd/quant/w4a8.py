@@ -210,6 +210,71 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor qw, torch::Tensor s, torch::
   });
   return x.scalar_type() == torch::kFloat32 ? y : y.to(x.scalar_type());
 }
+// int8 weights (one scale per output row) times the same int8 activations: the lm_head of the gguf
+// path and the int8 methods. vpmaddubsw wants unsigned x signed, so |w| times x with w's sign.
+template <int R>
+static void tile8(const int8_t* w, const float* ws, int64_t K, const int8_t* xq, const float* dx, float* y,
+                  int64_t n) {
+  const int64_t nb = K / 32;
+#ifdef W4A8_AVX2
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t o = 0; o < R * K; o += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(w + (n + PF_TILES * R) * K + o), _MM_HINT_T0);
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * 32));
+    const __m256 d = _mm256_set1_ps(dx[b]);
+    for (int r = 0; r < R; ++r) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (n + r) * K + b * 32));
+      const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(a, v)), ones);
+      acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(p), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) y[n + r] = hsum(acc[r]) * ws[n + r];
+#else
+  for (int r = 0; r < R; ++r) {
+    float tot = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      int32_t dot = 0;
+      for (int j = 0; j < 32; ++j) dot += w[(n + r) * K + b * 32 + j] * xq[b * 32 + j];
+      tot += dx[b] * static_cast<float>(dot);
+    }
+    y[n + r] = tot * ws[n + r];
+  }
+#endif
+}
+
+// x [M, K] float32 or bfloat16; qw [N, K] int8; ws [N] float32 -> [M, N] in x's dtype
+torch::Tensor linear8(torch::Tensor x, torch::Tensor qw, torch::Tensor ws, int64_t max_rows) {
+  TORCH_CHECK(x.dim() == 2 && qw.dim() == 2 && qw.scalar_type() == torch::kInt8 && qw.is_contiguous());
+  TORCH_CHECK(ws.scalar_type() == torch::kFloat32 && ws.is_contiguous() && ws.numel() == qw.size(0));
+  const int64_t M = x.size(0), K = x.size(1), N = qw.size(0), nb = K / 32;
+  TORCH_CHECK(K % 32 == 0 && qw.size(1) == K);
+  if (M > max_rows)
+    return at::mm(fake_quant(x), (qw.to(torch::kFloat32) * ws.unsqueeze(1)).t()).to(x.scalar_type());
+  auto xf = x.scalar_type() == torch::kFloat32 && x.is_contiguous() ? x : x.to(torch::kFloat32).contiguous();
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> dxs;
+  xq.resize(M * K);
+  dxs.resize(2 * M * nb);
+  quantize_rows(xf.data_ptr<float>(), M, K, xq.data(), dxs.data(), dxs.data() + M * nb);
+  auto y = torch::empty({M, N}, torch::kFloat32);
+  const int8_t* wp = qw.data_ptr<int8_t>();
+  const float* sp = ws.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int8_t* xqp = xq.data();  // thread_local: take the pointers here, not in the workers
+  const float* dxp = dxs.data();
+  at::parallel_for(0, (N + 3) / 4, 8, [&](int64_t t0, int64_t t1) {
+    const int64_t n0 = t0 * 4, n1 = std::min(N, t1 * 4);
+    for (int64_t i = 0; i < M; ++i) {
+      int64_t n = n0;
+      for (; n + 4 <= n1; n += 4) tile8<4>(wp, sp, K, xqp + i * K, dxp + i * nb, yp + i * N, n);
+      for (; n < n1; ++n) tile8<1>(wp, sp, K, xqp + i * K, dxp + i * nb, yp + i * N, n);
+    }
+  });
+  return x.scalar_type() == torch::kFloat32 ? y : y.to(x.scalar_type());
+}
 """
 
 _module = None
@@ -228,7 +293,7 @@ def load():
         from inferd.model.cpu_ops import build_inline
 
         # no -ffast-math: the activation rounding must match fake_quant_activations bit for bit
-        _module = build_inline("inferd_w4a8_v3", _SRC, ["linear", "dequantize", "fake_quant"],
+        _module = build_inline("inferd_w4a8_v5", _SRC, ["linear", "linear8", "dequantize", "fake_quant"],
                                ["-O3", "-march=native", "-fopenmp"])
     except Exception as e:  # no compiler: the method is unavailable, said once at load
         log.warning("W4A8 kernel unavailable (%s: %s)", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
@@ -306,10 +371,32 @@ class W4A8Linear(nn.Module):
         return self.kernel.dequantize(self.qweight, self.qscale, self.qmin)
 
 
+class W8A8Linear(nn.Module):
+    """int8 weights with one scale per output row (an Int8Linear's); x rounded like W4A8Linear's."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.kernel = load()
+        if self.kernel is None:
+            raise InferdError("W8A8 needs the W4A8 C++ kernel, which did not build (no compiler?)")
+        self.register_buffer("qweight", q.contiguous())
+        self.register_buffer("qscale", scale.float().contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = self.kernel.linear8(x.reshape(-1, shape[-1]), self.qweight, self.qscale, MAX_KERNEL_ROWS)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], self.out_features)
+
+
 def quantize_activations(model: nn.Module) -> int:
-    """Rewrite every packed int4 linear of the model into a W4A8 one (same weights). Returns how
-    many were rewritten; a model without int4 layers is a clear error."""
-    from inferd.quant import Int4Linear
+    """Rewrite every packed linear of the model to take int8 activations: int4 ones into W4A8, and
+    int8 ones (the gguf path's lm_head, the int8 methods) into W8A8, same weights. Returns how many
+    were rewritten; a model without packed layers is a clear error."""
+    from inferd.quant import Int4Linear, Int8Linear
 
     if load() is None:
         raise InferdError("--quantize-activations needs the W4A8 C++ kernel, which did not build (no compiler?)")
@@ -325,7 +412,11 @@ def quantize_activations(model: nn.Module) -> int:
                 setattr(parent, name, W4A8Linear(q, sz[..., 0], sz[..., 1], child.group_size, child.bias,
                                                  model.dtype))
                 n += 1
+            elif isinstance(child, Int8Linear):
+                if child.dense:
+                    raise InferdError("--quantize-activations needs packed int8 layers, not dense ones")
+                setattr(parent, name, W8A8Linear(child.weight_int8, child.scales, child.bias, model.dtype))
+                n += 1
     if n == 0:
-        raise InferdError("--quantize-activations applies to int4 weights (int4, int4-gptq, gguf, awq): "
-                          "this model has none")
+        raise InferdError("--quantize-activations applies to packed int4/int8 weights: this model has none")
     return n
