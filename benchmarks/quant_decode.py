@@ -7,6 +7,8 @@ the median round is reported. Also:
   - batch-32 throughput of bf16 vs gguf (the rule for making `gguf` the default on CPU: it must beat
     dequantized bf16 at both batch 1 and batch 32);
   - the packed kernels with fp32 activations vs bf16 activations on one layer (why fp32 is not served).
+The W4A8 rows (`--quantize-activations`: activations rounded to int8 per 32-block, integer dot
+products) are lossy beyond the weights; the summary names the fastest weight-only path beside them.
 
 llama.cpp comes from llama-cpp-python, built and installed by benchmarks/llamacpp.py when missing
 (optional benchmark dependency; --skip-llamacpp to leave it out), run in a subprocess per round with
@@ -41,9 +43,10 @@ CONFIGS = [  # (label, quantization, group size, quantize lm_head, dtype, int8 a
     ("inferd int4 g32 +lm_head", "int4", 32, True, "bfloat16", False),
     ("inferd gguf (Q4_1 blocks)", "gguf", 32, False, "bfloat16", False),
     ("inferd gguf +lm_head int8", "gguf", 32, True, "bfloat16", False),
-    # int4 weights x int8 activations (inferd.quant.w4a8), fp32 glue; its quality: inferd eval int4+a8
+    # int8 activations (inferd.quant.w4a8: W4A8 for int4 layers, W8A8 for gguf's int8 lm_head), fp32 glue;
+    # their quality: inferd eval --quantization int4+a8,gguf+a8 --quantize-lm-head
     ("inferd int4 g32 +lm_head W4A8", "int4", 32, True, "float32", True),
-    ("inferd gguf W4A8", "gguf", 32, False, "float32", True),
+    ("inferd gguf +lm_head W4A8/W8A8", "gguf", 32, True, "float32", True),
 ]
 
 
@@ -158,7 +161,7 @@ def main():
     b32 = {}
     if not a.skip_batch32:
         for k in ("inferd bf16", "inferd fp32", "inferd gguf (Q4_1 blocks)", "inferd gguf +lm_head int8",
-                  "inferd gguf W4A8", "inferd int4 g32 +lm_head W4A8"):
+                  "inferd gguf +lm_head W4A8/W8A8", "inferd int4 g32 +lm_head W4A8"):
             b32[k] = engine_rate(models[k], prompt, 64, batch=32)
     pen = fp32_kernel_penalty()
 
@@ -176,7 +179,7 @@ def main():
     if "W4A8" in best and weight_only:
         wo = max(weight_only, key=med.get)
         print(f"  (activations rounded to int8 per 32-block: lossy beyond the weights, judged by inferd eval "
-              f"--quantization int4+a8; fastest weight-only 4-bit path: {wo} = {med[wo]:.1f} tok/s, "
+              f"--quantization int4+a8,gguf+a8; fastest weight-only 4-bit path: {wo} = {med[wo]:.1f} tok/s, "
               f"{med[wo] / med['inferd bf16']:.2f}x inferd bf16)")
     print(f"  vs inferd bf16:          {med[best] / med['inferd bf16']:.2f}x   (bar: >= 2.0)")
     print(f"  vs inferd fp32:          {med[best] / med['inferd fp32']:.2f}x   (the faster dense dtype without AVX512-BF16)")

@@ -131,8 +131,11 @@ class PagedAttention:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kc, vc = self.pool.k[layer], self.pool.v[layer]
         cdt = kc.dtype
-        kc.index_copy_(0, self.slot_mapping, k.to(cdt))
-        vc.index_copy_(0, self.slot_mapping, v.to(cdt))
+        if self.kernel is not None and k.dtype == cdt and v.dtype == cdt:
+            self.kernel.write_kv(k, v, self.slot_mapping, kc, vc)
+        else:
+            kc.index_copy_(0, self.slot_mapping, k.to(cdt))
+            vc.index_copy_(0, self.slot_mapping, v.to(cdt))
         T, H, D = q.shape
         qc = q.to(cdt)
         if self.kernel is not None and self.groups and self.groups[0].out_sel is None:

@@ -7,6 +7,8 @@ with the same roundings as the torch expressions they replace:
   rms_norm:      bf16(bf16(x * rsqrt(mean(x^2) + eps)) * w)          (fp32 maths inside)
   add_rms_norm:  x += d (rounded to x's dtype), then rms_norm(x)       (residual add fused)
   rope_:         bf16(bf16(x * cos) + bf16(swap(x) * sin)) in place    (sign folded into sin)
+  silu_mul:      bf16(bf16(silu(gate)) * up) from the fused gate|up output (silu's exp may differ
+                 from torch's vectorised one in the last bit)
 For fp32 the roundings vanish. Without a compiler, `load()` returns None and the model keeps the
 torch expressions.
 """
@@ -98,6 +100,35 @@ static void rope_impl(T* x, int64_t T_, int64_t heads, int64_t row_stride, int64
   });
 }
 
+// gu [T, 2F] (gate | up) -> silu(gate) * up [T, F], rounded as torch rounds F.silu(gate) * up
+template <typename T>
+static void silu_mul_impl(const T* gu, T* out, int64_t rows, int64_t F) {
+  at::parallel_for(0, rows, 8, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const T* g = gu + r * 2 * F;
+      const T* u = g + F;
+      T* o = out + r * F;
+      for (int64_t i = 0; i < F; ++i) {
+        const float x = static_cast<float>(g[i]);
+        o[i] = rnd<T>(static_cast<float>(rnd<T>(x / (1.f + std::exp(-x)))) * static_cast<float>(u[i]));
+      }
+    }
+  });
+}
+
+torch::Tensor silu_mul(torch::Tensor gu) {
+  TORCH_CHECK(gu.dim() == 2 && gu.is_contiguous() && gu.size(1) % 2 == 0);
+  const int64_t rows = gu.size(0), F = gu.size(1) / 2;
+  auto out = torch::empty({rows, F}, gu.options());
+  if (gu.dtype() == torch::kFloat32)
+    silu_mul_impl<float>(gu.data_ptr<float>(), out.data_ptr<float>(), rows, F);
+  else {
+    TORCH_CHECK(gu.dtype() == torch::kBFloat16, "float32 or bfloat16 only");
+    silu_mul_impl<c10::BFloat16>(gu.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), rows, F);
+  }
+  return out;
+}
+
 // x: [T, H_total, D] view whose first `heads` heads are rotated in place; cos/sin [T, D] float32.
 void rope_(torch::Tensor x, int64_t heads, torch::Tensor cos, torch::Tensor sin) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "x must be [T, H, D] with dense rows");
@@ -147,7 +178,7 @@ def load():
         return None
     try:
         # no -ffast-math: the roundings above must happen exactly as written
-        _module = build_inline("inferd_cpu_ops_v1", _SRC, ["rms_norm", "add_rms_norm", "rope_"],
+        _module = build_inline("inferd_cpu_ops_v2", _SRC, ["rms_norm", "add_rms_norm", "rope_", "silu_mul"],
                                ["-O3", "-march=native", "-fopenmp"])
     except Exception as e:  # no compiler / ninja: the torch expressions still work, only slower
         log.warning("fused CPU ops unavailable (%s: %s); using torch ops",

@@ -147,8 +147,13 @@ class DecoderLayer(nn.Module):
             qk = apply_rope(qkv[:, : nq + nk], cos, sin)
         o = attn(self.idx, qk[:, :nq], qk[:, nq:nq + nk], qkv[:, nq + nk:])  # [T, n_heads * head_dim]
         x, h = add_norm(x, self.o_proj(o), self.post_attention_layernorm, ops)
-        gate, up = self.gate_up_proj(h).split(self.ff, dim=-1)
-        return add_norm(x, self.down_proj(F.silu(gate) * up), next_norm, ops)
+        gu = self.gate_up_proj(h)
+        if ops is not None and gu.dim() == 2 and gu.is_contiguous():
+            act = ops.silu_mul(gu)
+        else:
+            gate, up = gu.split(self.ff, dim=-1)
+            act = F.silu(gate) * up
+        return add_norm(x, self.down_proj(act), next_norm, ops)
 
 
 class LlamaModel(nn.Module):
