@@ -33,7 +33,7 @@ static void decode_impl(const float* q, const T* k, const T* v, const int64_t* b
   const int64_t G = H / Hkv;
   // one task per (sequence, kv head), spread over the threads even at batch 1: the K/V rows come
   // from DRAM (a decode step streams ~100 MB of weights between two visits of a layer's cache), and
-  // two threads waiting on memory beat one (measured: ~35 % less attention time per token)
+  // two threads waiting on memory beat one (measured: 46 -> 37 us per layer at batch 1)
   int64_t work = 0;
   for (int64_t b = 0; b < B; ++b) work += ctx[b];
   const int64_t grain = work * H * D < (1 << 12) ? B * Hkv : 1;
