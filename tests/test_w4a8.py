@@ -12,7 +12,9 @@ from inferd.errors import InferdError
 from inferd.quant import Int4Linear, dequantize_int4, quantize, quantize_int4
 from inferd.quant import w4a8
 
-pytestmark = pytest.mark.skipif(w4a8.load() is None, reason="no C++ compiler for the W4A8 kernel")
+
+def test_kernel_builds():
+    assert w4a8.load() is not None  # the project installs a compiler; no silent skip of the rest
 
 
 @pytest.mark.parametrize("group", [32, 64])
@@ -91,31 +93,22 @@ def test_engine_on_w4a8_model_gives_reference_greedy_tokens():
     (<= 16 rows), prefill chunks through the dequantized GEMM: the same function up to summation
     order, except that a last-bit difference can flip one activation's int8 rounding. So the
     near-tie rule is 1e-2 here, not 1e-4."""
-    from test_engine import assert_no_leaks, make_requests
+    from test_engine import make_requests, run_engine
 
-    from inferd.engine.engine import LLMEngine
-    from inferd.engine.request import SamplingParams
     from inferd.model.reference import reference_generate
 
     lm, _ = _w4a8_tiny()
     reqs = make_requests(seed=3, n=24)
-    eng = LLMEngine(loaded=lm, dtype="float32", max_num_seqs=16, max_num_batched_tokens=128, num_kv_blocks=700)
-    rids = [eng.add_request(p, SamplingParams(max_tokens=n, temperature=0)) for p, n in reqs]
-    outs = {r: [] for r in rids}
-    while eng.has_unfinished():
-        for o in eng.step():
-            outs[o.request_id].extend(o.new_token_ids)
-    assert_no_leaks(eng)
+    outs, eng = run_engine(lm, reqs, max_num_seqs=16, max_num_batched_tokens=128, num_kv_blocks=700)  # no leaks
     assert eng.stats.max_batch_seqs >= 8  # a real batch went through the kernel's multi-row path
     cut = 0
-    for rid, (prompt, n) in zip(rids, reqs):
+    for i, ((prompt, n), got) in enumerate(zip(reqs, outs)):
         ref = reference_generate(lm.model, prompt, n, keep_logits=True)
-        got = outs[rid]
         assert len(got) == n
         for j, (a, b) in enumerate(zip(got, ref.token_ids)):
             if a != b:
                 top2 = torch.topk(ref.logits[j], 2).values
-                assert float(top2[0] - top2[1]) < 1e-2, (rid, j, a, b)
+                assert float(top2[0] - top2[1]) < 1e-2, (i, j, a, b)
                 cut += 1
                 break
     assert cut <= 2

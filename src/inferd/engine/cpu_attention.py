@@ -10,10 +10,6 @@ If no compiler is available, `load()` returns None and attention falls back to t
 """
 from __future__ import annotations
 
-import logging
-import os
-
-log = logging.getLogger("inferd")
 
 _SRC = r"""
 #include <torch/extension.h>
@@ -130,25 +126,10 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
 }
 """
 
-_module = None
-_tried = False
-
-
 def load():
     """The compiled module, or None (no compiler, or INFERD_NO_CPP_ATTENTION=1)."""
-    global _module, _tried
-    if _tried:
-        return _module
-    _tried = True
-    if os.environ.get("INFERD_NO_CPP_ATTENTION"):
-        return None
-    try:
-        from inferd.model.cpu_ops import build_inline
+    from inferd.model.cpu_ops import compiled
 
-        _module = build_inline("inferd_paged_attention_v3", _SRC, ["paged_decode", "write_kv"],
-                               ["-O3", "-march=native", "-ffast-math", "-fopenmp"])
-    except Exception as e:  # no compiler / ninja: the torch path still works, only slower
-        log.warning("paged attention kernel unavailable (%s: %s); using the torch gather path",
-                    type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-        _module = None
-    return _module
+    return compiled("inferd_paged_attention_v3", _SRC, ["paged_decode", "write_kv"],
+                    ["-O3", "-march=native", "-ffast-math", "-fopenmp"], "INFERD_NO_CPP_ATTENTION",
+                    "using the torch gather path")

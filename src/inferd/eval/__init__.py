@@ -151,14 +151,14 @@ def run_eval(model: str | None, configs: list[str], group_size: int = 32, ctx: i
                 from inferd.quant.w4a8 import quantize_activations
 
                 quantize_activations(loaded[c].model)
-        elif a8:  # W4A8 layers round activations themselves: evaluated (and timed) in their packed form
+        elif a8:  # these layers round activations themselves: evaluated (and timed) in their packed form
             loaded[c] = load_model(model, dtype=dtype, quantization=base, quant_group_size=group_size,
                                    quantize_lm_head=quantize_lm_head, quantize_activations=True)
         else:
             loaded[c] = load_model(model, dtype=dtype, quantization=c, quant_group_size=group_size,
                                    quantize_lm_head=quantize_lm_head, dense_quant=fp32)
         if a8:
-            labels[c] += " W4A8"
+            labels[c] += " W8A8" if base.startswith("int8") else " W4A8"
     acc = {c: Accumulator() for c in configs}
     ref_acc = Accumulator()
     for wi, w in enumerate(wins):
@@ -179,10 +179,11 @@ def run_eval(model: str | None, configs: list[str], group_size: int = 32, ctx: i
     for c in configs:
         lm = loaded[c]
         packed = lm
-        if fp32 and c not in ("none", "awq") and not split_config(c)[1]:  # dense weights: time the packed form
+        base, a8 = split_config(c)
+        if fp32 and base not in ("none", "awq") and not a8:  # dense weights: time the packed form
             packed = load_model(model, dtype=speed_dtype, quantization=c, quant_group_size=group_size,
                                 quantize_lm_head=quantize_lm_head, with_tokenizer=c.endswith("-gptq"))
-        label = labels[c] + (" +lm_head" if quantize_lm_head and split_config(c)[0] not in ("none", "awq") else "")
+        label = labels[c] + (" +lm_head" if quantize_lm_head and base not in ("none", "awq") else "")
         row = {"config": f"{label} {str(lm.model.dtype)[6:]} act",
                **acc[c].summary(), "weight_mib": weight_bytes(packed.model) / 2**20,
                "activation_dtype": str(lm.model.dtype)[6:], "speed_dtype": str(packed.model.dtype)[6:]}

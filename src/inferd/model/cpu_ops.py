@@ -144,10 +144,6 @@ void rope_(torch::Tensor x, int64_t heads, torch::Tensor cos, torch::Tensor sin)
 }
 """
 
-_module = None
-_tried = False
-
-
 def build_inline(name: str, src: str, functions: list[str], cflags: list[str]):
     """torch's load_inline, minus one trap: a build killed mid-way leaves torch's lock file behind
     and every later process waits on it forever. We build under an fcntl lock of our own, which
@@ -168,20 +164,27 @@ def build_inline(name: str, src: str, functions: list[str], cflags: list[str]):
                            extra_ldflags=["-fopenmp"], verbose=False)
 
 
+_compiled: dict[str, object] = {}
+
+
+def compiled(name: str, src: str, functions: list[str], cflags: list[str], disable_env: str, what: str):
+    """Build (once per process) and return an inline extension, or None when the environment
+    variable `disable_env` is set or there is no compiler; the fallback `what` is logged once."""
+    if name in _compiled:
+        return _compiled[name]
+    mod = None
+    if not os.environ.get(disable_env):
+        try:
+            mod = build_inline(name, src, functions, cflags)
+        except Exception as e:  # no compiler / ninja: every caller has a slower path or a clear error
+            log.warning("%s unavailable (%s: %s); %s", name, type(e).__name__,
+                        str(e).splitlines()[0] if str(e) else "", what)
+    _compiled[name] = mod
+    return mod
+
+
 def load():
     """The compiled module, or None (no compiler, or INFERD_NO_CPP_OPS=1)."""
-    global _module, _tried
-    if _tried:
-        return _module
-    _tried = True
-    if os.environ.get("INFERD_NO_CPP_OPS"):
-        return None
-    try:
-        # no -ffast-math: the roundings above must happen exactly as written
-        _module = build_inline("inferd_cpu_ops_v2", _SRC, ["rms_norm", "add_rms_norm", "rope_", "silu_mul"],
-                               ["-O3", "-march=native", "-fopenmp"])
-    except Exception as e:  # no compiler / ninja: the torch expressions still work, only slower
-        log.warning("fused CPU ops unavailable (%s: %s); using torch ops",
-                    type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-        _module = None
-    return _module
+    # no -ffast-math: the roundings above must happen exactly as written
+    return compiled("inferd_cpu_ops_v2", _SRC, ["rms_norm", "add_rms_norm", "rope_", "silu_mul"],
+                    ["-O3", "-march=native", "-fopenmp"], "INFERD_NO_CPP_OPS", "using torch ops")

@@ -200,8 +200,8 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
                quant_group_size: int = 32, quantize_lm_head: bool = False,
                dense_quant: bool = False, quantize_activations: bool = False) -> LoadedModel:
     """dense_quant: quantized layers keep their exact dequantized weights unpacked (quality
-    evaluation with fp32 activations, see inferd.quant). quantize_activations: int4 layers become
-    W4A8 ones (inferd.quant.w4a8: activations rounded to int8 per 32-block, for CPUs without fast bf16)."""
+    evaluation with fp32 activations, see inferd.quant). quantize_activations: packed int4/int8
+    layers become W4A8/W8A8 ones (inferd.quant.w4a8: activations rounded to int8 per 32-block)."""
     if load_format not in ("auto", "gguf", "safetensors", "dummy"):
         raise InferdError(f"unknown load format {load_format!r} (choose auto, gguf, safetensors, dummy)")
     dev = resolve_device(device)

@@ -21,15 +21,10 @@ dequantized to fp32 for one GEMM) and decode compute the same function up to sum
 """
 from __future__ import annotations
 
-import logging
-import os
-
 import torch
 from torch import nn
 
 from inferd.errors import InferdError
-
-log = logging.getLogger("inferd")
 
 BLOCK = 32
 MAX_KERNEL_ROWS = 16  # above this (prefill chunks) one fp32 GEMM on the dequantized layer is faster
@@ -63,6 +58,20 @@ static void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, floa
     dx[i] = d;
     xs[i] = d * static_cast<float>(sum);
   }
+}
+
+// x rounded once per call into scratch owned by the calling thread (a decode step makes ~120
+// calls); the pointers are taken here because parallel workers have thread_locals of their own.
+struct Rounded { const int8_t* xq; const float* dx; const float* xs; };
+static Rounded round_input(const torch::Tensor& x, int64_t M, int64_t K) {
+  const int64_t nb = K / 32;
+  auto xf = x.scalar_type() == torch::kFloat32 && x.is_contiguous() ? x : x.to(torch::kFloat32).contiguous();
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> dxs;
+  xq.resize(M * K);
+  dxs.resize(2 * M * nb);
+  quantize_rows(xf.data_ptr<float>(), M, K, xq.data(), dxs.data(), dxs.data() + M * nb);
+  return {xq.data(), dxs.data(), dxs.data() + M * nb};
 }
 
 #ifdef W4A8_AVX2
@@ -187,20 +196,14 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor qw, torch::Tensor s, torch::
   TORCH_CHECK(K % 32 == 0 && qw.size(1) * 2 == K && s.size(0) == N && s.size(1) == nb && m.sizes() == s.sizes());
   if (M > max_rows)
     return at::mm(fake_quant(x), dequantize(qw, s, m).t()).to(x.scalar_type());
-  auto xf = x.scalar_type() == torch::kFloat32 && x.is_contiguous() ? x : x.to(torch::kFloat32).contiguous();
-  // scratch for the rounded activations: per calling thread, reused (a decode step makes ~120 calls)
-  thread_local std::vector<int8_t> xq;
-  thread_local std::vector<float> dxs;
-  xq.resize(M * K);
-  dxs.resize(2 * M * nb);
-  quantize_rows(xf.data_ptr<float>(), M, K, xq.data(), dxs.data(), dxs.data() + M * nb);
+  const Rounded r = round_input(x, M, K);
   auto y = torch::empty({M, N}, torch::kFloat32);
   const uint8_t* qp = qw.data_ptr<uint8_t>();
   const float* sp = s.data_ptr<float>();
   const float* mp = m.data_ptr<float>();
-  const int8_t* xqp = xq.data();
-  const float* dxp = dxs.data();
-  const float* xsp = dxs.data() + M * nb;
+  const int8_t* xqp = r.xq;
+  const float* dxp = r.dx;
+  const float* xsp = r.xs;
   float* yp = y.data_ptr<float>();
   // split the output rows, in multiples of 4, over the threads; every thread walks all of x
   at::parallel_for(0, (N + 3) / 4, 8, [&](int64_t t0, int64_t t1) {
@@ -254,18 +257,13 @@ torch::Tensor linear8(torch::Tensor x, torch::Tensor qw, torch::Tensor ws, int64
   TORCH_CHECK(K % 32 == 0 && qw.size(1) == K);
   if (M > max_rows)
     return at::mm(fake_quant(x), (qw.to(torch::kFloat32) * ws.unsqueeze(1)).t()).to(x.scalar_type());
-  auto xf = x.scalar_type() == torch::kFloat32 && x.is_contiguous() ? x : x.to(torch::kFloat32).contiguous();
-  thread_local std::vector<int8_t> xq;
-  thread_local std::vector<float> dxs;
-  xq.resize(M * K);
-  dxs.resize(2 * M * nb);
-  quantize_rows(xf.data_ptr<float>(), M, K, xq.data(), dxs.data(), dxs.data() + M * nb);
+  const Rounded r = round_input(x, M, K);
   auto y = torch::empty({M, N}, torch::kFloat32);
   const int8_t* wp = qw.data_ptr<int8_t>();
   const float* sp = ws.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int8_t* xqp = xq.data();  // thread_local: take the pointers here, not in the workers
-  const float* dxp = dxs.data();
+  const int8_t* xqp = r.xq;
+  const float* dxp = r.dx;
   at::parallel_for(0, (N + 3) / 4, 8, [&](int64_t t0, int64_t t1) {
     const int64_t n0 = t0 * 4, n1 = std::min(N, t1 * 4);
     for (int64_t i = 0; i < M; ++i) {
@@ -278,28 +276,14 @@ torch::Tensor linear8(torch::Tensor x, torch::Tensor qw, torch::Tensor ws, int64
 }
 """
 
-_module = None
-_tried = False
-
-
 def load():
     """The compiled kernel, or None (no compiler, or INFERD_NO_CPP_OPS=1)."""
-    global _module, _tried
-    if _tried:
-        return _module
-    _tried = True
-    if os.environ.get("INFERD_NO_CPP_OPS"):
-        return None
-    try:
-        from inferd.model.cpu_ops import build_inline
+    from inferd.model.cpu_ops import compiled
 
-        # no -ffast-math: the activation rounding must match fake_quant_activations bit for bit
-        _module = build_inline("inferd_w4a8_v5", _SRC, ["linear", "linear8", "dequantize", "fake_quant"],
-                               ["-O3", "-march=native", "-fopenmp"])
-    except Exception as e:  # no compiler: the method is unavailable, said once at load
-        log.warning("W4A8 kernel unavailable (%s: %s)", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-        _module = None
-    return _module
+    # no -ffast-math: the activation rounding must match fake_quant_activations bit for bit
+    return compiled("inferd_w4a8_v6", _SRC, ["linear", "linear8", "dequantize", "fake_quant"],
+                    ["-O3", "-march=native", "-fopenmp"], "INFERD_NO_CPP_OPS",
+                    "--quantize-activations is unavailable")
 
 
 # -- pure functions ---------------------------------------------------------------------------
