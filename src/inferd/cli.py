@@ -36,6 +36,9 @@ def add_model_args(p: argparse.ArgumentParser):
                         "W4A8 for int4 weights (int4, int4-gptq, gguf, awq; as llama.cpp's Q4 x Q8_1), W8A8 for "
                         "int8 ones (int8, int8-gptq, gguf's --quantize-lm-head); lossy, judge it with "
                         "`inferd eval --quantization int4+a8`")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="run every step through the eager PyTorch modules: no fused C++ decode step (which "
+                        "--quantize-activations models use for decode-only steps)")
 
 
 def add_engine_args(p: argparse.ArgumentParser):
@@ -245,7 +248,8 @@ def _setup(args):
 
     lm = load_model(args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
                     quantization=args.quantization, quant_group_size=args.quant_group_size,
-                    quantize_lm_head=args.quantize_lm_head, quantize_activations=args.quantize_activations)
+                    quantize_lm_head=args.quantize_lm_head, quantize_activations=args.quantize_activations,
+                    enforce_eager=args.enforce_eager)
     if lm.tokenizer is None:
         raise InferdError("this model has no tokenizer (tokenizer.json or GGUF vocabulary); text generation needs one")
     max_len = lm.config.max_position_embeddings

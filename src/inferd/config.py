@@ -17,6 +17,7 @@ class EngineConfig:
     quant_group_size: int = 32
     quantize_lm_head: bool = False
     quantize_activations: bool = False  # int4 weights x int8 activations (W4A8 kernel)
+    enforce_eager: bool = False  # no fused C++ decode step (inferd.model.fused_decode) even where it applies
     threads: int | None = None
     max_model_len: int | None = None
     block_size: int = 16

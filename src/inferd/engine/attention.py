@@ -74,6 +74,16 @@ class PagedAttention:
                                                tok_start[idx], dev))
         return pos
 
+    def decode_args(self):
+        """What the fused decode step (inferd.model.fused_decode) needs when every row of this step
+        decodes one token through the compiled kernel: (k cache, v cache, slot_mapping, block_tables,
+        ctx_lens, block_size, scale, window); else None."""
+        if self.kernel is None or len(self.groups) != 1 or self.groups[0].out_sel is not None:
+            return None
+        g = self.groups[0]
+        return (self.pool.k, self.pool.v, self.slot_mapping, g.block_tables, g.ctx_lens, self.pool.block_size,
+                self.scale, self.window or 0)
+
     def _with_kernel(self, layer, q, kc, vc) -> torch.Tensor:
         """Decodes through the compiled kernel; a prefill group (if any) through SDPA."""
         T, H, D = q.shape

@@ -73,7 +73,9 @@ class LLMEngine:
             loaded = load_model(cfg.model, load_format=cfg.load_format, dtype=cfg.dtype, device=cfg.device,
                                 quantization=cfg.quantization, quant_group_size=cfg.quant_group_size,
                                 quantize_lm_head=cfg.quantize_lm_head,
-                                quantize_activations=cfg.quantize_activations)
+                                quantize_activations=cfg.quantize_activations, enforce_eager=cfg.enforce_eager)
+        elif cfg.enforce_eager:
+            loaded.model.fused_decode = None
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer

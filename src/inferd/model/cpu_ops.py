@@ -142,6 +142,15 @@ void rope_(torch::Tensor x, int64_t heads, torch::Tensor cos, torch::Tensor sin)
                              sin.data_ptr<float>());
   }
 }
+
+// The same functions as torch ops (inferd::*), so the fused decode step (inferd.model.fused_decode)
+// can call them from C++ through the dispatcher; Python keeps calling them through pybind.
+TORCH_LIBRARY_FRAGMENT(inferd, m) {
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &rms_norm);
+  m.def("add_rms_norm(Tensor(a!) x, Tensor d, Tensor w, float eps) -> Tensor", &add_rms_norm);
+  m.def("rope_(Tensor(a!) x, int heads, Tensor cos, Tensor sin) -> ()", &rope_);
+  m.def("silu_mul(Tensor gu) -> Tensor", &silu_mul);
+}
 """
 
 def build_inline(name: str, src: str, functions: list[str], cflags: list[str]):
@@ -186,5 +195,5 @@ def compiled(name: str, src: str, functions: list[str], cflags: list[str], disab
 def load():
     """The compiled module, or None (no compiler, or INFERD_NO_CPP_OPS=1)."""
     # no -ffast-math: the roundings above must happen exactly as written
-    return compiled("inferd_cpu_ops_v2", _SRC, ["rms_norm", "add_rms_norm", "rope_", "silu_mul"],
+    return compiled("inferd_cpu_ops_v3", _SRC, ["rms_norm", "add_rms_norm", "rope_", "silu_mul"],
                     ["-O3", "-march=native", "-fopenmp"], "INFERD_NO_CPP_OPS", "using torch ops")

@@ -167,6 +167,7 @@ class LlamaModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = Rope(cfg)
+        self.fused_decode = None  # inferd.model.fused_decode: one C++ call per decode step, when it applies
 
     @property
     def dtype(self) -> torch.dtype:
@@ -179,8 +180,12 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden] (normed)."""
         x = self.embed_tokens(input_ids)
-        ops = _fused_ops(x)
         cos, sin = self.rope.cos_sin(positions)
+        if self.fused_decode is not None:
+            h = self.fused_decode(x, cos, sin, attn)
+            if h is not None:
+                return h
+        ops = _fused_ops(x)
         first = self.layers[0].input_layernorm if len(self.layers) else self.norm
         h = ops.rms_norm(x, first.weight, first.eps) if ops is not None else first(x)
         for i, layer in enumerate(self.layers):

@@ -198,10 +198,12 @@ class LoadedModel:
 def load_model(model: str | None = None, *, load_format: str = "auto", dtype: str = "auto",
                device: str = "cpu", with_tokenizer: bool = True, quantization: str = "none",
                quant_group_size: int = 32, quantize_lm_head: bool = False,
-               dense_quant: bool = False, quantize_activations: bool = False) -> LoadedModel:
+               dense_quant: bool = False, quantize_activations: bool = False,
+               enforce_eager: bool = False) -> LoadedModel:
     """dense_quant: quantized layers keep their exact dequantized weights unpacked (quality
     evaluation with fp32 activations, see inferd.quant). quantize_activations: packed int4/int8
-    layers become W4A8/W8A8 ones (inferd.quant.w4a8: activations rounded to int8 per 32-block)."""
+    layers become W4A8/W8A8 ones (inferd.quant.w4a8: activations rounded to int8 per 32-block),
+    and decode-only steps run as one C++ call (inferd.model.fused_decode) unless enforce_eager."""
     if load_format not in ("auto", "gguf", "safetensors", "dummy"):
         raise InferdError(f"unknown load format {load_format!r} (choose auto, gguf, safetensors, dummy)")
     dev = resolve_device(device)
@@ -290,6 +292,13 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
         n = to_w4a8(net)
         log.info("W4A8/W8A8: %d packed linears take int8 activations (per 32-block); %s glue; weights %.1f MiB",
                  n, str(net.dtype)[6:], weight_bytes(net) / 2**20)
+        if not enforce_eager:
+            from inferd.model.fused_decode import fuse_decode
+
+            if fuse_decode(net):
+                log.info("decode-only steps run as one fused C++ call (--enforce-eager: run them eagerly)")
+            else:
+                log.info("no fused decode step for this model (it needs float32 glue and W4A8/W8A8 layers)")
     return LoadedModel(net, cfg, tok, src)
 
 

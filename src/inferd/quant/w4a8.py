@@ -274,6 +274,11 @@ torch::Tensor linear8(torch::Tensor x, torch::Tensor qw, torch::Tensor ws, int64
   });
   return x.scalar_type() == torch::kFloat32 ? y : y.to(x.scalar_type());
 }
+
+TORCH_LIBRARY_FRAGMENT(inferd, m) {  // for the fused decode step (inferd.model.fused_decode)
+  m.def("w4a8_linear(Tensor x, Tensor qw, Tensor s, Tensor m, int max_rows) -> Tensor", &linear);
+  m.def("w8a8_linear(Tensor x, Tensor qw, Tensor ws, int max_rows) -> Tensor", &linear8);
+}
 """
 
 def load():
@@ -281,7 +286,7 @@ def load():
     from inferd.model.cpu_ops import compiled
 
     # no -ffast-math: the activation rounding must match fake_quant_activations bit for bit
-    return compiled("inferd_w4a8_v6", _SRC, ["linear", "linear8", "dequantize", "fake_quant"],
+    return compiled("inferd_w4a8_v7", _SRC, ["linear", "linear8", "dequantize", "fake_quant"],
                     ["-O3", "-march=native", "-fopenmp"], "INFERD_NO_CPP_OPS",
                     "--quantize-activations is unavailable")
 
