@@ -6,9 +6,10 @@ first token comes out of the prefill's logits).
 
 Usage: .venv/bin/python benchmarks/llamacpp_decode.py [--gguf PATH] [--prompt-len 64] [--n-out 128]
 Builds llama.cpp and installs the bindings on first use (see benchmarks/llamacpp.py).
-OpenMP: llama.cpp runs with OMP_WAIT_POLICY=passive (see llamacpp.OMP_ENV), set by importing this
-module, which only takes effect if no libgomp is loaded yet (torch loads one); when importing it
-from a script that has already imported torch, export OMP_WAIT_POLICY=passive in the shell.
+OpenMP: llama.cpp runs with OMP_WAIT_POLICY=passive on an oversubscribed machine and active on a
+quiet one (see llamacpp.omp_env), set by importing this module, which only takes effect if no
+libgomp is loaded yet (torch loads one); when importing it from a script that has already imported
+torch, export OMP_WAIT_POLICY in the shell.
 """
 from __future__ import annotations
 

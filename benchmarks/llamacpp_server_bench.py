@@ -4,8 +4,8 @@ max_tokens + ignore_eos, counted from each server's own `usage`), at concurrency
 
 llama-server: built from the llama.cpp sources vendored in the llama-cpp-python sdist (see
 benchmarks/llamacpp.py), 2 threads, 32 slots (-np 32), prompt caching off (--no-cache-prompt,
---cache-ram 0), OMP_WAIT_POLICY=passive unless set (see llamacpp.OMP_ENV: on a busy machine
-spinning OpenMP barriers cost llama.cpp up to 8x). inferd serve: 2 threads, --max-num-seqs 32, prefix caching off to match, once per
+--cache-ram 0), OMP_WAIT_POLICY passive on a busy machine and active on a quiet one unless set (see
+llamacpp.omp_env: the wrong one costs llama.cpp 3-8x). inferd serve: 2 threads, --max-num-seqs 32, prefix caching off to match, once per
 --quantization given (default: `gguf`, the file's own Q4_1 blocks, and `none`, dequantized
 weights in the default dtype), since neither wins at every batch size.
 

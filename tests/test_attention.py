@@ -19,7 +19,7 @@ def test_kernel_builds():
     assert cpu_attention.load() is not None
 
 
-def _setup(dtype, block_size, seed=0, n_seq=7, window=None):
+def _setup(dtype, block_size, seed=0, n_seq=7, window=None, all_decode=False):
     rng = random.Random(seed)
     H, Hkv, D = 6, 2, 16
     pool = KVPool(1, 64, block_size, Hkv, D, dtype, "cpu")
@@ -30,7 +30,7 @@ def _setup(dtype, block_size, seed=0, n_seq=7, window=None):
         ctx = rng.randint(1, 12 * block_size // 2)
         need = -(-ctx // block_size)
         tables.append([free.pop() for _ in range(need)])
-        n = 1 if i % 2 == 0 else rng.randint(1, ctx)  # decodes and prefill chunks mixed
+        n = 1 if i % 2 == 0 or all_decode else rng.randint(1, ctx)  # decodes and prefill chunks mixed
         starts.append(ctx - n)
         lens.append(n)
     # fill the cache with keys for the already-computed positions
@@ -85,4 +85,22 @@ def test_paged_attention_matches_dense(dtype, block_size, window, use_kernel):
     got = attn(0, q, k, v).float()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    assert attn.kernel_calls == (1 if use_kernel else 0)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_decode_only_step_matches_dense(window, use_kernel):
+    """Every sequence decoding one token: the kernel gets its own lean metadata (no gather indices)."""
+    if use_kernel and cpu_attention.load() is None:
+        pytest.skip("no kernel")
+    pool, tables, starts, lens, q, k, v, dims = _setup(torch.float32, 4, seed=1, n_seq=9, window=window,
+                                                       all_decode=True)
+    assert set(lens) == {1}
+    want = _dense_reference(pool, tables, starts, lens, q, k, v, dims, window)
+    attn = PagedAttention(pool, dims[2], sliding_window=window, use_kernel=use_kernel)
+    pos = attn.prepare(tables, starts, lens)
+    assert pos.tolist() == starts
+    assert (attn.decode_args() is not None) == use_kernel
+    torch.testing.assert_close(attn(0, q, k, v).float(), want, atol=1e-5, rtol=1e-5)
     assert attn.kernel_calls == (1 if use_kernel else 0)
