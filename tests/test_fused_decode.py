@@ -104,3 +104,21 @@ def test_fuse_decode_applies_only_where_it_can():
     assert load_model("smollm2-135m", **kw).model.fused_decode is not None  # on by default
     assert load_model("smollm2-135m", enforce_eager=True, **kw).model.fused_decode is None
     assert load_model("smollm2-135m", dtype="bfloat16", **kw).model.fused_decode is None  # fp32 glue only
+
+
+def test_speculative_verify_rows_run_fused_and_change_nothing():
+    """n-gram speculation on a W4A8 model: verify chunks reach the kernel as single-query rows, so
+    they run fused too, and every row computes what a plain decode of it computes."""
+    from test_engine import run_engine
+    from test_spec import assert_speculated, mixed_requests, run_spec
+
+    lm = _tiny_a8()
+    assert fuse_decode(lm.model)
+    reqs = mixed_requests(n=6)
+    plain, _ = run_engine(lm, reqs, max_num_seqs=1)
+    fused = lm.model.fused_decode
+    assert fused.max_rows == 1
+    got, _, eng = run_spec(lm, reqs, max_num_seqs=1, speculative_method="ngram", num_speculative_tokens=4)
+    assert_speculated(eng)
+    assert fused.max_rows > 1  # one sequence at a time: rows > 1 are a verify chunk, served fused
+    assert got == plain

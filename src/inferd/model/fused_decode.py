@@ -10,8 +10,9 @@ own extensions (`inferd::w4a8_linear`, `rms_norm`, `rope_`, `write_kv`, `paged_d
 `DecodeStack` calls them through the dispatcher in the eager order, so its hidden states equal the
 eager model's bit for bit (tests/test_fused_decode.py checks it). It applies to a CPU float32 model
 whose every layer linear is W4A8/W8A8 (`--quantize-activations`), on steps where every sequence
-decodes one token through the paged kernel; prefill chunks, speculative verify steps and any other
-model run eagerly. `--enforce-eager` (vLLM's flag for the same trade on GPUs, where the fused step
+decodes one token through the paged kernel (speculative verify chunks qualify: SpecPagedAttention
+hands their k+1 rows to the kernel as single-query rows); prefill chunks and any other model run
+eagerly. `--enforce-eager` (vLLM's flag for the same trade on GPUs, where the fused step
 is a CUDA graph) turns it off.
 """
 from __future__ import annotations
@@ -126,6 +127,7 @@ class FusedDecode:
         self.stack = stack
         self.n_layers = n_layers
         self.steps = 0  # steps served (tests check the fused path ran)
+        self.max_rows = 0  # most rows in one fused step (speculative verify rows count one each)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor | None:
         decode_args = getattr(attn, "decode_args", None)
@@ -135,6 +137,7 @@ class FusedDecode:
         h = self.stack.forward(x, cos, sin, *args)
         attn.kernel_calls += self.n_layers
         self.steps += 1
+        self.max_rows = max(self.max_rows, x.shape[0])
         return h
 
 
