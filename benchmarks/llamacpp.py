@@ -48,8 +48,6 @@ def omp_env() -> dict:
     return {"OMP_WAIT_POLICY": "passive" if busy else "active"}
 
 
-OMP_ENV = omp_env()
-
 
 def llamacpp_env(base: dict | None = None) -> dict:
     env = dict(os.environ if base is None else base)
@@ -196,7 +194,7 @@ def ensure_llama_cpp_python(jobs: int = 2):
     libdir = lib_dir(jobs)
     os.environ["LLAMA_CPP_LIB_PATH"] = str(libdir)
     # libgomp reads its environment once, when libggml-cpu is loaded by the import below.
-    for k, v in OMP_ENV.items():
+    for k, v in omp_env().items():
         os.environ.setdefault(k, v)
     try:
         return importlib.import_module("llama_cpp")

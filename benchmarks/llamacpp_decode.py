@@ -24,12 +24,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
-from llamacpp import OMP_ENV, ensure_llama_cpp_python  # noqa: E402
+from llamacpp import ensure_llama_cpp_python, omp_env  # noqa: E402
 
 # torch ships a libgomp.so.1 too, and whichever process loads one first fixes the OpenMP wait
 # policy for both: it has to be in the environment before torch (inferd) is imported. A script
 # importing this module after torch gets the policy only from its own environment.
-for _k, _v in OMP_ENV.items():
+for _k, _v in omp_env().items():
     os.environ.setdefault(_k, _v)
 
 

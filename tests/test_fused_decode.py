@@ -18,7 +18,7 @@ def _tiny_a8(method="int4", **over):
 
     lm = make_tiny_model(**over)
     quantize(lm.model, method, group_size=32, include_lm_head=True)
-    w4a8.quantize_activations(lm.model)
+    w4a8.quantize_activations(lm.model, fuse=False)
     return lm
 
 

@@ -148,11 +148,9 @@ def run_eval(model: str | None, configs: list[str], group_size: int = 32, ctx: i
         if base == "awq":
             loaded[c], labels[c] = _awq_config(model, awq_path, group_size, dtype, ref)
             if a8:
-                from inferd.model.fused_decode import fuse_decode
                 from inferd.quant.w4a8 import quantize_activations
 
                 quantize_activations(loaded[c].model)
-                fuse_decode(loaded[c].model)
         elif a8:  # these layers round activations themselves: evaluated (and timed) in their packed form
             loaded[c] = load_model(model, dtype=dtype, quantization=base, quant_group_size=group_size,
                                    quantize_lm_head=quantize_lm_head, quantize_activations=True)

@@ -146,8 +146,11 @@ def fuse_decode(model) -> bool:
     W8A8, the kernels built); returns whether it did. The model itself is unchanged otherwise."""
     from inferd.engine import cpu_attention
     from inferd.model import cpu_ops
+    from inferd.model.llama import LlamaModel
     from inferd.quant import w4a8
 
+    if not isinstance(model, LlamaModel):
+        return False
     model.fused_decode = None
     if model.device.type != "cpu" or model.dtype != torch.float32 or not len(model.layers):
         return False

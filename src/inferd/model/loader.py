@@ -289,16 +289,10 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
         from inferd.quant import weight_bytes
         from inferd.quant.w4a8 import quantize_activations as to_w4a8
 
-        n = to_w4a8(net)
-        log.info("W4A8/W8A8: %d packed linears take int8 activations (per 32-block); %s glue; weights %.1f MiB",
-                 n, str(net.dtype)[6:], weight_bytes(net) / 2**20)
-        if not enforce_eager:
-            from inferd.model.fused_decode import fuse_decode
-
-            if fuse_decode(net):
-                log.info("decode-only steps run as one fused C++ call (--enforce-eager: run them eagerly)")
-            else:
-                log.info("no fused decode step for this model (it needs float32 glue and W4A8/W8A8 layers)")
+        n = to_w4a8(net, fuse=not enforce_eager)
+        log.info("W4A8/W8A8: %d packed linears take int8 activations (per 32-block); %s glue; weights %.1f MiB; "
+                 "decode-only steps %s", n, str(net.dtype)[6:], weight_bytes(net) / 2**20,
+                 "fused into one C++ call" if net.fused_decode is not None else "eager")
     return LoadedModel(net, cfg, tok, src)
 
 

@@ -382,10 +382,11 @@ class W8A8Linear(nn.Module):
         return y.view(*shape[:-1], self.out_features)
 
 
-def quantize_activations(model: nn.Module) -> int:
+def quantize_activations(model: nn.Module, fuse: bool = True) -> int:
     """Rewrite every packed linear of the model to take int8 activations: int4 ones into W4A8, and
-    int8 ones (the gguf path's lm_head, the int8 methods) into W8A8, same weights. Returns how many
-    were rewritten; a model without packed layers is a clear error."""
+    int8 ones (the gguf path's lm_head, the int8 methods) into W8A8, same weights; with `fuse`, the
+    model's decode-only steps then run as one C++ call (inferd.model.fused_decode) where they can.
+    Returns how many linears were rewritten; a model without packed layers is a clear error."""
     from inferd.quant import Int4Linear, Int8Linear
 
     if load() is None:
@@ -409,4 +410,8 @@ def quantize_activations(model: nn.Module) -> int:
                 n += 1
     if n == 0:
         raise InferdError("--quantize-activations applies to packed int4/int8 weights: this model has none")
+    if fuse:
+        from inferd.model.fused_decode import fuse_decode
+
+        fuse_decode(model)
     return n
