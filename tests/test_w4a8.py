@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from inferd.errors import InferdError
-from inferd.quant import Int4Linear, dequantize_int4, quantize, quantize_int4
+from inferd.quant import dequantize_int4, quantize, quantize_int4
 from inferd.quant import w4a8
 
 
@@ -61,12 +61,6 @@ def test_rounding_is_per_32_block():
     x[0, 0], x[0, 1], x[0, 32] = 127.0, 0.4, 1.0  # block 0: step 1.0; block 1: step 1/127
     r = w4a8.fake_quant_activations(x)
     assert r[0, 0] == 127 and r[0, 1] == 0 and r[0, 32] == 1.0
-
-
-def test_unpack_torch_int4_layout_roundtrips():
-    q, s, z = quantize_int4(torch.randn(64, 96), 32)
-    lin = Int4Linear(q, s, z, 32, None, torch.float32)
-    assert torch.equal(w4a8.unpack_torch_int4(lin.weight_int4, 64, 96), q)
 
 
 def _w4a8_tiny(**over):

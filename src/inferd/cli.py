@@ -21,7 +21,8 @@ def add_model_args(p: argparse.ArgumentParser):
     g.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors", "dummy"],
                    help="dummy: random weights with the model's real shapes (built-in names too)")
     g.add_argument("--dtype", default="auto",
-                   help="auto (bfloat16 with AVX512-BF16 or CUDA, else float32) | float32 | bfloat16")
+                   help="auto (CPU: float32 with --quantize-activations, bfloat16 with other --quantization, "
+                        "dense: bfloat16 with AVX512-BF16, else float32; CUDA: bfloat16) | float32 | bfloat16")
     g.add_argument("--device", default="cpu", help="cpu | cuda")
     g.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
     g.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")

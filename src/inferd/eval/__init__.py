@@ -146,7 +146,9 @@ def run_eval(model: str | None, configs: list[str], group_size: int = 32, ctx: i
         base, a8 = split_config(c)
         labels[c] = base + (f" g{group_size}" if base == "int4" else "")
         if base == "awq":
-            loaded[c], labels[c] = _awq_config(model, awq_path, group_size, dtype, ref)
+            # W4A8's fast path takes fp32 glue (resolve_dtype); weight-only AWQ runs on bf16 activations
+            awq_dtype = "float32" if a8 and dtype == "auto" else dtype
+            loaded[c], labels[c] = _awq_config(model, awq_path, group_size, awq_dtype, ref)
             if a8:
                 from inferd.quant.w4a8 import quantize_activations
 

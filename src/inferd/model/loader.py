@@ -62,17 +62,34 @@ def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
     )
 
 
-def resolve_dtype(dtype: str, device: str = "cpu") -> torch.dtype:
+def resolve_dtype(dtype: str, device: str = "cpu", *, packed: bool = False, int8_activations: bool = False) -> torch.dtype:
+    """`--dtype` -> a torch dtype; `auto` picks what the model's fastest path on this device takes
+    (`packed`: PyTorch's packed int4/int8 weight kernels; `int8_activations`: inferd's W4A8/W8A8)."""
     table = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
              "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
              "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
     if dtype == "auto":
-        if device.startswith("cuda") or cpu_has_bf16():
-            return torch.bfloat16
-        return torch.float32
+        return auto_dtype(device, cpu_has_bf16(), packed=packed, int8_activations=int8_activations)
     if dtype not in table:
         raise InferdError(f"unknown dtype {dtype!r} (choose auto, float32, bfloat16, float16)")
     return table[dtype]
+
+
+def auto_dtype(device: str, has_bf16: bool, *, packed: bool = False, int8_activations: bool = False) -> torch.dtype:
+    """What `--dtype auto` means, on every CPU kind:
+    - W4A8/W8A8 (`int8_activations`): float32. The kernels round activations to int8 themselves, and
+      the fused decode step runs fp32 glue only; bf16 would put the model on the eager path.
+    - PyTorch's packed int4/int8 kernels (`packed`): bfloat16, even without AVX512-BF16: with fp32
+      inputs they take a path 8-11x slower (benchmarks/quant_decode.py, AVX2 and AVX-512 alike).
+    - dense weights: bfloat16 where the CPU has native bf16 dot products (AVX512-BF16, AMX), else fp32.
+    CUDA: bfloat16."""
+    if device.startswith("cuda"):
+        return torch.bfloat16
+    if int8_activations:
+        return torch.float32
+    if packed or has_bf16:
+        return torch.bfloat16
+    return torch.float32
 
 
 def cpu_has_bf16() -> bool:
@@ -207,7 +224,6 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
     if load_format not in ("auto", "gguf", "safetensors", "dummy"):
         raise InferdError(f"unknown load format {load_format!r} (choose auto, gguf, safetensors, dummy)")
     dev = resolve_device(device)
-    tdtype = resolve_dtype(dtype, device)
     src = resolve_model(model, load_format)
     tok = None
     awq = None
@@ -247,12 +263,9 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
                               "int4, int4-gptq, gguf, awq (W4A8) or int8, int8-gptq (W8A8)")
         if dev.type != "cpu" or dense_quant:
             raise InferdError("--quantize-activations is a CPU kernel for packed weights")
-    if (dtype == "auto" and dev.type == "cpu" and packed and not dense_quant and not quantize_activations
-            and tdtype == torch.float32):
-        # the packed int8/int4 CPU kernels are fast only with bf16 activations, on any CPU: with fp32
-        # ones they take a path 8-11x slower (benchmarks/quant_decode.py, AVX2 and AVX-512 alike)
-        tdtype = torch.bfloat16
-        log.info("--dtype auto with packed weights on CPU: bfloat16 activations (the kernels' fast path)")
+    tdtype = resolve_dtype(dtype, device, packed=packed and not dense_quant, int8_activations=quantize_activations)
+    if dtype == "auto":
+        log.info("--dtype auto: %s", str(tdtype)[6:])
     net = build_model(cfg, sd, tdtype, dev)
     if awq is not None:
         from inferd.quant import weight_bytes
@@ -285,7 +298,11 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
         quantize(net, quantization, quant_group_size, quantize_lm_head, dense_quant)
         log.info("quantized %s (group %d%s): weights %.1f MiB -> %.1f MiB", quantization, quant_group_size,
                  ", lm_head too" if quantize_lm_head else "", before / 2**20, weight_bytes(net) / 2**20)
-    if quantize_activations:
+    if not quantize_activations:
+        from inferd.quant import hand_over
+
+        hand_over(net)  # int4 codes to PyTorch's kernel now: final weights from the start
+    else:
         from inferd.quant import weight_bytes
         from inferd.quant.w4a8 import quantize_activations as to_w4a8
 

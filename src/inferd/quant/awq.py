@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from inferd.errors import InferdError
 from inferd.quant import dequantize_int4, quantize_int4
-from inferd.quant.awq_checkpoint import dequantize, to_torch_int4
+from inferd.quant.awq_checkpoint import dequantize, to_affine_int4
 
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 KERNEL_GROUPS = (32, 64, 128, 256)
@@ -372,7 +372,7 @@ def attach(model, codes: dict, group_size: int) -> None:
     for (i, n), (q, z, s) in codes.items():
         layer = model.layers[i]
         lin = getattr(layer, n)
-        setattr(layer, n, Int4Linear(*to_torch_int4(q, z, s), group_size, lin.bias, model.dtype))
+        setattr(layer, n, Int4Linear(*to_affine_int4(q, z, s), group_size, lin.bias, model.dtype))
 
 
 # -- entry points -------------------------------------------------------------------------------
@@ -395,7 +395,7 @@ def awq_model(model: str | None, group_size: int, dtype: str = "auto", calib: st
         raise InferdError(f"--calib-seqlen {seqlen} exceeds the model's context length {lm.config.max_position_embeddings}")
     ids = calibration_ids(lm.tokenizer, n_samples, seqlen, calib)
     res = awq_quantize(lm.model, ids, group_size, grid, clip, progress)
-    tdtype = resolve_dtype(dtype)
+    tdtype = resolve_dtype(dtype, packed=True)
     if tdtype != torch.float32:
         lm.model.to(tdtype)
         lm.model.rope.inv_freq = rope_inv_freq(lm.config)  # RoPE frequencies stay fp32

@@ -9,9 +9,9 @@ Per linear layer with torch weight W [out, in] and groups of G input channels, t
 and W[o, i] = (q[i, o] - z[i // G, o]) * s[i // G, o]. Within a word, nibble k (bits 4k..4k+3)
 holds output channel 8c + PACK_ORDER[k] -- the interleaving the GEMM kernels were written for.
 
-In PyTorch's int4 layout (w = (q - 8) * scale + zero) that is scale = s and zero = (8 - z) * s:
-both products are exact in fp32 (an fp16 scale times a 4-bit integer), so a checkpoint loads to
-exactly the weights it describes.
+In inferd's int4 form (w = q * scale + min) that is scale = s and min = -z * s: both products are
+exact in fp32 (an fp16 scale times a 4-bit integer), so a checkpoint loads to exactly the weights it
+describes.
 """
 from __future__ import annotations
 
@@ -55,11 +55,11 @@ def unpack_int4(w: torch.Tensor) -> torch.Tensor:
     return out.reshape(R, n * 8)
 
 
-def to_torch_int4(q: torch.Tensor, z: torch.Tensor, s: torch.Tensor):
-    """Codes q [out, in], integer zeros z and fp16 scales s [out, in / G] -> (q, scale, zero) of
-    PyTorch's layout, fp32."""
+def to_affine_int4(q: torch.Tensor, z: torch.Tensor, s: torch.Tensor):
+    """Codes q [out, in], integer zeros z and fp16 scales s [out, in / G] -> (q, scale, min) of
+    inferd's int4 form, fp32."""
     scale = s.float()
-    return q.to(torch.int32), scale, (8 - z.float()) * scale
+    return q.to(torch.int32), scale, -z.float() * scale
 
 
 def dequantize(q: torch.Tensor, z: torch.Tensor, s: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -125,8 +125,8 @@ def take_awq_linears(sd: dict[str, torch.Tensor], cfg, group_size: int) -> dict:
                                       f"scales {tuple(sc.shape)}, inconsistent with group size {group_size}")
                 q = unpack_int4(qw).t().contiguous()
                 z = unpack_int4(qz).t().contiguous()
-                q, scale, zero = to_torch_int4(q, z, sc.to(torch.float16).t().contiguous())
-                qs.append(q), ss.append(scale), zs.append(zero)
+                q, scale, mn = to_affine_int4(q, z, sc.to(torch.float16).t().contiguous())
+                qs.append(q), ss.append(scale), zs.append(mn)
             out[(i, fused)] = (torch.cat(qs), torch.cat(ss), torch.cat(zs))
             sd[f"layers.{i}.{fused}.weight"] = torch.zeros(()).expand(sum(q.shape[0] for q in qs), qs[0].shape[1])
     if not out:
@@ -137,12 +137,12 @@ def take_awq_linears(sd: dict[str, torch.Tensor], cfg, group_size: int) -> dict:
 def attach_awq_linears(model, parts: dict, group_size: int) -> int:
     from inferd.quant import Int4Linear
 
-    for (i, name), (q, scale, zero) in parts.items():
+    for (i, name), (q, scale, mn) in parts.items():
         layer = model.layers[i]
         lin = getattr(layer, name)
         if q.shape[0] % 16:
             raise InferdError(f"layer {i} {name}: {q.shape[0]} output rows; the int4 kernel needs a multiple of 16")
-        setattr(layer, name, Int4Linear(q, scale, zero, group_size, lin.bias, model.dtype))
+        setattr(layer, name, Int4Linear(q, scale, mn, group_size, lin.bias, model.dtype))
     return len(parts)
 
 

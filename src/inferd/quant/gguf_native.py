@@ -1,8 +1,9 @@
 """`--quantization gguf`: serve a GGUF file's own Q4_0 / Q4_1 blocks through the int4 kernel.
 
 No re-rounding: a block of 32 weights (scale d, plus min m for Q4_1, and 4-bit codes q) becomes one
-group of PyTorch's int4 layout w = (q - 8) * scale + zero with scale = d and zero = m + 8 d (Q4_1)
-or 0 (Q4_0). Layers stored in other types keep their dequantized float weights.
+group of inferd's int4 form w = q * scale + min with scale = d and min = m (Q4_1) or -8 d (Q4_0):
+the same products and sum gguf's own dequantization computes. Layers stored in other types keep
+their dequantized float weights.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ GROUP = 32
 
 
 def int4_blocks(t) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A Q4_0/Q4_1 ReaderTensor -> (q int32 [N, K] in 0..15, scale [N, K/32], zero [N, K/32]) fp32."""
+    """A Q4_0/Q4_1 ReaderTensor -> (q int32 [N, K] in 0..15, scale [N, K/32], min [N, K/32]) fp32."""
     from gguf import GGMLQuantizationType as Q
 
     raw = np.asarray(t.data)
@@ -27,12 +28,11 @@ def int4_blocks(t) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if t.tensor_type == Q.Q4_1:
         m = blk[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
         qs = blk[..., 4:]
-        zero = m + 8 * d
     else:
         qs = blk[..., 2:]
-        zero = np.zeros_like(d)
+        m = -8 * d  # exact: a power-of-two multiple
     q = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(N, -1).astype(np.int32)
-    return torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(zero)
+    return torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m)
 
 
 def apply_gguf_int4(model, reader, cfg, dense: bool = False) -> int:

@@ -9,7 +9,7 @@ it. Columns go in order of decreasing H diagonal ("act order"): the heavy channe
 the most columns remain to absorb their error.
 
 The result is an ordinary Int8Linear (symmetric, one scale per output row, the scale RTN would pick)
-or Int4Linear (asymmetric groups, scale and zero from each group's min/max, fixed before the pass so
+or Int4Linear (asymmetric groups, scale and min from each group's min/max, fixed before the pass so
 act order cannot scramble them): only which integer each weight gets changes. Nothing changes at run
 time; the cost is a calibration pass at load (`--quantization int8-gptq`).
 
@@ -67,8 +67,8 @@ def gptq_int8(w: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 
 def gptq_int4(w: torch.Tensor, h: torch.Tensor, group_size: int):
-    """Group-wise asymmetric int4 codes (0..15) with scale and zero [N, K / group] in PyTorch's
-    layout (w ~= (q - 8) * scale + zero), the groups' min/max fixed from the unrounded weights."""
+    """Group-wise asymmetric int4 codes (0..15) with scale and min [N, K / group] in inferd's int4
+    form (w ~= q * scale + min), the groups' min/max fixed from the unrounded weights."""
     N, K = w.shape
     if K % group_size:
         raise InferdError(f"group size {group_size} does not divide the layer's input size {K}")
@@ -81,7 +81,7 @@ def gptq_int4(w: torch.Tensor, h: torch.Tensor, group_size: int):
         q = torch.round((x - l0) / s).clamp(0, 15)
         return q * s + l0, q
 
-    return gptq_round(w, h, col).to(torch.uint8), scale, lo + 8 * scale
+    return gptq_round(w, h, col).to(torch.uint8), scale, lo
 
 
 def collect_hessians(model, calib: list[list[int]], progress=None) -> dict:

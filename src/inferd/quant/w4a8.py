@@ -18,6 +18,10 @@ with w = q s + m (q in 0..15) and x ~= dx * xq:
 
 Every forward rounds x the same way, so prefill (more than MAX_KERNEL_ROWS rows: the layer is
 dequantized to fp32 for one GEMM) and decode compute the same function up to summation order.
+
+The kernel reads the codes in inferd's own nibble layout (`inferd.quant.pack_nibbles`), taken from
+the method's codes (`Int4Linear.codes()`), never from PyTorch's packed int4 bytes, whose layout
+depends on the CPU (its AVX2 and AVX-512 builds differ).
 """
 from __future__ import annotations
 
@@ -303,32 +307,18 @@ def fake_quant_activations(x: torch.Tensor) -> torch.Tensor:
     return (q * d).reshape(shape)
 
 
-def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int):
-    """PyTorch-layout int4 codes (q in 0..15 [N, K], w = (q - 8) scale + zero per group) -> the
-    kernel's nibbles [N, K/2] uint8 and fp32 s, m [N, K/32] with w = q s + m per 32-block."""
+def pack(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, group_size: int):
+    """int4 codes (q in 0..15 [N, K], w = q scale + min per group) -> the kernel's nibbles [N, K/2]
+    uint8 (inferd's layout, `pack_nibbles`) and fp32 s, m [N, K/32] with w = q s + m per 32-block."""
+    from inferd.quant import pack_nibbles
+
     N, K = q.shape
     if group_size % BLOCK or K % group_size:
         raise InferdError(f"W4A8 needs int4 groups that are multiples of {BLOCK} (got {group_size})")
     rep = group_size // BLOCK
     s = scale.float().repeat_interleave(rep, dim=1)
-    m = (zero.float() - 8 * scale.float()).repeat_interleave(rep, dim=1)
-    b = q.to(torch.uint8).reshape(N, K // BLOCK, 2, 16)
-    nib = (b[:, :, 0, :] | (b[:, :, 1, :] << 4)).reshape(N, K // 2)
-    return nib.contiguous(), s.contiguous(), m.contiguous()
-
-
-def unpack_torch_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """The codes [N, K] (int32, 0..15) behind `torch._convert_weight_to_int4pack_for_cpu(q, 1)`.
-
-    Its CPU layout (PyTorch 2.13): rows in blocks of 32; per block [K, 16] bytes whose low nibble is
-    row j and high nibble row j + 16. Checked by packing the result again: another layout is a clear
-    error, never wrong weights."""
-    if n % 32 == 0 and packed.numel() == n * k // 2:
-        p = packed.reshape(n // 32, k, 16)
-        q = torch.cat([p & 15, p >> 4], dim=2).permute(0, 2, 1).reshape(n, k).to(torch.int32)
-        if torch.equal(torch._convert_weight_to_int4pack_for_cpu(q, 1).reshape(packed.shape), packed):
-            return q
-    raise InferdError("W4A8: this PyTorch build packs int4 weights in a layout inferd does not know")
+    m = mn.float().repeat_interleave(rep, dim=1)
+    return pack_nibbles(q), s.contiguous(), m.contiguous()
 
 
 # -- the module and the rewrite ---------------------------------------------------------------
@@ -336,14 +326,14 @@ def unpack_torch_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
 class W4A8Linear(nn.Module):
     """int4 weights (32-blocks, fp32 s and m); x rounded to int8 per 32-block inside the kernel."""
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, group_size: int,
                  bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__()
         self.out_features, self.in_features = q.shape
         self.kernel = load()
         if self.kernel is None:
             raise InferdError("W4A8 needs its C++ kernel, which did not build (no compiler?)")
-        for name, t in zip(("qweight", "qscale", "qmin"), pack(q, scale, zero, group_size)):
+        for name, t in zip(("qweight", "qscale", "qmin"), pack(q, scale, mn, group_size)):
             self.register_buffer(name, t)
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
         self.dtype = dtype
@@ -356,6 +346,12 @@ class W4A8Linear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.view(*shape[:-1], self.out_features)
+
+    def codes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q int32 [N, K], scale, min fp32 [N, K / 32]): what the kernel multiplies by."""
+        from inferd.quant import unpack_nibbles
+
+        return unpack_nibbles(self.qweight), self.qscale, self.qmin
 
     def dequantized(self) -> torch.Tensor:
         return self.kernel.dequantize(self.qweight, self.qscale, self.qmin)
@@ -397,16 +393,12 @@ def quantize_activations(model: nn.Module, fuse: bool = True) -> int:
             if isinstance(child, Int4Linear):
                 if child.dense:
                     raise InferdError("--quantize-activations needs packed int4 layers, not dense ones")
-                N, K = child.out_features, child.in_features
-                q = unpack_torch_int4(child.weight_int4, N, K)
-                sz = child.scales_and_zeros.float().transpose(0, 1)  # [N, K / group, 2]
-                setattr(parent, name, W4A8Linear(q, sz[..., 0], sz[..., 1], child.group_size, child.bias,
-                                                 model.dtype))
+                setattr(parent, name, W4A8Linear(*child.codes(), child.group_size, child.bias, model.dtype))
                 n += 1
             elif isinstance(child, Int8Linear):
                 if child.dense:
                     raise InferdError("--quantize-activations needs packed int8 layers, not dense ones")
-                setattr(parent, name, W8A8Linear(child.weight_int8, child.scales, child.bias, model.dtype))
+                setattr(parent, name, W8A8Linear(*child.codes(), child.bias, model.dtype))
                 n += 1
     if n == 0:
         raise InferdError("--quantize-activations applies to packed int4/int8 weights: this model has none")
