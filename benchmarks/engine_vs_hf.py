@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 from inferd.engine.engine import LLMEngine  # noqa: E402
 from inferd.engine.request import SamplingParams  # noqa: E402
-from inferd.model.loader import default_model_path, load_model  # noqa: E402
-from inferd.throughput import random_requests  # noqa: E402
+from inferd.loader import default_model_path, load_model  # noqa: E402
+from inferd.commands.throughput import random_requests  # noqa: E402
 
 
 def bf16_gemm_rate(n: int = 2048, reps: int = 10) -> float:

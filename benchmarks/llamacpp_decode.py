@@ -79,7 +79,7 @@ def llamacpp_decode_rate(gguf_path: str, prompt_ids: Sequence[int], n_out: int, 
 def default_prompt(gguf_path: str, prompt_len: int, seed: int = 0) -> list[int]:
     """Random non-special token ids, drawn the way inferd's own throughput benchmarks draw them."""
     from inferd.bench.tokenizer import load_local
-    from inferd.throughput import random_requests
+    from inferd.commands.throughput import random_requests
 
     tok = load_local(gguf_path)
     special = {i for i in range(tok.vocab_size) if tok.is_special(i)}
@@ -87,7 +87,7 @@ def default_prompt(gguf_path: str, prompt_len: int, seed: int = 0) -> list[int]:
 
 
 def main() -> None:
-    from inferd.model.loader import default_model_path
+    from inferd.loader import default_model_path
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gguf", default=None, help="default: inferd's default model")

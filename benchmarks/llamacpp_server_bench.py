@@ -44,7 +44,7 @@ def llama_server_cmd(binary: str, gguf: str, port: int, threads: int, slots: int
 
 
 def main() -> None:
-    from inferd.model.loader import default_model_path
+    from inferd.loader import default_model_path
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gguf", default=None, help="default: inferd's default model")

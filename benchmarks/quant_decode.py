@@ -34,7 +34,7 @@ sys.path.insert(0, HERE)
 
 from inferd.engine.engine import LLMEngine  # noqa: E402
 from inferd.engine.request import SamplingParams  # noqa: E402
-from inferd.model.loader import default_model_path, load_model  # noqa: E402
+from inferd.loader import default_model_path, load_model  # noqa: E402
 
 CONFIGS = [  # (label, quantization, group size, quantize lm_head, dtype, int8 activations: W4A8)
     ("inferd bf16", "none", 32, False, "bfloat16", False),

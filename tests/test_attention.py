@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inferd.engine import cpu_attention
+from inferd.kernels import cpu_attention
 from inferd.engine.attention import PagedAttention
 from inferd.engine.kv_cache import KVPool
 

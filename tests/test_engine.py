@@ -10,7 +10,7 @@ import torch
 
 from inferd.engine.engine import LLMEngine
 from inferd.engine.request import SamplingParams
-from inferd.model.reference import reference_generate
+from inferd.engine.reference import reference_generate
 
 N_REQ = 64
 

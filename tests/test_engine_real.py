@@ -8,8 +8,8 @@ import torch
 
 from inferd.engine.engine import LLMEngine
 from inferd.engine.request import SamplingParams
-from inferd.model.loader import load_model
-from inferd.model.reference import reference_generate
+from inferd.loader import load_model
+from inferd.engine.reference import reference_generate
 
 PROMPTS = [
     "The capital of France is",

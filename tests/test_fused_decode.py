@@ -1,4 +1,4 @@
-"""The fused decode step (inferd.model.fused_decode): the same kernels as the eager forward, called
+"""The fused decode step (inferd.quant.fused_decode): the same kernels as the eager forward, called
 from one C++ loop, must give the eager forward's hidden states and KV writes bit for bit, and must
 really run where it applies (W4A8/W8A8 models, decode-only steps) and nowhere else."""
 import random
@@ -8,7 +8,7 @@ import torch
 
 from inferd.engine.attention import PagedAttention
 from inferd.engine.kv_cache import KVPool
-from inferd.model.fused_decode import fuse_decode
+from inferd.quant.fused_decode import fuse_decode
 from inferd.quant import quantize
 from inferd.quant import w4a8
 
@@ -94,7 +94,7 @@ def test_engine_with_fused_steps_gives_the_eager_engines_tokens():
 def test_fuse_decode_applies_only_where_it_can():
     from conftest import make_tiny_model
 
-    from inferd.model.loader import load_model
+    from inferd.loader import load_model
 
     assert not fuse_decode(make_tiny_model().model)  # dense layers
     lm = make_tiny_model()

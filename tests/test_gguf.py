@@ -5,7 +5,7 @@ import torch
 from gguf import GGMLQuantizationType as Q, GGUFReader, GGUFWriter, quants
 
 from inferd.model.gguf import unpermute_qk
-from inferd.model.loader import load_model
+from inferd.loader import load_model
 
 H, FF, NH, NKV, V, L = 64, 128, 4, 2, 96, 2
 HD = H // NH

@@ -4,8 +4,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from inferd.model.loader import load_model
-from inferd.model.reference import reference_generate
+from inferd.loader import load_model
+from inferd.engine.reference import reference_generate
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)

@@ -19,9 +19,9 @@ from inferd.engine.engine import LLMEngine
 from inferd.engine.kv_cache import BlockManager
 from inferd.engine.request import SamplingParams
 from inferd.errors import InferdError
-from inferd.model.reference import reference_generate
-from inferd.spec.ngram import propose_ngram
-from inferd.spec.rejection import accept_greedy, expected_acceptance, rejection_sample
+from inferd.engine.reference import reference_generate
+from inferd.engine.spec.ngram import propose_ngram
+from inferd.engine.spec.rejection import accept_greedy, expected_acceptance, rejection_sample
 from conftest import make_tiny_model
 from test_engine import assert_no_leaks, compare, make_requests, reference_outputs
 
@@ -400,7 +400,7 @@ def test_acceptance_rate_is_sum_min_p_q(small, method):
 # -- the real model: prompt lookup on a copy task ----------------------------------------------
 
 def test_ngram_copy_task_on_the_default_model(default_gguf_path):
-    from inferd.model.loader import load_model
+    from inferd.loader import load_model
 
     real = load_model(None, dtype="float32")
     tok = real.tokenizer

@@ -61,7 +61,7 @@ CONVERSATIONS = [
 
 @pytest.fixture(scope="module")
 def gguf_meta(default_gguf_path):
-    from inferd.model.gguf import open_gguf, read_metadata
+    from inferd.gguf_file import open_gguf, read_metadata
 
     return read_metadata(open_gguf(default_gguf_path))
 

@@ -89,7 +89,7 @@ def test_engine_on_w4a8_model_gives_reference_greedy_tokens():
     near-tie rule is 1e-2 here, not 1e-4."""
     from test_engine import make_requests, run_engine
 
-    from inferd.model.reference import reference_generate
+    from inferd.engine.reference import reference_generate
 
     lm, _ = _w4a8_tiny()
     reqs = make_requests(seed=3, n=24)
@@ -109,7 +109,7 @@ def test_engine_on_w4a8_model_gives_reference_greedy_tokens():
 
 
 def test_loader_flags_and_errors():
-    from inferd.model.loader import load_model
+    from inferd.loader import load_model
 
     lm = load_model("smollm2-135m", load_format="dummy", with_tokenizer=False, quantization="int4",
                     quantize_lm_head=True, quantize_activations=True)
@@ -126,8 +126,8 @@ def test_default_model_w4a8_engine_matches_its_reference_loop(default_gguf_path)
     """The real model: gguf's own Q4_1 blocks (W4A8) and its int8 lm_head (W8A8), served by the engine."""
     from inferd.engine.engine import LLM
     from inferd.engine.request import SamplingParams
-    from inferd.model.loader import load_model
-    from inferd.model.reference import reference_generate
+    from inferd.loader import load_model
+    from inferd.engine.reference import reference_generate
 
     lm = load_model(default_gguf_path, quantization="gguf", quantize_lm_head=True, quantize_activations=True)
     assert type(lm.model.layers[0].gate_up_proj).__name__ == "W4A8Linear"

@@ -79,14 +79,7 @@ def add_spec_args(p: argparse.ArgumentParser):
 def engine_config_from_args(args):
     from inferd.config import EngineConfig
 
-    cfg = EngineConfig()
-    for name in EngineConfig.field_names():
-        if hasattr(args, name) and getattr(args, name) is not None:
-            setattr(cfg, name, getattr(args, name))
-    if cfg.device == "cpu" and args.gpu_memory_utilization != 0.9:
-        sys.stderr.write("inferd: note: --gpu-memory-utilization applies to CUDA only; on CPU the KV pool "
-                         "is sized by --kv-cache-memory\n")
-    return cfg.validate()
+    return EngineConfig.from_args(args)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128):
@@ -238,116 +231,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _setup(args):
-    """An engine sized for one conversation: generate/chat run on the same engine as serve."""
-    import torch
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    from inferd.engine.engine import LLM
-    from inferd.model.loader import load_model
-
-    lm = load_model(args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
-                    quantization=args.quantization, quant_group_size=args.quant_group_size,
-                    quantize_lm_head=args.quantize_lm_head, quantize_activations=args.quantize_activations,
-                    enforce_eager=args.enforce_eager)
-    if lm.tokenizer is None:
-        raise InferdError("this model has no tokenizer (tokenizer.json or GGUF vocabulary); text generation needs one")
-    max_len = lm.config.max_position_embeddings
-    if args.max_model_len:
-        if args.max_model_len < 1:
-            raise InferdError("--max-model-len must be at least 1")
-        if args.max_model_len > max_len:
-            raise InferdError(f"--max-model-len {args.max_model_len} exceeds the model's context length {max_len}")
-        max_len = args.max_model_len
-    spec = {k: getattr(args, k) for k in ("speculative_method", "num_speculative_tokens", "draft_model",
-                                          "draft_quantization", "ngram_min", "ngram_max", "ngram_backoff")}
-    llm = LLM(loaded=lm, max_model_len=max_len, num_kv_blocks=-(-max_len // 16) + 1, block_size=16,
-              max_num_seqs=1, **spec)
-    return llm, max_len
-
-
-def _check_sampling(args):
-    if args.max_tokens < 1:
-        raise InferdError("--max-tokens must be at least 1")
-    if args.temperature < 0:
-        raise InferdError("--temperature must be >= 0")
-    if not 0 < args.top_p <= 1:
-        raise InferdError("--top-p must be in (0, 1]")
-    if args.top_k < 0:
-        raise InferdError("--top-k must be >= 0")
-
-
-def _stream(llm, prompt_ids, args, max_len):
-    """Yield text deltas for one completion, stopping at an end token or the context limit."""
-    from inferd.engine.request import SamplingParams
-
-    room = max_len - len(prompt_ids)
-    if room < 1:
-        raise InferdError(f"prompt is {len(prompt_ids)} tokens; the context limit is {max_len}")
-    params = SamplingParams(max_tokens=min(args.max_tokens, room), temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-    for delta, _ in llm.stream(prompt_ids, params):
-        if delta:
-            yield delta
-
-
 def cmd_generate(args) -> int:
-    _check_sampling(args)
-    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
-    if not prompt:
-        raise InferdError("empty prompt")
-    lm, max_len = _setup(args)
-    tok = lm.tokenizer
-    if args.chat_template:
-        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                      tokenize=True)
-    else:
-        ids = tok.encode(prompt)
-    if args.stream:
-        for d in _stream(lm, ids, args, max_len):
-            sys.stdout.write(d)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
-    else:
-        print("".join(_stream(lm, ids, args, max_len)))
-    return 0
+    from inferd.commands.generate import run_generate
+
+    return run_generate(args)
 
 
 def cmd_chat(args) -> int:
-    _check_sampling(args)
-    lm, max_len = _setup(args)
-    tok = lm.tokenizer
-    history = [{"role": "system", "content": args.system}] if args.system else []
-    interactive = sys.stdin.isatty()
-    if interactive:
-        print(f"inferd chat — {lm.engine.loaded.source.name}. Type /reset to forget, /exit or Ctrl-D to leave.")
-    while True:
-        try:
-            line = input("> " if interactive else "")
-        except EOFError:
-            break
-        line = line.strip()
-        if not line:
-            continue
-        if line in ("/exit", "/quit"):
-            break
-        if line == "/reset":
-            history = history[:1] if args.system else []
-            continue
-        history.append({"role": "user", "content": line})
-        ids = tok.apply_chat_template(history, add_generation_prompt=True, tokenize=True)
-        reply = []
-        try:
-            for d in _stream(lm, ids, args, max_len):
-                reply.append(d)
-                sys.stdout.write(d)
-                sys.stdout.flush()
-        except KeyboardInterrupt:
-            pass
-        sys.stdout.write("\n")
-        history.append({"role": "assistant", "content": "".join(reply)})
-    return 0
+    from inferd.commands.generate import run_chat
+
+    return run_chat(args)
 
 
 def apply_yaml_config(parser: argparse.ArgumentParser, argv: list[str], args):
@@ -385,57 +278,21 @@ def cmd_serve(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    import json
+    from inferd.commands.eval import run
 
-    import torch
-
-    from inferd.eval import format_table, run_eval, split_config
-    from inferd.quant import METHODS
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    configs = [c.strip() for c in args.quantization.split(",") if c.strip()]
-    for c in configs:
-        base, a8 = split_config(c)
-        if base not in METHODS:
-            raise InferdError(f"unknown quantization {c!r} (choose {', '.join(METHODS)}; each but none also "
-                              "as +a8: int8 activations, the W4A8/W8A8 kernels)")
-        if a8 and base == "none":
-            raise InferdError(f"{c}: +a8 applies to quantized weights (int4, int4-gptq, gguf, awq; int8, int8-gptq)")
-    if args.ctx < 2 or args.windows < 1:
-        raise InferdError("--ctx must be >= 2 and --windows >= 1")
-    if args.plot and not args.speed:
-        raise InferdError("--plot needs the speed columns; drop --no-speed")
-    if args.plot and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
-        raise InferdError(f"--plot: no such directory {os.path.dirname(os.path.abspath(args.plot))}")
-    if args.awq_path and "awq" not in configs:
-        raise InferdError("--awq-path is for the awq configuration: add awq to --quantization")
-    res = run_eval(args.model, configs, args.quant_group_size, args.ctx, args.windows, args.dtype,
-                   args.quantize_lm_head, args.speed, args.dataset_path, speed_dtype=args.speed_dtype,
-                   awq_path=args.awq_path,
-                   progress=lambda i, n: sys.stderr.write(f"\rwindow {i}/{n}") or sys.stderr.flush())
-    sys.stderr.write("\n")
-    print(format_table(res))
-    if args.result_json:
-        with open(args.result_json, "w") as f:
-            json.dump(res, f, indent=2)
-    if args.plot:
-        from inferd.eval import plot_speed_vs_kl
-
-        plot_speed_vs_kl(res, args.plot)
-    return 0
+    return run(args)
 
 
 def cmd_quantize(args) -> int:
-    from inferd.quant.awq import run_quantize
+    from inferd.commands.quantize import run
 
-    return run_quantize(args)
+    return run(args)
 
 
 def cmd_throughput(args) -> int:
     import json
 
-    from inferd.throughput import run_throughput
+    from inferd.commands.throughput import run_throughput
 
     res = run_throughput(args)
     if args.output_json:

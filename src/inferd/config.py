@@ -1,10 +1,33 @@
-"""EngineConfig: every engine knob in one place, named as vLLM names them where the idea is the same."""
+"""The configuration route, one for every command: CLI flags or YAML -> EngineConfig -> the engine;
+its model part, LoadConfig, goes whole to `inferd.loader.load_model`. Knobs are named as vLLM names
+them where the idea is the same."""
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass, fields
 
 from inferd.errors import InferdError
+
+
+@dataclass
+class LoadConfig:
+    """What `load_model` needs to build a model: where it is, its dtype and device, and how to quantize it."""
+    model: str | None = None  # None: the embedded default
+    load_format: str = "auto"  # auto | gguf | safetensors | dummy
+    dtype: str = "auto"  # auto: what the fastest path on this device takes (inferd.loader.auto_dtype)
+    device: str = "cpu"
+    quantization: str = "none"  # a name in inferd.quant.METHODS
+    quant_group_size: int = 32
+    quantize_lm_head: bool = False
+    quantize_activations: bool = False  # int4/int8 weights x int8 activations (W4A8/W8A8)
+    enforce_eager: bool = False  # no fused C++ decode step
+    dense_quant: bool = False  # quantized layers keep exact dequantized weights (fp32 evaluation)
+    with_tokenizer: bool = True
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
 
 
 @dataclass
@@ -17,7 +40,7 @@ class EngineConfig:
     quant_group_size: int = 32
     quantize_lm_head: bool = False
     quantize_activations: bool = False  # int4 weights x int8 activations (W4A8 kernel)
-    enforce_eager: bool = False  # no fused C++ decode step (inferd.model.fused_decode) even where it applies
+    enforce_eager: bool = False  # no fused C++ decode step (inferd.quant.fused_decode) even where it applies
     threads: int | None = None
     max_model_len: int | None = None
     block_size: int = 16
@@ -71,6 +94,24 @@ class EngineConfig:
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
+
+    def load_config(self, **over) -> LoadConfig:
+        """The model part of this configuration."""
+        kw = {k: getattr(self, k) for k in LoadConfig.field_names() if hasattr(self, k)}
+        return LoadConfig(**{**kw, **over})
+
+    @classmethod
+    def from_args(cls, args) -> "EngineConfig":
+        """Parsed CLI arguments (YAML defaults already merged by the parser) -> a validated config;
+        arguments a command lacks keep the defaults."""
+        cfg = cls()
+        for name in cls.field_names():
+            if getattr(args, name, None) is not None:
+                setattr(cfg, name, getattr(args, name))
+        if cfg.device == "cpu" and getattr(args, "gpu_memory_utilization", 0.9) != 0.9:
+            sys.stderr.write("inferd: note: --gpu-memory-utilization applies to CUDA only; on CPU the KV pool "
+                             "is sized by --kv-cache-memory\n")
+        return cfg.validate()
 
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,

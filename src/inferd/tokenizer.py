@@ -218,7 +218,7 @@ class Tokenizer:
             with open(path, "rb") as f:
                 magic = f.read(4)
             if magic == b"GGUF" or path.lower().endswith(".gguf"):
-                from inferd.model.gguf import open_gguf, read_metadata
+                from inferd.gguf_file import open_gguf, read_metadata
 
                 return cls.from_gguf_metadata(read_metadata(open_gguf(path)))
             if os.path.basename(path) == "tokenizer.json":

@@ -39,7 +39,7 @@ class PagedAttention:
         self.pool = pool
         self.kernel = None
         if use_kernel and pool.k.device.type == "cpu":
-            from inferd.engine import cpu_attention
+            from inferd.kernels import cpu_attention
 
             self.kernel = cpu_attention.load()
         self.kernel_calls = 0  # decode groups served by the compiled kernel (tests check it ran)
@@ -94,7 +94,7 @@ class PagedAttention:
         return pos
 
     def decode_args(self):
-        """What the fused decode step (inferd.model.fused_decode) needs when every row of this step
+        """What the fused decode step (inferd.quant.fused_decode) needs when every row of this step
         decodes one token through the compiled kernel: (k cache, v cache, slot_mapping, block_tables,
         ctx_lens, block_size, scale, window); else None."""
         if self.kernel is None or len(self.groups) != 1 or self.groups[0].out_sel is not None:

@@ -68,12 +68,9 @@ class LLMEngine:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         if loaded is None:
-            from inferd.model.loader import load_model
+            from inferd.loader import load_model
 
-            loaded = load_model(cfg.model, load_format=cfg.load_format, dtype=cfg.dtype, device=cfg.device,
-                                quantization=cfg.quantization, quant_group_size=cfg.quant_group_size,
-                                quantize_lm_head=cfg.quantize_lm_head,
-                                quantize_activations=cfg.quantize_activations, enforce_eager=cfg.enforce_eager)
+            loaded = load_model(cfg.load_config())
         elif cfg.enforce_eager:
             loaded.model.fused_decode = None
         self.loaded = loaded
@@ -108,7 +105,7 @@ class LLMEngine:
                  num_blocks * per_block / 2**20, num_blocks * cfg.block_size)
         self.spec = None
         if cfg.speculative_method is not None:
-            from inferd.spec.decoder import SpecDecoder
+            from inferd.engine.spec.decoder import SpecDecoder
 
             self.spec = SpecDecoder(self, draft_loaded)
             log.info("speculative decoding: %s, %d tokens%s", cfg.speculative_method, cfg.num_speculative_tokens,
@@ -118,7 +115,7 @@ class LLMEngine:
         c = self.config.kv_cache_dtype
         if c == "auto":
             return self.model.dtype
-        from inferd.model.loader import resolve_dtype
+        from inferd.loader import resolve_dtype
 
         return resolve_dtype(c)
 
@@ -445,8 +442,8 @@ class CompletionOutput:
 class LLM:
     """Offline use: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
 
-    def __init__(self, model: str | None = None, loaded=None, **engine_options):
-        self.engine = LLMEngine(EngineConfig(model=model), loaded=loaded, **engine_options)
+    def __init__(self, model: str | None = None, loaded=None, config: EngineConfig | None = None, **engine_options):
+        self.engine = LLMEngine(config or EngineConfig(model=model), loaded=loaded, **engine_options)
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,

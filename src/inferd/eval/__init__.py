@@ -11,27 +11,14 @@ with the reference's over the full vocabulary in fp32:
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from inferd.data import EVAL_TEXT_CHARS, wikitext_path  # noqa: F401  (wikitext_path: re-exported)
 from inferd.errors import InferdError
 from inferd.model.llama import ContiguousKV
-
-WIKITEXT_RELATIVE = os.path.join("..", "shared", "data", "wikitext-2", "test.txt")
-# evaluation windows come from this many leading characters of the text; AWQ calibrates on the rest
-EVAL_TEXT_CHARS = 200_000
-
-
-def wikitext_path() -> str:
-    here = os.path.dirname(os.path.abspath(__file__))
-    root = os.path.normpath(os.path.join(here, "..", "..", ".."))
-    for p in (os.path.join(root, WIKITEXT_RELATIVE), os.path.join(os.getcwd(), WIKITEXT_RELATIVE)):
-        if os.path.isfile(p):
-            return p
-    raise InferdError("WikiText-2 not found: expected ../shared/data/wikitext-2/test.txt beside the project")
 
 
 def token_windows(ids: list[int], ctx: int, n: int, offset: int = 0) -> list[list[int]]:
@@ -124,8 +111,8 @@ def run_eval(model: str | None, configs: list[str], group_size: int = 32, ctx: i
              dtype: str = "auto", quantize_lm_head: bool = False, speed: bool = True,
              text_path: str | None = None, continuation_tokens: int = 16, progress=None,
              speed_dtype: str = "auto", awq_path: str | None = None) -> dict:
-    from inferd.model.loader import load_model, resolve_dtype
-    from inferd.model.reference import reference_generate
+    from inferd.loader import load_model, resolve_dtype
+    from inferd.engine.reference import reference_generate
     from inferd.quant import weight_bytes
 
     ref = load_model(model, dtype="float32")
@@ -205,10 +192,10 @@ def run_eval(model: str | None, configs: list[str], group_size: int = 32, ctx: i
 
 def _awq_config(model, awq_path, group_size, dtype, ref):
     """The awq configuration: a saved AWQ folder, or the same calibration run in memory."""
-    from inferd.model.loader import load_model
+    from inferd.loader import load_model
 
     if awq_path is None:
-        from inferd.quant.awq import awq_model
+        from inferd.loader import awq_model
 
         lm, _ = awq_model(model, group_size, dtype)
         return lm, f"awq g{group_size}"

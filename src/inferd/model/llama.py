@@ -86,7 +86,7 @@ def _fused_ops(x: torch.Tensor):
     """The compiled CPU kernels when they apply (CPU, no autograd, fp32/bf16), else None."""
     if x.device.type != "cpu" or x.requires_grad or x.dtype not in (torch.float32, torch.bfloat16):
         return None
-    from inferd.model import cpu_ops
+    from inferd.kernels import cpu_ops
 
     return cpu_ops.load()
 
@@ -167,7 +167,7 @@ class LlamaModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = Rope(cfg)
-        self.fused_decode = None  # inferd.model.fused_decode: one C++ call per decode step, when it applies
+        self.fused_decode = None  # inferd.quant.fused_decode: one C++ call per decode step, when it applies
 
     @property
     def dtype(self) -> torch.dtype:

@@ -14,235 +14,83 @@ with activations in the model's dtype; the rest of the engine does not know.
 with fp32 activations: the packed kernels take a slow path for fp32 inputs (benchmarks/quant_decode.py
 measures it), and the maths is the same (tests/test_quant.py checks kernel against dequantized).
 
-int4 codes are inferd's own: q in 0..15 per weight and, per (output row, group), a scale and a min
-with w = q * scale + min -- GGUF Q4_1's form (Q4_0 is min = -8 d; AWQ's zero point z is min = -z s).
-They are held nibble-packed in one layout of ours (`pack_nibbles`), the one the W4A8 kernel reads.
-PyTorch's packed int4 kernel gets them only at a layer's first forward (`Int4Linear.hand_over`):
-`_convert_weight_to_int4pack_for_cpu` lays them out by the CPU's ISA (AVX2 and AVX-512 builds
-differ), so nothing of ours ever reads its bytes back.
+The codes are inferd's own (`quant.linear`: w = q * scale + min per group, nibble-packed in one
+layout of ours); PyTorch's packed kernels get them at a layer's first forward.
+
+Methods by table: `METHODS` maps each `--quantization` name to the module that applies it and what
+it needs. Adding one is a module with `apply(model, ctx) -> str` (a log line) and one line below.
+`apply(model, ctx)` is the whole route the loader takes: the method, then `--quantize-activations`
+(W4A8/W8A8 and the fused decode step) or the hand-over of the codes to PyTorch's kernels.
 """
 from __future__ import annotations
 
-import torch
-from torch import nn
+from dataclasses import dataclass, field
+from typing import Callable
 
 from inferd.errors import InferdError
-
-METHODS = ("none", "int8", "int4", "int8-gptq", "int4-gptq", "gguf", "awq")
-
-
-# -- pure functions ---------------------------------------------------------------------------
-
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] float -> int8 [N, K] and per-row scales [N] (fp32), w ~= q * scale."""
-    w = w.float()
-    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
-    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-    return q, scale
+from inferd.quant import awq_checkpoint, gguf_native, gptq, rtn
+from inferd.quant.linear import (Int4Linear, Int8Linear, dequantize_int4, hand_over, pack_nibbles,  # noqa: F401
+                                 quantize_int4, quantize_int8, unpack_nibbles, weight_bytes)
+from inferd.quant.rtn import quantize, quantize_lm_head_int8  # noqa: F401
 
 
-def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[N, K] float -> q int32 [N, K] in 0..15, scale and min [N, K / group] (fp32), with
-    w ~= q * scale + min: min/max round-to-nearest per group."""
-    N, K = w.shape
-    if K % group_size:
-        raise InferdError(f"group size {group_size} does not divide the layer's input size {K}")
-    g = w.float().reshape(N, K // group_size, group_size)
-    lo, hi = g.amin(-1), g.amax(-1)
-    scale = ((hi - lo) / 15).clamp(min=1e-8)
-    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
-    return q.reshape(N, K), scale, lo
+@dataclass(frozen=True)
+class Method:
+    apply: Callable  # (model, QuantContext) -> str, a log line
+    needs: tuple[str, ...] = ()  # "gguf": the file's own blocks; "checkpoint": a quantized folder; "calibration": text
 
 
-def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, group_size: int) -> torch.Tensor:
-    N, K = q.shape
-    g = q.reshape(N, K // group_size, group_size).float()
-    return (g * scale[..., None] + mn[..., None]).reshape(N, K)
+METHODS: dict[str, Method | None] = {
+    "none": None,
+    "int8": Method(rtn.apply),
+    "int4": Method(rtn.apply),
+    "int8-gptq": Method(gptq.apply, ("calibration",)),
+    "int4-gptq": Method(gptq.apply, ("calibration",)),
+    "gguf": Method(gguf_native.apply, ("gguf",)),
+    "awq": Method(awq_checkpoint.apply, ("checkpoint",)),
+}
 
 
-NIBBLE_BLOCK = 32
+@dataclass
+class QuantContext:
+    """What a method may use besides the model: the options, and the model's sources."""
+    method: str
+    group_size: int = 32
+    lm_head: bool = False
+    dense: bool = False  # keep exact dequantized weights (fp32-activation evaluation), no packing
+    activations: bool = False  # --quantize-activations: W4A8/W8A8
+    enforce_eager: bool = False
+    config: object = None  # the model's ModelConfig
+    reader: object = None  # a GGUF reader, for "gguf"
+    checkpoint: dict = field(default_factory=dict)  # {"parts": ..., "group_size": ...}, for "checkpoint"
+    calibration: Callable | None = None  # (n_samples, seqlen) -> token id lists
+    fp32_model: Callable | None = None  # () -> an fp32 copy of the model, for calibration
+    cache_key: tuple = ()  # identifies the weights: calibrated codes are kept per process
 
 
-def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """int4 codes [N, K] (0..15) -> uint8 [N, K / 2], inferd's layout: per 32-block of a row, byte j
-    holds q[j] in its low nibble and q[j + 16] in its high one (one 128-bit load and a shift give
-    the kernel 32 codes in order)."""
-    N, K = q.shape
-    if K % NIBBLE_BLOCK:
-        raise InferdError(f"int4 layers need an input size that is a multiple of {NIBBLE_BLOCK} (got {K})")
-    if q.numel() and (int(q.min()) < 0 or int(q.max()) > 15):
-        raise InferdError("4-bit codes must lie in 0..15")
-    b = q.to(torch.uint8).reshape(N, K // NIBBLE_BLOCK, 2, 16)
-    return (b[:, :, 0, :] | (b[:, :, 1, :] << 4)).reshape(N, K // 2).contiguous()
+def method(name: str) -> Method | None:
+    if name in (None, "none"):
+        return None
+    if name not in METHODS:
+        raise InferdError(f"unknown quantization {name!r} (choose {', '.join(METHODS)})")
+    return METHODS[name]
 
 
-def unpack_nibbles(nib: torch.Tensor) -> torch.Tensor:
-    """The inverse of pack_nibbles: uint8 [N, K / 2] -> int32 [N, K]."""
-    N, half = nib.shape
-    b = nib.reshape(N, half // 16, 16)
-    return torch.stack([b & 15, b >> 4], dim=2).reshape(N, half * 2).to(torch.int32)
+def apply(model, ctx: QuantContext) -> list[str]:
+    """Quantize the model in place as `ctx` says; returns what was done, one line each (for the log)."""
+    from inferd.quant import w4a8
 
-
-# -- modules ----------------------------------------------------------------------------------
-
-class Int8Linear(nn.Module):
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
-                 dense: bool = False):
-        super().__init__()
-        self.out_features, self.in_features = q.shape
-        self.dense = dense
-        if dense:
-            self.register_buffer("weight", (q.float() * scale.float()[:, None]).to(dtype))
-        else:
-            self.register_buffer("weight_int8", q.contiguous())
-            self.register_buffer("scales", scale.to(dtype))  # the kernel wants them in x's dtype
-            # the codes' own fp32 scales (N floats): W8A8 and eval must not see the bf16 rounding
-            self.register_buffer("scale_fp32", scale.float().contiguous())
-        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
-        self.dtype = dtype
-
-    def codes(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q int8 [N, K], scale fp32 [N]) with w = q * scale."""
-        if self.dense:
-            raise InferdError("a dense int8 layer keeps only its dequantized weights, not its codes")
-        return self.weight_int8, self.scale_fp32
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        if self.dense:
-            y = x.reshape(-1, shape[-1]).to(self.dtype) @ self.weight.t()
-        else:
-            y = torch._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(self.dtype), self.weight_int8, self.scales)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*shape[:-1], self.out_features)
-
-
-class Int4Linear(nn.Module):
-    """int4 weights w = q * scale + min per group, run by PyTorch's packed kernel.
-
-    Until its first packed forward the layer holds inferd's codes (`qweight` nibbles, fp32 `scale`
-    and `min`); that forward, or `hand_over()`, gives them to PyTorch and drops them, so the layer
-    never holds the weights twice. A rewrite that needs the codes (W4A8) must come before it."""
-
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, group_size: int,
-                 bias: torch.Tensor | None, dtype: torch.dtype, dense: bool = False):
-        super().__init__()
-        self.out_features, self.in_features = q.shape
-        self.group_size = group_size
-        self.dense = dense
-        self.handed_over = False
-        if dense:
-            self.register_buffer("weight", dequantize_int4(q, scale.float(), mn.float(), group_size).to(dtype))
-        else:
-            self.register_buffer("qweight", pack_nibbles(q))
-            self.register_buffer("scale", scale.float().contiguous())
-            self.register_buffer("min", mn.float().contiguous())
-        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
-        self.dtype = dtype
-
-    def codes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(q int32 [N, K] in 0..15, scale, min fp32 [N, K / group])."""
-        if self.dense:
-            raise InferdError("a dense int4 layer keeps only its dequantized weights, not its codes")
-        if self.handed_over:
-            raise InferdError("this int4 layer already ran on PyTorch's packed kernel, which took its codes: "
-                              "rewrite it (e.g. --quantize-activations) before its first forward")
-        return unpack_nibbles(self.qweight), self.scale, self.min
-
-    def hand_over(self) -> None:
-        """Give the codes to PyTorch's packed kernel, in whatever layout this CPU's build uses."""
-        if self.dense or self.handed_over:
-            return
-        with torch.inference_mode(False):  # a first forward under inference_mode must not make inference buffers
-            q = unpack_nibbles(self.qweight)
-            zero = self.min + 8 * self.scale  # the kernel's form: w = (q - 8) * scale + zero
-            self.register_buffer("weight_int4", torch._convert_weight_to_int4pack_for_cpu(q, 1))
-            # [K / group, N, 2]: the kernel's layout
-            self.register_buffer("scales_and_zeros",
-                                 torch.stack([self.scale, zero], -1).transpose(0, 1).contiguous().to(self.dtype))
-        self.qweight = self.scale = self.min = None
-        self.handed_over = True
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        if self.dense:
-            y = x.reshape(-1, shape[-1]).to(self.dtype) @ self.weight.t()
-        else:
-            if not self.handed_over:
-                self.hand_over()
-            y = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).to(self.dtype), self.weight_int4,
-                                                  self.group_size, self.scales_and_zeros)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*shape[:-1], self.out_features)
-
-
-def hand_over(model: nn.Module) -> int:
-    """Give every packed int4 layer's codes to PyTorch's kernel now (the loader does, so a served
-    model holds its final weights from the start and the first request pays no packing)."""
-    n = 0
-    for m in model.modules():
-        if isinstance(m, Int4Linear) and not m.dense and not m.handed_over:
-            m.hand_over()
-            n += 1
-    return n
-
-
-def _targets(model: nn.Module, include_lm_head: bool):
-    for layer in model.layers:
-        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-            yield layer, name
-    if include_lm_head:
-        yield model, "lm_head"
-
-
-def quantize(model: nn.Module, method: str, group_size: int = 32, include_lm_head: bool = False,
-             dense: bool = False) -> nn.Module:
-    """Rewrite the model's linear layers in place (gpt-fast style) and return it."""
-    if method in (None, "none"):
-        return model
-    if method == "gguf":
-        raise InferdError("gguf quantization is applied at load time from the file's own blocks")
-    if method.endswith("-gptq"):
-        raise InferdError(f"{method} needs calibration text: load the model with quantization={method!r}, "
-                          "or call inferd.quant.gptq.gptq_quantize")
-    if method == "awq":
-        raise InferdError("awq needs calibration: `inferd quantize --method awq`, then load the folder it writes")
-    if method not in METHODS:
-        raise InferdError(f"unknown quantization {method!r} (choose {', '.join(METHODS)})")
-    if model.device.type != "cpu":
-        raise InferdError(f"{method} kernels are CPU-only in this build")
-    dtype = model.dtype
-    for parent, name in _targets(model, include_lm_head):
-        lin = getattr(parent, name)
-        w = lin.weight.detach()
-        if method == "int8":
-            q, s = quantize_int8(w)
-            new = Int8Linear(q, s, lin.bias, dtype, dense)
-        else:
-            q, s, z = quantize_int4(w, group_size)
-            new = Int4Linear(q, s, z, group_size, lin.bias, dtype, dense)
-        setattr(parent, name, new)
-    return model
-
-
-def quantize_lm_head_int8(model: nn.Module, dense: bool = False) -> nn.Module:
-    """The output layer to per-row int8 (for `gguf`, whose tied Q8_0 embedding has no int4 form:
-    one re-rounding of its 32-wide block scales into one scale per row). The embedding keeps its
-    float copy: a lookup reads one row per token, so packing it would save memory but no time."""
-    lin = model.lm_head
-    q, s = quantize_int8(lin.weight.detach())
-    model.lm_head = Int8Linear(q, s, lin.bias, model.dtype, dense)
-    return model
-
-
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes of every parameter and buffer (shared tensors once)."""
-    seen, total = set(), 0
-    for t in list(model.parameters()) + list(model.buffers()):
-        if t is None or t.data_ptr() in seen:
-            continue
-        seen.add(t.data_ptr())
-        total += t.numel() * t.element_size()
-    return total
+    m = method(ctx.method)
+    if ctx.activations and (m is None or ctx.dense):
+        raise InferdError("--quantize-activations applies to quantized weights: add --quantization "
+                          "int4, int4-gptq, gguf, awq (W4A8) or int8, int8-gptq (W8A8)" if m is None else
+                          "--quantize-activations is a CPU kernel for packed weights")
+    lines = [] if m is None else [m.apply(model, ctx)]
+    if not ctx.activations:
+        hand_over(model)  # int4 codes to PyTorch's kernel now: final weights from the start
+        return lines
+    n = w4a8.quantize_activations(model, fuse=not ctx.enforce_eager)
+    lines.append(f"W4A8/W8A8: {n} packed linears take int8 activations (per 32-block); {str(model.dtype)[6:]} glue; "
+                 f"weights {weight_bytes(model) / 2**20:.1f} MiB; decode-only steps "
+                 + ("fused into one C++ call" if model.fused_decode is not None else "eager"))
+    return lines

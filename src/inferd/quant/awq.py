@@ -34,44 +34,13 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from inferd.errors import InferdError
-from inferd.quant import dequantize_int4, quantize_int4
 from inferd.quant.awq_checkpoint import dequantize, to_affine_int4
+from inferd.quant.calibrate import LINEARS, causal_attention, collect_stats, output_error
+from inferd.quant.linear import dequantize_int4, quantize_int4
 
-LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 KERNEL_GROUPS = (32, 64, 128, 256)
-
-
-# -- calibration text ---------------------------------------------------------------------------
-
-def calibration_ids(tok, n_samples: int, seqlen: int, calib: str = "wikitext") -> list[list[int]]:
-    """n_samples windows of seqlen tokens. `wikitext`: WikiText-2 test text after the characters
-    `inferd eval` takes its windows from, so calibration never sees the evaluation text; otherwise
-    a path to a text file."""
-    import os
-
-    from inferd.eval import EVAL_TEXT_CHARS, wikitext_path
-
-    if n_samples < 1 or seqlen < 2:
-        raise InferdError("calibration needs at least 1 sample of at least 2 tokens")
-    if calib == "wikitext":
-        with open(wikitext_path(), encoding="utf-8") as f:
-            text = f.read()[EVAL_TEXT_CHARS:]
-    else:
-        if not os.path.isfile(calib):
-            raise InferdError(f"calibration text not found: {calib} (use wikitext or a text file)")
-        with open(calib, encoding="utf-8", errors="replace") as f:
-            text = f.read()
-    need = n_samples * seqlen
-    # tokenizing a megabyte takes seconds; ~4 characters a token, so read a generous prefix first
-    ids = tok.encode(text[:need * 8], add_special_tokens=False)
-    if len(ids) < need:
-        ids = tok.encode(text, add_special_tokens=False)
-    if len(ids) < need:
-        raise InferdError(f"calibration text has {len(ids)} tokens; {n_samples} x {seqlen} = {need} needed")
-    return [ids[i * seqlen:(i + 1) * seqlen] for i in range(n_samples)]
 
 
 # -- the int4 grid with integer zero points ----------------------------------------------------------
@@ -120,11 +89,6 @@ def fake_quant(w: torch.Tensor, group_size: int, lo=None, hi=None) -> torch.Tens
     s, z = int_grid(lo.clamp(max=0), hi.clamp(min=0))
     s, zf = s[..., None], z[..., None].float()
     return torch.clamp(torch.round(g / s), -zf, 15 - zf).mul_(s).reshape(N, K)
-
-
-def output_error(d: torch.Tensor, h: torch.Tensor) -> float:
-    """Mean over tokens of ||x D^T||^2, from H = E[x^T x]."""
-    return float(((d @ h) * d).sum())
 
 
 # -- the searches ---------------------------------------------------------------------------
@@ -192,59 +156,6 @@ def search_scale(w: torch.Tensor, h: torch.Tensor, x_mean: torch.Tensor, group_s
 def clip_shrinks(grid: int = 20, max_shrink: float = 0.5) -> list[float]:
     """1, 1 - 1/grid, ... while the shrink stays under max_shrink (AWQ's clipping grid)."""
     return [1 - i / grid for i in range(max(1, int(max_shrink * grid)))]
-
-
-# -- calibration statistics ---------------------------------------------------------------------
-
-@dataclass
-class InputStats:
-    """Running E[x^T x] and E|x| of one linear's inputs."""
-    h: torch.Tensor | None = None
-    abs_sum: torch.Tensor | None = None
-    n: int = 0
-
-    def add(self, x: torch.Tensor):
-        x = x.detach().reshape(-1, x.shape[-1]).float()
-        if self.h is None:
-            self.h = torch.zeros(x.shape[1], x.shape[1])
-            self.abs_sum = torch.zeros(x.shape[1])
-        self.h.addmm_(x.t(), x)
-        self.abs_sum += x.abs().sum(0)
-        self.n += x.shape[0]
-
-    @property
-    def hessian(self) -> torch.Tensor:
-        return self.h / self.n
-
-    @property
-    def mean_abs(self) -> torch.Tensor:
-        return self.abs_sum / self.n
-
-
-def _causal_attention(scale: float):
-    def attn(idx, q, k, v):  # one sequence, positions 0..T-1: plain causal attention
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                           v.transpose(0, 1)[None], is_causal=True, scale=scale,
-                                           enable_gqa=True)
-        return o[0].transpose(0, 1).reshape(q.shape[0], -1)
-    return attn
-
-
-def collect_stats(layer, hidden: list[torch.Tensor], cos, sin, attn) -> tuple[dict, list[torch.Tensor]]:
-    """Run one decoder layer over every calibration sequence: its linears' input statistics, and
-    its outputs (the next layer's inputs)."""
-    stats = {n: InputStats() for n in LINEARS}
-    hooks = [getattr(layer, n).register_forward_pre_hook(lambda m, args, n=n: stats[n].add(args[0]))
-             for n in LINEARS]
-    try:
-        with torch.inference_mode():
-            # the layer's torch path (ops=None); it returns (residual, next norm): keep the residual
-            out = [layer(x, layer.input_layernorm(x), cos[:x.shape[0]], sin[:x.shape[0]], attn,
-                         layer.input_layernorm)[0] for x in hidden]
-    finally:
-        for hk in hooks:
-            hk.remove()
-    return stats, out
 
 
 # -- one layer --------------------------------------------------------------------------------
@@ -345,7 +256,7 @@ def awq_quantize(model, calib: list[list[int]], group_size: int, grid: int = 20,
     seqlen = max(len(c) for c in calib)
     pos = torch.arange(seqlen)
     cos, sin = model.rope.cos_sin(pos)
-    attn = _causal_attention(cfg.head_dim ** -0.5)
+    attn = causal_attention(cfg.head_dim ** -0.5)
     hidden = [model.embed_tokens(torch.tensor(c)) for c in calib]
     codes, reports = {}, []
     for i, layer in enumerate(model.layers):
@@ -367,7 +278,7 @@ def _round_floats_fp16(model):
 
 def attach(model, codes: dict, group_size: int) -> None:
     """Replace the fused linears by int4 kernels built from the codes (in the model's dtype)."""
-    from inferd.quant import Int4Linear
+    from inferd.quant.linear import Int4Linear
 
     for (i, n), (q, z, s) in codes.items():
         layer = model.layers[i]
@@ -375,63 +286,4 @@ def attach(model, codes: dict, group_size: int) -> None:
         setattr(layer, n, Int4Linear(*to_affine_int4(q, z, s), group_size, lin.bias, model.dtype))
 
 
-# -- entry points -------------------------------------------------------------------------------
-
-DEFAULT_SAMPLES, DEFAULT_SEQLEN = 32, 512
-
-
-def awq_model(model: str | None, group_size: int, dtype: str = "auto", calib: str = "wikitext",
-              n_samples: int = DEFAULT_SAMPLES, seqlen: int = DEFAULT_SEQLEN, grid: int = 20, clip: bool = True,
-              progress=None):
-    """Load `model` in fp32, AWQ it, and return (LoadedModel in `dtype` on the int4 kernels, AWQResult)."""
-    from inferd.model.llama import rope_inv_freq
-    from inferd.model.loader import load_model, resolve_dtype
-
-    lm = load_model(model, dtype="float32")
-    check_group_size(lm.config, group_size)
-    if lm.tokenizer is None:
-        raise InferdError("AWQ calibration needs a model with a tokenizer")
-    if seqlen > lm.config.max_position_embeddings:
-        raise InferdError(f"--calib-seqlen {seqlen} exceeds the model's context length {lm.config.max_position_embeddings}")
-    ids = calibration_ids(lm.tokenizer, n_samples, seqlen, calib)
-    res = awq_quantize(lm.model, ids, group_size, grid, clip, progress)
-    tdtype = resolve_dtype(dtype, packed=True)
-    if tdtype != torch.float32:
-        lm.model.to(tdtype)
-        lm.model.rope.inv_freq = rope_inv_freq(lm.config)  # RoPE frequencies stay fp32
-    attach(lm.model, res.codes, group_size)
-    return lm, res
-
-
-def run_quantize(args) -> int:
-    """`inferd quantize --method awq`: calibrate, search, write a Hugging Face AWQ folder."""
-    import os
-    import sys
-
-    from inferd.quant.awq_checkpoint import save_awq
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    out = os.path.expanduser(args.out)
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise InferdError(f"output folder {out} exists and is not empty")
-    if args.calib_samples < 1 or args.calib_seqlen < 2 or args.grid < 1:
-        raise InferdError("--calib-samples must be >= 1, --calib-seqlen >= 2 and --grid >= 1")
-
-    def progress(i, n):
-        sys.stderr.write(f"\rAWQ: layer {i}/{n}")
-        sys.stderr.flush()
-
-    # the codes do not depend on the serving dtype; keep fp32 so the float tensors are not rounded twice
-    lm, res = awq_model(args.model, args.group_size, "float32", args.calib, args.calib_samples, args.calib_seqlen,
-                        args.grid, args.clip, progress)
-    sys.stderr.write("\n")
-    extra = {"calibration": f"{args.calib}: {args.calib_samples} x {args.calib_seqlen} tokens"}
-    save_awq(out, lm.model, res.codes, args.group_size, lm.tokenizer, lm.source, extra)
-    print(res.summary())
-    worse = [(i, n) for i, r in enumerate(res.reports) for n in LINEARS if r.awq[n] >= r.rtn[n]]
-    mean = lambda d: sum(r.__dict__[d][n] for r in res.reports for n in LINEARS) / (len(res.reports) * len(LINEARS))  # noqa: E731
-    print(f"relative output error on the calibration text, mean over linears: round-to-nearest {mean('rtn'):.3e}, "
-          f"AWQ {mean('awq'):.3e}; {len(worse)} of {len(res.reports) * len(LINEARS)} linears not improved")
-    print(f"calibrated on {res.tokens} tokens in {res.seconds:.0f} s; wrote {out}")
-    return 0
+DEFAULT_SAMPLES, DEFAULT_SEQLEN = 32, 512  # calibration windows x tokens (`inferd quantize` defaults)

@@ -135,7 +135,7 @@ def take_awq_linears(sd: dict[str, torch.Tensor], cfg, group_size: int) -> dict:
 
 
 def attach_awq_linears(model, parts: dict, group_size: int) -> int:
-    from inferd.quant import Int4Linear
+    from inferd.quant.linear import Int4Linear
 
     for (i, name), (q, scale, mn) in parts.items():
         layer = model.layers[i]
@@ -249,3 +249,17 @@ def save_awq(folder: str, model, codes: dict, group_size: int, tokenizer=None, s
         json.dump(hf_config(model.cfg, group_size, quant_extra), f, indent=2)
     if tokenizer is not None:
         save_tokenizer(tokenizer, folder, source)
+
+
+def apply(model, ctx) -> str:
+    """The registry's entry for `awq`: the int4 linears a checkpoint folder holds (read at load)."""
+    from inferd.quant.linear import weight_bytes
+
+    if not ctx.checkpoint:
+        raise InferdError("--quantization awq needs an AWQ checkpoint folder (quantization_config.quant_method "
+                          "awq); make one with `inferd quantize --method awq`")
+    if model.device.type != "cpu":
+        raise InferdError("AWQ int4 kernels are CPU-only in this build")
+    g = ctx.checkpoint["group_size"]
+    n = attach_awq_linears(model, ctx.checkpoint["parts"], g)
+    return f"AWQ checkpoint: {n} int4 linears (group {g}); weights {weight_bytes(model) / 2**20:.1f} MiB"

@@ -39,7 +39,7 @@ def apply_gguf_int4(model, reader, cfg, dense: bool = False) -> int:
     """Replace every linear whose GGUF parts are all Q4_0/Q4_1 by an Int4Linear; returns how many."""
     from gguf import GGMLQuantizationType as Q
 
-    from inferd.quant import Int4Linear
+    from inferd.quant.linear import Int4Linear
 
     tensors = {t.name: t for t in reader.tensors}
     permute = cfg.architecture != "qwen2"
@@ -65,3 +65,18 @@ def apply_gguf_int4(model, reader, cfg, dense: bool = False) -> int:
     if n == 0:
         raise InferdError("--quantization gguf needs Q4_0 or Q4_1 weights in the GGUF file")
     return n
+
+
+def apply(model, ctx) -> str:
+    """The registry's entry for `gguf` (`--quantize-lm-head`: the Q8_0 output layer to per-row int8)."""
+    from inferd.quant.linear import weight_bytes
+    from inferd.quant.rtn import quantize_lm_head_int8
+
+    if ctx.reader is None:
+        raise InferdError("--quantization gguf needs a .gguf model file")
+    before = weight_bytes(model)
+    n = apply_gguf_int4(model, ctx.reader, ctx.config, ctx.dense)
+    if ctx.lm_head:
+        quantize_lm_head_int8(model, ctx.dense)
+    return (f"gguf-native int4: {n} linears from the file's own blocks{', lm_head int8' if ctx.lm_head else ''}; "
+            f"weights {before / 2**20:.1f} MiB -> {weight_bytes(model) / 2**20:.1f} MiB")

@@ -87,13 +87,13 @@ def gptq_int4(w: torch.Tensor, h: torch.Tensor, group_size: int):
 def collect_hessians(model, calib: list[list[int]], progress=None) -> dict:
     """H = E[x^T x] of every fused linear's inputs, layer by layer on the unquantized model (each
     layer sees full-precision inputs, as in AWQ's calibration)."""
-    from inferd.quant.awq import LINEARS, _causal_attention, collect_stats
+    from inferd.quant.calibrate import LINEARS, causal_attention, collect_stats
 
     if model.dtype != torch.float32 or model.device.type != "cpu":
         raise InferdError("GPTQ calibration runs on an fp32 CPU model")
     seqlen = max(len(c) for c in calib)
     cos, sin = model.rope.cos_sin(torch.arange(seqlen))
-    attn = _causal_attention(model.cfg.head_dim ** -0.5)
+    attn = causal_attention(model.cfg.head_dim ** -0.5)
     hs = {}
     with torch.inference_mode():
         hidden = [model.embed_tokens(torch.tensor(c)) for c in calib]
@@ -107,8 +107,8 @@ def collect_hessians(model, calib: list[list[int]], progress=None) -> dict:
 
 def gptq_codes(calib_model, calib: list[list[int]], method: str, group_size: int = 32, progress=None):
     """GPTQ codes of every fused linear of the fp32 `calib_model`: ({(layer, name): codes}, report)."""
-    from inferd.quant import dequantize_int4, quantize_int4, quantize_int8
-    from inferd.quant.awq import output_error
+    from inferd.quant.linear import dequantize_int4, quantize_int4, quantize_int8
+    from inferd.quant.calibrate import output_error
 
     if method not in ("int8", "int4"):
         raise InferdError(f"GPTQ rounds to int8 or int4, not {method}")
@@ -137,7 +137,7 @@ def gptq_codes(calib_model, calib: list[list[int]], method: str, group_size: int
 
 def attach_codes(target, codes: dict, method: str, group_size: int = 32, dense: bool = False) -> None:
     """Swap `target`'s fused linears for int8/int4 modules holding the codes (in its dtype)."""
-    from inferd.quant import Int4Linear, Int8Linear
+    from inferd.quant.linear import Int4Linear, Int8Linear
 
     if target.device.type != "cpu":
         raise InferdError("int8/int4 kernels are CPU-only in this build")
@@ -157,3 +157,39 @@ def gptq_quantize(target, calib_model, calib: list[list[int]], method: str, grou
     codes, rep = gptq_codes(calib_model, calib, method, group_size, progress)
     attach_codes(target, codes, method, group_size, dense)
     return rep
+
+
+_CODES: dict = {}  # (weights, method, group) -> (codes, report): a process calibrates once per model
+
+
+def apply(model, ctx) -> str:
+    """The registry's entry for `int8-gptq` / `int4-gptq`: codes from a calibration pass on an fp32
+    copy (the serving model may be bf16), kept for the rest of the process."""
+    import sys
+
+    from inferd.quant.linear import weight_bytes
+    from inferd.quant.rtn import quantize_lm_head_int8
+
+    method = ctx.method[:4]
+    if model.device.type != "cpu":
+        raise InferdError(f"{method} kernels are CPU-only in this build")
+    before = weight_bytes(model)
+    key = (*ctx.cache_key, method, ctx.group_size)
+    if key not in _CODES:
+        if ctx.calibration is None:
+            raise InferdError(f"{method}-gptq calibrates on WikiText-2 and needs the model's tokenizer")
+        calib = ctx.calibration(DEFAULT_SAMPLES, min(DEFAULT_SEQLEN, ctx.config.max_position_embeddings))
+
+        def progress(i, n):
+            sys.stderr.write(f"\rGPTQ calibration: layer {i}/{n}" + ("\n" if i == n else ""))
+            sys.stderr.flush()
+
+        _CODES[key] = gptq_codes(ctx.fp32_model(), calib, method, ctx.group_size, progress)
+    codes, rep = _CODES[key]
+    attach_codes(model, codes, method, ctx.group_size, ctx.dense)
+    if ctx.lm_head:
+        quantize_lm_head_int8(model, ctx.dense)
+    return (f"{method}-gptq (group {ctx.group_size}{', lm_head int8 RTN' if ctx.lm_head else ''}): {rep['linears']} "
+            f"linears on {rep['tokens']} calibration tokens in {rep['seconds']:.0f} s; relative output error "
+            f"{rep['rel_output_error_gptq']:.2e} (round-to-nearest {rep['rel_output_error_rtn']:.2e}); weights "
+            f"{before / 2**20:.1f} MiB -> {weight_bytes(model) / 2**20:.1f} MiB")

@@ -13,7 +13,7 @@ log = logging.getLogger("inferd")
 def serve(args) -> int:
     import uvicorn
 
-    from inferd.cli import engine_config_from_args
+    from inferd.config import EngineConfig
     from inferd.engine.async_engine import AsyncLLM
     from inferd.engine.engine import LLMEngine
     from inferd.server.app import create_app
@@ -23,7 +23,7 @@ def serve(args) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if args.max_waiting < 0:
         raise InferdError("--max-waiting must be >= 0")
-    cfg = engine_config_from_args(args)
+    cfg = EngineConfig.from_args(args)
     engine = LLMEngine(cfg)
     if engine.tokenizer is None:
         raise InferdError("the server needs a model with a tokenizer")

@@ -125,7 +125,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
   return out;
 }
 
-TORCH_LIBRARY_FRAGMENT(inferd, m) {  // for the fused decode step (inferd.model.fused_decode)
+TORCH_LIBRARY_FRAGMENT(inferd, m) {  // for the fused decode step (inferd.quant.fused_decode)
   m.def("write_kv(Tensor k_new, Tensor v_new, Tensor slots, Tensor(a!) kc, Tensor(b!) vc) -> ()", &write_kv);
   m.def("paged_decode(Tensor q, Tensor k, Tensor v, Tensor block_tables, Tensor ctx_lens, int block_size, "
         "float scale, int window) -> Tensor", &paged_decode);
@@ -134,7 +134,7 @@ TORCH_LIBRARY_FRAGMENT(inferd, m) {  // for the fused decode step (inferd.model.
 
 def load():
     """The compiled module, or None (no compiler, or INFERD_NO_CPP_ATTENTION=1)."""
-    from inferd.model.cpu_ops import compiled
+    from inferd.kernels.cpu_ops import compiled
 
     return compiled("inferd_paged_attention_v4", _SRC, ["paged_decode", "write_kv"],
                     ["-O3", "-march=native", "-ffast-math", "-fopenmp"], "INFERD_NO_CPP_ATTENTION",

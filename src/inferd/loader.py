@@ -6,6 +6,7 @@ config name. Nothing is ever downloaded.
 """
 from __future__ import annotations
 
+import dataclasses
 import glob
 import importlib.util
 import logging
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from inferd.config import LoadConfig
 from inferd.errors import InferdError
 from inferd.model.config import ModelConfig, builtin_config, load_hf_config
 from inferd.model.llama import LlamaModel, rope_inv_freq
@@ -212,25 +214,33 @@ class LoadedModel:
     source: ModelSource
 
 
-def load_model(model: str | None = None, *, load_format: str = "auto", dtype: str = "auto",
-               device: str = "cpu", with_tokenizer: bool = True, quantization: str = "none",
-               quant_group_size: int = 32, quantize_lm_head: bool = False,
-               dense_quant: bool = False, quantize_activations: bool = False,
-               enforce_eager: bool = False) -> LoadedModel:
-    """dense_quant: quantized layers keep their exact dequantized weights unpacked (quality
-    evaluation with fp32 activations, see inferd.quant). quantize_activations: packed int4/int8
-    layers become W4A8/W8A8 ones (inferd.quant.w4a8: activations rounded to int8 per 32-block),
-    and decode-only steps run as one C++ call (inferd.model.fused_decode) unless enforce_eager."""
-    if load_format not in ("auto", "gguf", "safetensors", "dummy"):
-        raise InferdError(f"unknown load format {load_format!r} (choose auto, gguf, safetensors, dummy)")
-    dev = resolve_device(device)
-    src = resolve_model(model, load_format)
-    tok = None
-    awq = None
+def load_model(model=None, **options) -> LoadedModel:
+    """Build a model from a LoadConfig (`model` may be one), or from its fields as keywords (the
+    model path and options; keywords override a given config). See LoadConfig for each option."""
+    cfg = model if isinstance(model, LoadConfig) else LoadConfig(model=model)
+    if options:
+        unknown = set(options) - LoadConfig.field_names()
+        if unknown:
+            raise TypeError(f"load_model() got unexpected options {sorted(unknown)}")
+        cfg = dataclasses.replace(cfg, **options)
+    return _load(cfg)
+
+
+def _load(lc: LoadConfig) -> LoadedModel:
+    from inferd import quant
+
+    if lc.load_format not in ("auto", "gguf", "safetensors", "dummy"):
+        raise InferdError(f"unknown load format {lc.load_format!r} (choose auto, gguf, safetensors, dummy)")
+    method = quant.method(lc.quantization)
+    dev = resolve_device(lc.device)
+    src = resolve_model(lc.model, lc.load_format)
+    dummy = lc.load_format == "dummy"
+    tok = reader = None
+    checkpoint = {}
     if src.kind == "builtin":
         cfg = builtin_config(src.name)
         sd = None
-        if with_tokenizer and src.name.lower().startswith("smollm2"):
+        if lc.with_tokenizer and src.name.lower().startswith("smollm2"):
             tok = _load_tokenizer(default_model_path())
     elif src.kind == "gguf":
         from inferd.model import gguf as G
@@ -238,116 +248,54 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
         reader = G.open_gguf(src.path)
         meta = G.read_metadata(reader)
         cfg = G.config_from_metadata(meta)
-        sd = None if load_format == "dummy" else G.load_gguf_state_dict(reader, cfg)
-        if with_tokenizer:
+        sd = None if dummy else G.load_gguf_state_dict(reader, cfg)
+        if lc.with_tokenizer:
             tok = _tokenizer_from_meta(meta)
     else:
         from inferd.quant.awq_checkpoint import read_quant_config, take_awq_linears
 
         cfg = load_hf_config(src.path)
-        awq = None if load_format == "dummy" else read_quant_config(src.path)
-        sd = None if load_format == "dummy" else load_safetensors_folder(src.path)
+        awq = None if dummy else read_quant_config(src.path)
+        sd = None if dummy else load_safetensors_folder(src.path)
         if awq is not None:
-            if quantization not in (None, "none", "awq"):
-                raise InferdError(f"{src.path} is an AWQ checkpoint: it serves as --quantization awq, not {quantization}")
-            awq_parts = take_awq_linears(sd, cfg, awq["group_size"])
-        if with_tokenizer and os.path.isfile(os.path.join(src.path, "tokenizer.json")):
+            if lc.quantization not in (None, "none", "awq"):
+                raise InferdError(f"{src.path} is an AWQ checkpoint: it serves as --quantization awq, not {lc.quantization}")
+            method = quant.method("awq")  # an AWQ folder is served as what it is
+            checkpoint = {"parts": take_awq_linears(sd, cfg, awq["group_size"]), "group_size": awq["group_size"]}
+        if lc.with_tokenizer and os.path.isfile(os.path.join(src.path, "tokenizer.json")):
             tok = _load_tokenizer(src.path)
-    if quantization == "awq" and awq is None:
+    name = "awq" if checkpoint else (lc.quantization or "none")
+    if method is not None and "gguf" in method.needs and (src.kind != "gguf" or dummy):
+        raise InferdError("--quantization gguf needs a .gguf model file")
+    if method is not None and "checkpoint" in method.needs and not checkpoint:
         raise InferdError("--quantization awq needs an AWQ checkpoint folder (quantization_config.quant_method "
                           "awq); make one with `inferd quantize --method awq`")
-    packed = quantization not in (None, "none") or awq is not None
-    if quantize_activations:
-        if quantization in (None, "none") and awq is None:
-            raise InferdError("--quantize-activations applies to quantized weights: add --quantization "
-                              "int4, int4-gptq, gguf, awq (W4A8) or int8, int8-gptq (W8A8)")
-        if dev.type != "cpu" or dense_quant:
-            raise InferdError("--quantize-activations is a CPU kernel for packed weights")
-    tdtype = resolve_dtype(dtype, device, packed=packed and not dense_quant, int8_activations=quantize_activations)
-    if dtype == "auto":
+    if lc.quantize_activations and (method is None or dev.type != "cpu" or lc.dense_quant):
+        raise InferdError("--quantize-activations applies to quantized weights: add --quantization "
+                          "int4, int4-gptq, gguf, awq (W4A8) or int8, int8-gptq (W8A8)" if method is None else
+                          "--quantize-activations is a CPU kernel for packed weights")
+    tdtype = resolve_dtype(lc.dtype, lc.device, packed=method is not None and not lc.dense_quant,
+                           int8_activations=lc.quantize_activations)
+    if lc.dtype == "auto":
         log.info("--dtype auto: %s", str(tdtype)[6:])
     net = build_model(cfg, sd, tdtype, dev)
-    if awq is not None:
-        from inferd.quant import weight_bytes
-        from inferd.quant.awq_checkpoint import attach_awq_linears
 
-        if dev.type != "cpu":
-            raise InferdError("AWQ int4 kernels are CPU-only in this build")
-        n = attach_awq_linears(net, awq_parts, awq["group_size"])
-        log.info("AWQ checkpoint: %d int4 linears (group %d); weights %.1f MiB", n, awq["group_size"],
-                 weight_bytes(net) / 2**20)
-    elif quantization == "gguf":
-        if src.kind != "gguf" or load_format == "dummy":
-            raise InferdError("--quantization gguf needs a .gguf model file")
-        from inferd.quant import quantize_lm_head_int8, weight_bytes
-        from inferd.quant.gguf_native import apply_gguf_int4
+    def fp32_copy():
+        return net if net.dtype == torch.float32 else build_model(cfg, sd, torch.float32, net.device)
 
-        before = weight_bytes(net)
-        n = apply_gguf_int4(net, reader, cfg, dense_quant)
-        if quantize_lm_head:
-            quantize_lm_head_int8(net, dense_quant)
-        log.info("gguf-native int4: %d linears from the file's own blocks%s; weights %.1f MiB -> %.1f MiB",
-                 n, ", lm_head int8" if quantize_lm_head else "", before / 2**20, weight_bytes(net) / 2**20)
-    elif quantization in ("int8-gptq", "int4-gptq"):
-        _apply_gptq(net, cfg, sd, tok, quantization[:4], quant_group_size, quantize_lm_head, dense_quant,
-                    (src.kind, src.path or src.name))
-    elif quantization not in (None, "none"):
-        from inferd.quant import quantize, weight_bytes
+    def calibration(n_samples: int, seqlen: int):
+        from inferd.data import calibration_ids
 
-        before = weight_bytes(net)
-        quantize(net, quantization, quant_group_size, quantize_lm_head, dense_quant)
-        log.info("quantized %s (group %d%s): weights %.1f MiB -> %.1f MiB", quantization, quant_group_size,
-                 ", lm_head too" if quantize_lm_head else "", before / 2**20, weight_bytes(net) / 2**20)
-    if not quantize_activations:
-        from inferd.quant import hand_over
-
-        hand_over(net)  # int4 codes to PyTorch's kernel now: final weights from the start
-    else:
-        from inferd.quant import weight_bytes
-        from inferd.quant.w4a8 import quantize_activations as to_w4a8
-
-        n = to_w4a8(net, fuse=not enforce_eager)
-        log.info("W4A8/W8A8: %d packed linears take int8 activations (per 32-block); %s glue; weights %.1f MiB; "
-                 "decode-only steps %s", n, str(net.dtype)[6:], weight_bytes(net) / 2**20,
-                 "fused into one C++ call" if net.fused_decode is not None else "eager")
-    return LoadedModel(net, cfg, tok, src)
-
-
-_GPTQ_CODES: dict = {}  # (model, method, group) -> (codes, report): a process calibrates once per model
-
-
-def _apply_gptq(net, cfg, sd, tok, method: str, group_size: int, lm_head: bool, dense: bool, key):
-    """GPTQ codes from a calibration pass on an fp32 copy (the serving model may be bf16)."""
-    import sys
-
-    from inferd.quant import quantize_lm_head_int8, weight_bytes
-    from inferd.quant.awq import calibration_ids
-    from inferd.quant.gptq import DEFAULT_SAMPLES, DEFAULT_SEQLEN, attach_codes, gptq_codes
-
-    if net.device.type != "cpu":
-        raise InferdError(f"{method} kernels are CPU-only in this build")
-    before = weight_bytes(net)
-    key = (*key, method, group_size)
-    if key not in _GPTQ_CODES:
         if tok is None:
-            raise InferdError(f"{method}-gptq calibrates on WikiText-2 and needs the model's tokenizer")
-        seqlen = min(DEFAULT_SEQLEN, cfg.max_position_embeddings)
-        calib = calibration_ids(tok, DEFAULT_SAMPLES, seqlen)
-        fp32 = net if net.dtype == torch.float32 else build_model(cfg, sd, torch.float32, net.device)
+            raise InferdError(f"{name} calibrates on WikiText-2 and needs the model's tokenizer")
+        return calibration_ids(tok, n_samples, seqlen)
 
-        def progress(i, n):
-            sys.stderr.write(f"\rGPTQ calibration: layer {i}/{n}" + ("\n" if i == n else ""))
-            sys.stderr.flush()
-
-        _GPTQ_CODES[key] = gptq_codes(fp32, calib, method, group_size, progress)
-    codes, rep = _GPTQ_CODES[key]
-    attach_codes(net, codes, method, group_size, dense)
-    if lm_head:
-        quantize_lm_head_int8(net, dense)
-    log.info("%s-gptq (group %d%s): %d linears on %d calibration tokens in %.0f s; relative output error "
-             "%.2e (round-to-nearest %.2e); weights %.1f MiB -> %.1f MiB", method, group_size,
-             ", lm_head int8 RTN" if lm_head else "", rep["linears"], rep["tokens"], rep["seconds"],
-             rep["rel_output_error_gptq"], rep["rel_output_error_rtn"], before / 2**20, weight_bytes(net) / 2**20)
+    ctx = quant.QuantContext(name, lc.quant_group_size, lc.quantize_lm_head, lc.dense_quant, lc.quantize_activations,
+                             lc.enforce_eager, cfg, reader, checkpoint, calibration if tok is not None else None,
+                             fp32_copy, (src.kind, src.path or src.name))
+    for line in quant.apply(net, ctx):
+        log.info("%s", line)
+    return LoadedModel(net, cfg, tok, src)
 
 
 def _load_tokenizer(path: str):
@@ -362,3 +310,28 @@ def _tokenizer_from_meta(meta: dict):
     if "tokenizer.ggml.tokens" not in meta:
         return None
     return Tokenizer.from_gguf_metadata(meta)
+
+
+# -- AWQ calibrated in memory (inferd eval's awq config, inferd quantize) ------------------------
+
+def awq_model(model: str | None, group_size: int, dtype: str = "auto", calib: str = "wikitext",
+              n_samples: int = 32, seqlen: int = 512, grid: int = 20, clip: bool = True,
+              progress=None):
+    """Load `model` in fp32, AWQ it, and return (LoadedModel in `dtype` on the int4 kernels, AWQResult)."""
+    from inferd.data import calibration_ids
+    from inferd.quant.awq import attach, awq_quantize, check_group_size
+
+    lm = load_model(model, dtype="float32")
+    check_group_size(lm.config, group_size)
+    if lm.tokenizer is None:
+        raise InferdError("AWQ calibration needs a model with a tokenizer")
+    if seqlen > lm.config.max_position_embeddings:
+        raise InferdError(f"--calib-seqlen {seqlen} exceeds the model's context length {lm.config.max_position_embeddings}")
+    ids = calibration_ids(lm.tokenizer, n_samples, seqlen, calib)
+    res = awq_quantize(lm.model, ids, group_size, grid, clip, progress)
+    tdtype = resolve_dtype(dtype, packed=True)
+    if tdtype != torch.float32:
+        lm.model.to(tdtype)
+        lm.model.rope.inv_freq = rope_inv_freq(lm.config)  # RoPE frequencies stay fp32
+    attach(lm.model, res.codes, group_size)
+    return lm, res

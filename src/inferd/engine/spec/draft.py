@@ -21,7 +21,7 @@ from torch import nn
 from inferd.engine.kv_cache import BlockManager, KVPool
 from inferd.engine.sampler import build_batch, process_logits
 from inferd.errors import InferdError
-from inferd.spec.attention import SpecPagedAttention
+from inferd.engine.spec.attention import SpecPagedAttention
 
 
 class DraftSeq:

@@ -114,7 +114,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
 def load():
     """The compiled extension, or None (no compiler, or INFERD_NO_CPP_OPS=1)."""
-    from inferd.model.cpu_ops import compiled
+    from inferd.kernels.cpu_ops import compiled
 
     return compiled("inferd_fused_decode_v1", _SRC, None, ["-O3"], "INFERD_NO_CPP_OPS",
                     "decode steps run eagerly")
@@ -144,10 +144,8 @@ class FusedDecode:
 def fuse_decode(model) -> bool:
     """Give the model a fused decode step if it qualifies (CPU, float32, every layer linear W4A8 or
     W8A8, the kernels built); returns whether it did. The model itself is unchanged otherwise."""
-    from inferd.engine import cpu_attention
-    from inferd.model import cpu_ops
+    from inferd.kernels import cpu_attention, cpu_ops, w4a8
     from inferd.model.llama import LlamaModel
-    from inferd.quant import w4a8
 
     if not isinstance(model, LlamaModel):
         return False
@@ -159,12 +157,13 @@ def fuse_decode(model) -> bool:
     for layer in model.layers:
         flat += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
         for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
-            if isinstance(lin, w4a8.W4A8Linear):
-                flat += [lin.qweight, lin.qscale, lin.qmin]
-            elif isinstance(lin, w4a8.W8A8Linear):
-                flat += [lin.qweight, lin.qscale, none]
-            else:
+            # W4A8Linear / W8A8Linear (inferd.quant.w4a8) hand over what the kernel reads; anything else
+            # has no C++ path
+            weights = getattr(lin, "kernel_weights", None)
+            if weights is None:
                 return False
+            q, s, m = weights()
+            flat += [q, s, none if m is None else m]
             flat.append(none if lin.bias is None else lin.bias)
     flat.append(model.norm.weight.detach())
     # each extension registers its ops when it loads: all of them must be there before the stack

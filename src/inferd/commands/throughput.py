@@ -61,14 +61,14 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 def run_throughput(args) -> dict:
-    from inferd.cli import engine_config_from_args
+    from inferd.config import EngineConfig
     from inferd.engine.engine import LLMEngine
     from inferd.engine.request import SamplingParams
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     if args.num_prompts < 1:
         raise InferdError("--num-prompts must be at least 1")
-    cfg = engine_config_from_args(args)
+    cfg = EngineConfig.from_args(args)
     eng = LLMEngine(cfg)
     tok = eng.tokenizer
     out_range = parse_range(args.output_len, "output-len")

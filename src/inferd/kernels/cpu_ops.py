@@ -143,7 +143,7 @@ void rope_(torch::Tensor x, int64_t heads, torch::Tensor cos, torch::Tensor sin)
   }
 }
 
-// The same functions as torch ops (inferd::*), so the fused decode step (inferd.model.fused_decode)
+// The same functions as torch ops (inferd::*), so the fused decode step (inferd.quant.fused_decode)
 // can call them from C++ through the dispatcher; Python keeps calling them through pybind.
 TORCH_LIBRARY_FRAGMENT(inferd, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &rms_norm);

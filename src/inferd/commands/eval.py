@@ -1,0 +1,45 @@
+"""`inferd eval`: the quality of quantized configurations beside their speed (inferd.eval)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+from inferd.errors import InferdError
+from inferd.eval import format_table, plot_speed_vs_kl, run_eval, split_config
+from inferd.quant import METHODS
+
+
+def run(args) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    configs = [c.strip() for c in args.quantization.split(",") if c.strip()]
+    for c in configs:
+        base, a8 = split_config(c)
+        if base not in METHODS:
+            raise InferdError(f"unknown quantization {c!r} (choose {', '.join(METHODS)}; each but none also "
+                              "as +a8: int8 activations, the W4A8/W8A8 kernels)")
+        if a8 and base == "none":
+            raise InferdError(f"{c}: +a8 applies to quantized weights (int4, int4-gptq, gguf, awq; int8, int8-gptq)")
+    if args.ctx < 2 or args.windows < 1:
+        raise InferdError("--ctx must be >= 2 and --windows >= 1")
+    if args.plot and not args.speed:
+        raise InferdError("--plot needs the speed columns; drop --no-speed")
+    if args.plot and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
+        raise InferdError(f"--plot: no such directory {os.path.dirname(os.path.abspath(args.plot))}")
+    if args.awq_path and "awq" not in configs:
+        raise InferdError("--awq-path is for the awq configuration: add awq to --quantization")
+    res = run_eval(args.model, configs, args.quant_group_size, args.ctx, args.windows, args.dtype,
+                   args.quantize_lm_head, args.speed, args.dataset_path, speed_dtype=args.speed_dtype,
+                   awq_path=args.awq_path,
+                   progress=lambda i, n: sys.stderr.write(f"\rwindow {i}/{n}") or sys.stderr.flush())
+    sys.stderr.write("\n")
+    print(format_table(res))
+    if args.result_json:
+        with open(args.result_json, "w") as f:
+            json.dump(res, f, indent=2)
+    if args.plot:
+        plot_speed_vs_kl(res, args.plot)
+    return 0
