@@ -20,8 +20,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from common import hf_decode_rate  # noqa: E402
 from inferd.engine.engine import LLMEngine  # noqa: E402
+from inferd.engine.rate import decode_rate  # noqa: E402
 from inferd.engine.request import SamplingParams  # noqa: E402
 from inferd.loader import default_model_path, load_model  # noqa: E402
 from inferd.commands.throughput import random_requests  # noqa: E402
@@ -67,30 +70,8 @@ def run_hf_static(hf, reqs, batch: int, pad_id: int) -> tuple[float, float]:
     return sum(n for _, n in reqs) / dt, dt
 
 
-def hf_decode_rate(hf, prompt, n) -> float:
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        hf.generate(input_ids=ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
-        t0 = time.monotonic()
-        hf.generate(input_ids=ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
-        t_prefill = time.monotonic() - t0
-        t0 = time.monotonic()
-        hf.generate(input_ids=ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-        dt = time.monotonic() - t0 - t_prefill
-    return (n - 1) / dt
-
-
 def inferd_decode_rate(loaded, prompt, n) -> float:
-    eng = LLMEngine(loaded=loaded)
-    rid = eng.add_request(prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-    while eng.has_unfinished():
-        eng.step()
-    req_id = eng.add_request(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-    req = eng.requests[req_id]
-    while eng.has_unfinished():
-        eng.step()
-    tt = req.timings.token_times
-    return (len(tt) - 1) / (tt[-1] - tt[0])
+    return decode_rate(loaded, prompt, n, warmup=True)
 
 
 def main():

@@ -32,8 +32,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 sys.path.insert(0, HERE)
 
-from inferd.engine.engine import LLMEngine  # noqa: E402
-from inferd.engine.request import SamplingParams  # noqa: E402
+from common import hf_decode_rate as hf_rate  # noqa: E402
+from inferd.engine.rate import decode_rate  # noqa: E402
 from inferd.loader import default_model_path, load_model  # noqa: E402
 
 CONFIGS = [  # (label, quantization, group size, quantize lm_head, dtype, int8 activations: W4A8)
@@ -52,34 +52,7 @@ CONFIGS = [  # (label, quantization, group size, quantize lm_head, dtype, int8 a
 
 
 def engine_rate(loaded, prompt: list[int], n: int, batch: int = 1) -> float:
-    eng = LLMEngine(loaded=loaded, kv_cache_memory="256MiB", max_num_seqs=max(batch, 1))
-    eng.add_request(prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
-    while eng.has_unfinished():
-        eng.step()
-    ids = [eng.add_request(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-           for _ in range(batch)]
-    reqs = [eng.requests[i] for i in ids]
-    while eng.has_unfinished():
-        eng.step()
-    if batch == 1:
-        tt = reqs[0].timings.token_times
-        return (len(tt) - 1) / (tt[-1] - tt[0])
-    start = min(r.timings.first_token for r in reqs)
-    end = max(r.timings.finished for r in reqs)
-    return batch * (n - 1) / (end - start)
-
-
-def hf_rate(hf, prompt: list[int], n: int) -> float:
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        hf.generate(input_ids=ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
-        t0 = time.perf_counter()
-        hf.generate(input_ids=ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
-        t_prefill = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        hf.generate(input_ids=ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-        dt = time.perf_counter() - t0 - t_prefill
-    return (n - 1) / dt
+    return decode_rate(loaded, prompt, n, batch, warmup=True)
 
 
 def fp32_kernel_penalty(reps: int = 50) -> dict:

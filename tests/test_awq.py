@@ -15,14 +15,12 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import make_tiny_model
+from helpers import FUSED, TINY, build_hf_awq_checkpoint, hf_awq_config, pack_by_hand  # noqa: F401
 from inferd.model.llama import ContiguousKV
 from inferd.loader import load_model
 from inferd.quant import Int4Linear, dequantize_int4, quantize_int4
 from inferd.quant.awq import attach, awq_quantize, fake_quant, int_grid, output_error, quantize_groups
 from inferd.quant.awq_checkpoint import dequantize, pack_int4, save_awq, unpack_int4
-
-FUSED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-
 
 def run_cli(*args, timeout=600):
     return subprocess.run([sys.executable, "-m", "inferd", *args], capture_output=True, text=True, timeout=timeout)
@@ -57,66 +55,7 @@ def test_pack_matches_hand_computed_word():
     assert torch.equal(unpack_int4(pack_int4(x)), x.to(torch.int32))
 
 
-def _pack_by_hand(codes: torch.Tensor) -> torch.Tensor:
-    """The GEMM word layout written out with Python integers (independent of pack_int4)."""
-    order = [0, 2, 4, 6, 1, 3, 5, 7]
-    rows = []
-    for r in codes.tolist():
-        words = []
-        for c in range(0, len(r), 8):
-            v = sum(r[c + order[k]] << (4 * k) for k in range(8))
-            words.append(v - 2**32 if v >= 2**31 else v)
-        rows.append(words)
-    return torch.tensor(rows, dtype=torch.int32)
-
-
 # -- a hand-built Hugging Face AWQ checkpoint ----------------------------------------------------
-
-TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16)
-
-
-def _hf_config(group, **over):
-    d = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **TINY, "rms_norm_eps": 1e-5,
-         "rope_theta": 10000.0, "max_position_embeddings": 256, "tie_word_embeddings": False,
-         "torch_dtype": "float16",
-         "quantization_config": {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
-                                 "version": "gemm"}}
-    d.update(over)
-    return d
-
-
-def build_hf_awq_checkpoint(folder, group=32, seed=0):
-    """Known integers for every linear -> a folder in the AutoAWQ GEMM layout; returns the
-    intended dequantized torch-layout weights [out, in] (float64, exact) per HF linear name."""
-    g = torch.Generator().manual_seed(seed)
-    h, ff, hd = TINY["hidden_size"], TINY["intermediate_size"], TINY["head_dim"]
-    shapes = {"self_attn.q_proj": (4 * hd, h), "self_attn.k_proj": (2 * hd, h), "self_attn.v_proj": (2 * hd, h),
-              "self_attn.o_proj": (h, 4 * hd), "mlp.gate_proj": (ff, h), "mlp.up_proj": (ff, h),
-              "mlp.down_proj": (h, ff)}
-    sd, want = {}, {}
-    for i in range(TINY["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        for name, (n_out, n_in) in shapes.items():
-            q = torch.randint(0, 16, (n_in, n_out), generator=g)  # [in, out]: the checkpoint's orientation
-            z = torch.randint(0, 16, (n_in // group, n_out), generator=g)
-            s = (torch.rand(n_in // group, n_out, generator=g) * 0.02 + 0.001).half()
-            sd[p + name + ".qweight"] = _pack_by_hand(q)
-            sd[p + name + ".qzeros"] = _pack_by_hand(z)
-            sd[p + name + ".scales"] = s
-            rep = lambda t: t.double().repeat_interleave(group, 0)  # noqa: E731  group row -> its input rows
-            want[f"{i}.{name}"] = ((q.double() - rep(z)) * rep(s)).t()
-        sd[p + "input_layernorm.weight"] = (1 + 0.1 * torch.randn(h, generator=g)).half()
-        sd[p + "post_attention_layernorm.weight"] = (1 + 0.1 * torch.randn(h, generator=g)).half()
-    sd["model.embed_tokens.weight"] = torch.randn(TINY["vocab_size"], h, generator=g).half()
-    sd["model.norm.weight"] = torch.ones(h).half()
-    sd["lm_head.weight"] = (0.1 * torch.randn(TINY["vocab_size"], h, generator=g)).half()
-    os.makedirs(folder, exist_ok=True)
-    save_file(sd, os.path.join(folder, "model.safetensors"))
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(_hf_config(group), f)
-    return want, sd
-
 
 def _dense(lin: Int4Linear) -> torch.Tensor:
     """The weight an Int4Linear multiplies by, [out, in] (one-hot inputs: each output is one product)."""
@@ -169,7 +108,7 @@ def test_awq_checkpoint_bad_inputs(tmp_path):
     with pytest.raises(InferdError, match="AWQ checkpoint"):
         load_model(str(tmp_path / "awq"), dtype="float32", with_tokenizer=False, quantization="int4")
     for over, msg in [({"bits": 8}, "4-bit"), ({"version": "gemv"}, "GEMM"), ({"group_size": 16}, "group size")]:
-        cfg = _hf_config(32)
+        cfg = hf_awq_config(32)
         cfg["quantization_config"].update(over)
         (tmp_path / "awq" / "config.json").write_text(json.dumps(cfg))
         with pytest.raises(InferdError, match=msg):

@@ -11,65 +11,7 @@ import torch
 from inferd.engine.engine import LLMEngine
 from inferd.engine.request import SamplingParams
 from inferd.engine.reference import reference_generate
-
-N_REQ = 64
-
-
-def make_requests(seed=0, n=N_REQ, vocab=512, shared_prefixes=0):
-    rng = random.Random(seed)
-    prefixes = [[rng.randrange(vocab) for _ in range(rng.randint(40, 200))] for _ in range(shared_prefixes)]
-    reqs = []
-    for i in range(n):
-        if prefixes:
-            pre = prefixes[i % len(prefixes)]
-            prompt = pre + [rng.randrange(vocab) for _ in range(rng.randint(1, 60))]
-        else:
-            prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 300))]
-        reqs.append((prompt, rng.randint(1, 64)))
-    return reqs
-
-
-def reference_outputs(model, reqs):
-    outs = []
-    for prompt, n in reqs:
-        r = reference_generate(model, prompt, n, keep_logits=True)
-        outs.append((r.token_ids, r.logits))
-    return outs
-
-
-def compare(got, ref):
-    """Token equality up to the first step where the reference's top-2 logits are within 1e-4.
-    Returns how many requests were cut short by such a near tie."""
-    near_ties = 0
-    for i, (toks, (want, logits)) in enumerate(zip(got, ref)):
-        assert len(toks) == len(want), f"request {i}: {len(toks)} tokens, reference {len(want)}"
-        for j, (a, b) in enumerate(zip(toks, want)):
-            if a != b:
-                top2 = torch.topk(logits[j], 2).values
-                assert float(top2[0] - top2[1]) < 1e-4, f"request {i} differs at token {j}: {a} vs {b}"
-                near_ties += 1
-                break
-    return near_ties
-
-
-def run_engine(loaded, reqs, keep_history=False, **opts):
-    eng = LLMEngine(loaded=loaded, dtype="float32", **opts)
-    eng.keep_history = keep_history
-    rids = [eng.add_request(p, SamplingParams(max_tokens=n, temperature=0)) for p, n in reqs]
-    outs = {rid: [] for rid in rids}
-    while eng.has_unfinished():
-        for o in eng.step():
-            outs[o.request_id].extend(o.new_token_ids)
-    assert_no_leaks(eng)
-    return [outs[r] for r in rids], eng
-
-
-def assert_no_leaks(eng):
-    bm = eng.block_manager
-    bm.check_invariants([])
-    assert bm.num_free == bm.num_blocks and all(r == 0 for r in bm.ref)
-    assert not eng.requests and not eng.scheduler.running and not eng.scheduler.waiting
-
+from helpers import N_REQ, assert_no_leaks, compare, make_requests, reference_outputs, run_engine  # noqa: F401
 
 @pytest.fixture(scope="module")
 def workload(tiny_model):

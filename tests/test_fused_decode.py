@@ -77,7 +77,7 @@ def test_fused_step_equals_eager_bit_for_bit(method, n_seq, over):
 def test_engine_with_fused_steps_gives_the_eager_engines_tokens():
     """24 mixed requests: prefill chunks run eagerly, decode-only steps fused, batches of >= 8
     sequences; the tokens equal an --enforce-eager engine's exactly, and no block leaks."""
-    from test_engine import make_requests, run_engine
+    from helpers import make_requests, run_engine
 
     lm = _tiny_a8()
     reqs = make_requests(seed=3, n=24)
@@ -109,8 +109,8 @@ def test_fuse_decode_applies_only_where_it_can():
 def test_speculative_verify_rows_run_fused_and_change_nothing():
     """n-gram speculation on a W4A8 model: verify chunks reach the kernel as single-query rows, so
     they run fused too, and every row computes what a plain decode of it computes."""
-    from test_engine import run_engine
-    from test_spec import assert_speculated, mixed_requests, run_spec
+    from helpers import run_engine
+    from helpers import assert_speculated, mixed_requests, run_spec
 
     lm = _tiny_a8()
     assert fuse_decode(lm.model)

@@ -143,7 +143,7 @@ def test_gguf_blocks_survive_to_w4a8_as_gguf_dequantizes_them(gguf_files, qt, no
 @pytest.mark.parametrize("group", [32, 64])
 def test_awq_checkpoint_codes_survive_to_w4a8(tmp_path, group, no_torch_int4_pack):
     """The oracle: the integers the test wrote into an AutoAWQ-layout folder (exact in fp32)."""
-    from test_awq import FUSED, TINY, build_hf_awq_checkpoint
+    from helpers import FUSED, TINY, build_hf_awq_checkpoint
 
     from inferd.loader import load_safetensors_folder
     from inferd.quant.awq_checkpoint import read_quant_config, take_awq_linears

@@ -49,7 +49,7 @@ def test_group_size_must_divide():
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_quantized_model_is_packed_and_generates(method, tiny_model):
     from conftest import make_tiny_model
-    from inferd.engine.engine import LLM
+    from inferd.engine.llm import LLM
     from inferd.engine.request import SamplingParams
 
     lm = make_tiny_model()

@@ -12,7 +12,8 @@ from transformers.generation.logits_process import (  # noqa: E402
     TopPLogitsWarper)
 
 from inferd.engine import sampler as S  # noqa: E402
-from inferd.engine.engine import LLM, LLMEngine  # noqa: E402
+from inferd.engine.engine import LLMEngine  # noqa: E402
+from inferd.engine.llm import LLM  # noqa: E402
 from inferd.engine.request import Request, SamplingParams  # noqa: E402
 from inferd.model.llama import ContiguousKV  # noqa: E402
 

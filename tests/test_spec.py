@@ -23,7 +23,8 @@ from inferd.engine.reference import reference_generate
 from inferd.engine.spec.ngram import propose_ngram
 from inferd.engine.spec.rejection import accept_greedy, expected_acceptance, rejection_sample
 from conftest import make_tiny_model
-from test_engine import assert_no_leaks, compare, make_requests, reference_outputs
+from helpers import (assert_no_leaks, assert_speculated, compare, make_requests, mixed_requests,  # noqa: F401
+                     reference_outputs, run_spec)
 
 
 def chi2_critical(df: int, alpha: float = 1e-3) -> float:
@@ -142,52 +143,10 @@ def test_truncate_keeps_block_accounting(ops, bs):
 
 # -- greedy: token-identical inside continuous batching -----------------------------------------
 
-def mixed_requests(seed=0, n=32, vocab=512):
-    """Random prompts, shared-prefix prompts and copy-style prompts (a passage, then its start
-    again), each with its own output length."""
-    rng = random.Random(seed)
-    reqs = make_requests(seed=seed, n=n // 2, vocab=vocab)
-    for i in range(n - len(reqs)):
-        passage = [rng.randrange(vocab) for _ in range(rng.randint(20, 80))]
-        prompt = passage + [rng.randrange(vocab) for _ in range(rng.randint(0, 5))] + passage[:rng.randint(3, 12)]
-        reqs.append((prompt, rng.randint(8, 48)))
-    rng.shuffle(reqs)
-    return reqs
-
-
 @pytest.fixture(scope="module")
 def mixed(tiny_model):
     reqs = mixed_requests()
     return reqs, reference_outputs(tiny_model.model, reqs)
-
-
-def run_spec(loaded, reqs, params=None, **opts):
-    eng = LLMEngine(loaded=loaded, dtype="float32", **opts)
-    rids = [eng.add_request(p, SamplingParams(max_tokens=n, temperature=0) if params is None else params(n))
-            for p, n in reqs]
-    outs = {rid: [] for rid in rids}
-    finish = {}
-    while eng.has_unfinished():
-        for o in eng.step():
-            outs[o.request_id].extend(o.new_token_ids)
-            assert o.output_ids[-len(o.new_token_ids):] == o.new_token_ids
-            if o.finished:
-                finish[o.request_id] = o.finish_reason
-        eng.block_manager.check_invariants(eng.scheduler.running)
-    assert_no_leaks(eng)
-    if eng.spec is not None and eng.spec.proposer is not None:
-        dbm = eng.spec.proposer.bm
-        dbm.check_invariants([])
-        assert dbm.num_free == dbm.num_blocks and not eng.spec.proposer.seqs
-    return [outs[r] for r in rids], [finish[r] for r in rids], eng
-
-
-def assert_speculated(eng, min_rate=0.0):
-    s, sp = eng.stats, eng.spec.stats
-    print(sp.as_dict(), "tokens", s.generated_tokens, "target steps per sequence", s.sample_events)
-    assert sp.num_draft_tokens > 0 and sp.num_accepted_tokens > 0
-    assert s.sample_events < s.generated_tokens  # fewer target forwards than tokens
-    assert sp.acceptance_rate >= min_rate
 
 
 @pytest.mark.parametrize("opts", [

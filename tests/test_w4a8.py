@@ -87,7 +87,7 @@ def test_engine_on_w4a8_model_gives_reference_greedy_tokens():
     (<= 16 rows), prefill chunks through the dequantized GEMM: the same function up to summation
     order, except that a last-bit difference can flip one activation's int8 rounding. So the
     near-tie rule is 1e-2 here, not 1e-4."""
-    from test_engine import make_requests, run_engine
+    from helpers import make_requests, run_engine
 
     from inferd.engine.reference import reference_generate
 
@@ -124,7 +124,7 @@ def test_loader_flags_and_errors():
 
 def test_default_model_w4a8_engine_matches_its_reference_loop(default_gguf_path):
     """The real model: gguf's own Q4_1 blocks (W4A8) and its int8 lm_head (W8A8), served by the engine."""
-    from inferd.engine.engine import LLM
+    from inferd.engine.llm import LLM
     from inferd.engine.request import SamplingParams
     from inferd.loader import load_model
     from inferd.engine.reference import reference_generate

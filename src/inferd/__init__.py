@@ -6,10 +6,14 @@ __all__ = ["LLM", "LLMEngine", "SamplingParams", "EngineConfig"]
 
 
 def __getattr__(name):  # lazy: `import inferd` stays cheap for the CLI and the bench client
-    if name in ("LLM", "LLMEngine"):
-        from inferd.engine import engine
+    if name == "LLM":
+        from inferd.engine.llm import LLM
 
-        return getattr(engine, name)
+        return LLM
+    if name == "LLMEngine":
+        from inferd.engine.engine import LLMEngine
+
+        return LLMEngine
     if name == "SamplingParams":
         from inferd.engine.request import SamplingParams
 

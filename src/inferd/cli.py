@@ -97,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p.add_argument("--version", action="version", version=f"inferd {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    p.subcommands = sub.choices  # name -> its parser (YAML defaults are set on it)
 
     g = sub.add_parser("generate", help="complete one prompt and print the result")
     add_model_args(g)
@@ -244,30 +245,12 @@ def cmd_chat(args) -> int:
 
 
 def apply_yaml_config(parser: argparse.ArgumentParser, argv: list[str], args):
-    """Options from a YAML file become the parser's defaults; flags on the command line win."""
-    import yaml
+    """Options from a YAML file become the subcommand's defaults; flags on the command line win."""
+    from inferd.config import yaml_defaults
 
-    try:
-        with open(args.config) as f:
-            data = yaml.safe_load(f) or {}
-    except OSError as e:
-        raise InferdError(f"cannot read config {args.config}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise InferdError(f"invalid YAML in {args.config}: {e}") from None
-    if not isinstance(data, dict):
-        raise InferdError(f"config {args.config} must be a mapping of option: value")
-    sub = next(a for a in parser._subparsers._group_actions[0].choices.values() if a.get_default("func") is args.func)
-    dests = {a.dest for a in sub._actions}
-    defaults = {}
-    for k, v in data.items():
-        key = str(k).replace("-", "_")
-        if key == "enable_prefix_caching":
-            defaults[key] = bool(v)
-            continue
-        if key not in dests or key in ("config", "func", "help"):
-            raise InferdError(f"unknown key {k!r} in config {args.config}")
-        defaults[key] = str(v) if key in ("model", "kv_cache_memory") and v is not None else v
-    sub.set_defaults(**defaults)
+    sub = parser.subcommands[args.cmd]
+    dests = {a.dest for a in sub._actions} - {"config", "func", "help"}
+    sub.set_defaults(**yaml_defaults(args.config, dests))
     return parser.parse_args(argv)
 
 

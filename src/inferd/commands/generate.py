@@ -7,7 +7,7 @@ import sys
 import torch
 
 from inferd.config import EngineConfig
-from inferd.engine.engine import LLM
+from inferd.engine.llm import LLM
 from inferd.engine.request import SamplingParams
 from inferd.errors import InferdError
 from inferd.loader import load_model

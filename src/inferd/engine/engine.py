@@ -17,10 +17,13 @@ import torch
 from inferd.config import EngineConfig, available_memory_bytes
 from inferd.engine.attention import PagedAttention
 from inferd.engine.kv_cache import BlockManager, KVPool
+from inferd.engine.output import detokenize, record_token
+from inferd.engine.processor import check_request
 from inferd.engine.request import Request, RequestOutput, SamplingParams, Status
 from inferd.engine.runner import ModelRunner
 from inferd.engine.sampler import build_batch, sample, top_logprobs
 from inferd.engine.scheduler import ScheduledBatch, Scheduler
+from inferd.engine.spec.attention import SpecPagedAttention
 from inferd.errors import InferdError
 
 log = logging.getLogger("inferd")
@@ -92,7 +95,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.scheduling)
         window = mcfg.sliding_window if mcfg.sliding_window and mcfg.sliding_window < self.max_model_len else None
-        self.runner = ModelRunner(self.model, PagedAttention(self.pool, mcfg.head_dim, window))
+        # with speculation, verify chunks (k + 1 query rows) go through the decode kernel as single rows
+        attention = SpecPagedAttention if cfg.speculative_method is not None else PagedAttention
+        self.runner = ModelRunner(self.model, attention(self.pool, mcfg.head_dim, window))
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, set[str]] = {}  # client request id -> live sequence ids
         self.stats = EngineStats()
@@ -137,40 +142,13 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival: float | None = None) -> str:
         params = params or SamplingParams()
-        vocab = self.model_config.vocab_size
-        params.validate(vocab)
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InferdError("this model has no tokenizer: pass token ids")
-            prompt_ids = self.tokenizer.encode(prompt)
-        else:
-            prompt_ids = [int(t) for t in prompt]
-        if not prompt_ids:
-            raise InferdError("prompt is empty")
-        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            raise InferdError(f"prompt token ids must be in [0, {vocab})")
-        if params.stop and self.tokenizer is None:
-            raise InferdError("stop strings need a tokenizer")
-        room = self.max_model_len - len(prompt_ids)
-        if room < 1:
-            raise InferdError(f"prompt is {len(prompt_ids)} tokens; the context limit is {self.max_model_len}")
-        if params.max_tokens is None:
-            params.max_tokens = room
-        elif params.max_tokens > room:
-            raise InferdError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
-                              f"exceeds the context limit of {self.max_model_len}")
-        k = params.best_of or params.n
-        bs = self.config.block_size
-        prompt_blocks = len(prompt_ids) // bs
-        need = prompt_blocks + k * (-(-(len(prompt_ids) + params.max_tokens) // bs) - prompt_blocks + 1)
-        if need > self.num_kv_blocks:
-            raise InferdError(f"request needs up to {need} KV blocks but the cache holds {self.num_kv_blocks}")
+        prompt_ids = check_request(prompt, params, self.tokenizer, self.model_config.vocab_size, self.max_model_len,
+                                   self.config.block_size, self.num_kv_blocks)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.groups:
             raise InferdError(f"duplicate request id {rid!r}")
-        if k > params.n:  # best_of ranks by cumulative logprob
-            params.logprobs = params.logprobs if params.logprobs is not None else 0
         req = Request(rid, prompt_ids, params, arrival)
+        k = params.best_of or params.n
         if k > 1:
             req.fork_into = k
         self._attach(req)
@@ -279,7 +257,7 @@ class LLMEngine:
             off += m
         return logits[keep], keep_idx, verified
 
-    def _append_many(self, req: Request, toks: list[int], lps=None) -> RequestOutput:
+    def append_tokens(self, req: Request, toks: list[int], lps=None) -> RequestOutput:
         """Append tokens in order through the usual stop handling; what follows a stop is dropped.
         One RequestOutput carries them all."""
         now = time.monotonic()
@@ -319,13 +297,8 @@ class LLMEngine:
             child = Request(f"{parent.request_id}#{i}", parent.prompt_ids, params, parent.timings.arrived,
                             group=parent.group, index=i)
             child.timings.first_scheduled = parent.timings.first_scheduled
-            child.block_table = list(parent.block_table[:keep_blocks])
-            for b in child.block_table:
-                bm.ref[b] += 1
-            child.num_computed = keep_blocks * bs
+            bm.fork(parent, child, keep_blocks)
             child.max_computed = parent.max_computed
-            child.num_cached_hashed = min(parent.num_cached_hashed, keep_blocks)
-            child.block_hashes = list(parent.block_hashes[:keep_blocks])
             child.prefix_hit_tokens = parent.prefix_hit_tokens
             child.status = Status.RUNNING
             child.num_prefill_chunks = parent.num_prefill_chunks
@@ -340,66 +313,20 @@ class LLMEngine:
         self.stats.forks += 1
 
     def _append(self, req: Request, tok: int, now: float, lp=None) -> RequestOutput:
-        req.output_ids.append(tok)
+        record_token(req, tok, now, lp, self.eos_ids, self.max_model_len)
         self.stats.generated_tokens += 1
-        if lp is not None:
-            req.logprobs.append(lp)
-            req.cumulative_logprob += lp[0]
-        t = req.timings
-        if t.first_token is None:
-            t.first_token = now
-        t.token_times.append(now)
-        p = req.params
-        if len(req.output_ids) >= p.min_tokens:
-            if not p.ignore_eos and tok in self.eos_ids:
-                req.finish_reason, req.stop_reason = "stop", None
-            elif tok in p.stop_token_ids:
-                req.finish_reason, req.stop_reason = "stop", tok
-        if req.finish_reason is None and (len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len):
-            req.finish_reason = "length"
-        delta = self._detokenize(req, tok) if req.detok is not None else ""
+        delta = detokenize(req, tok) if req.detok is not None else ""
         if req.finish_reason is not None:
             req.status = Status.FINISHED
-            t.finished = now
+            req.timings.finished = now
             self.scheduler.remove(req)
             self._detach(req)
         first = len(req.output_ids) == 1
         return RequestOutput(req.group, [tok], req.output_ids, req.finished, req.finish_reason,
-                             req.stop_reason, req.num_prompt, t, index=req.index, text_delta=delta,
+                             req.stop_reason, req.num_prompt, req.timings, index=req.index, text_delta=delta,
                              text=req.text, logprobs=[lp] if lp is not None else None,
                              prompt_logprobs=req.prompt_logprobs if first else None,
                              prompt_ids=req.prompt_ids if first else None)
-
-    def _detokenize(self, req: Request, tok: int) -> str:
-        """Text delta for the new token, with stop strings cut: a stop string is never emitted
-        (unless asked), nothing after it is, and only a possible partial match is held back."""
-        p = req.params
-        new = req.detok.add([tok])
-        if req.finish_reason is not None:
-            new += req.detok.flush()
-        buf = req.held + new
-        if p.stop:
-            hit = None
-            for s in p.stop:
-                j = buf.find(s)
-                if j >= 0 and (hit is None or j < hit[0]):
-                    hit = (j, s)
-            if hit is not None:
-                j, s = hit
-                out = buf[: j + len(s)] if p.include_stop_str_in_output else buf[:j]
-                req.held = ""
-                req.text += out
-                req.finish_reason, req.stop_reason = "stop", s
-                return out
-            if req.finish_reason is None:
-                keep = max((k for s in p.stop for k in range(min(len(s) - 1, len(buf)), 0, -1)
-                            if buf.endswith(s[:k])), default=0)
-                req.held = buf[len(buf) - keep:] if keep else ""
-                buf = buf[: len(buf) - keep]
-        else:
-            req.held = ""
-        req.text += buf
-        return buf
 
     def _record(self, batch: ScheduledBatch, dt: float):
         s = self.stats
@@ -421,80 +348,3 @@ class LLMEngine:
         if self.keep_history:
             s.history.append(StepStats(n, batch.num_prefill_tokens, batch.num_decode_tokens,
                                        batch.num_recompute_tokens, len(batch.preempted), used, dt))
-
-
-@dataclass
-class CompletionOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str | None
-    finish_reason: str | None
-    stop_reason: int | str | None
-    timings: object
-    index: int = 0
-    logprobs: list | None = None  # per token: (logprob, rank, [(id, logprob)])
-    prompt_logprobs: list | None = None
-    cumulative_logprob: float = 0.0
-    samples: list = field(default_factory=list)  # all n samples (this one is samples[0])
-
-
-class LLM:
-    """Offline use: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
-
-    def __init__(self, model: str | None = None, loaded=None, config: EngineConfig | None = None, **engine_options):
-        self.engine = LLMEngine(config or EngineConfig(model=model), loaded=loaded, **engine_options)
-        self.tokenizer = self.engine.tokenizer
-
-    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[CompletionOutput]:
-        """One CompletionOutput per prompt (with n > 1, its `samples` holds all n, best first
-        when best_of > n)."""
-        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
-        if single:
-            prompts = [prompts]
-        if not isinstance(params, list):
-            params = [params or SamplingParams() for _ in prompts]
-        ids = [self.engine.add_request(p, copy.deepcopy(sp)) for p, sp in zip(prompts, params)]
-        done: dict[str, dict[int, CompletionOutput]] = {rid: {} for rid in ids}
-        logprobs: dict[tuple, list] = {}
-        prompt_info: dict[str, tuple] = {}
-        while self.engine.has_unfinished():
-            for o in self.engine.step():
-                if o.prompt_ids is not None:
-                    prompt_info.setdefault(o.request_id, (o.prompt_ids, o.prompt_logprobs))
-                if o.logprobs:
-                    logprobs.setdefault((o.request_id, o.index), []).extend(o.logprobs)
-                if o.finished:
-                    lps = logprobs.get((o.request_id, o.index))
-                    done[o.request_id][o.index] = CompletionOutput(
-                        o.request_id, prompt_info[o.request_id][0], list(o.output_ids), o.text,
-                        o.finish_reason, o.stop_reason, o.timings, o.index, lps,
-                        prompt_info[o.request_id][1], sum(x[0] for x in lps) if lps else 0.0)
-        results = []
-        for rid, sp in zip(ids, params):
-            samples = [done[rid][i] for i in sorted(done[rid])]
-            if sp.best_of and sp.best_of > sp.n:
-                samples = sorted(samples, key=lambda c: -c.cumulative_logprob)[: sp.n]
-                if sp.logprobs is None:
-                    for c in samples:
-                        c.logprobs = None
-            first = samples[0]
-            first.samples = samples
-            results.append(first)
-        return results
-
-    def stream(self, prompt, params: SamplingParams | None = None):
-        """Yield (text delta, RequestOutput) for one prompt as tokens come; runs other queued work too."""
-        rid = self.engine.add_request(prompt, params or SamplingParams())
-        live = True
-        while live:
-            for out in self.engine.step():
-                if out.request_id == rid:
-                    live = rid in self.engine.groups
-                    yield out.text_delta, out
-            if not self.engine.has_unfinished():
-                break
-
-    def abort(self, request_id: str) -> bool:
-        return self.engine.abort(request_id)

@@ -117,14 +117,17 @@ class BlockManager:
         del req.block_hashes[keep:]
         req.num_cached_hashed = min(req.num_cached_hashed, keep)
 
-    def fork(self, parent: Request, child: Request):
-        """Share parent's blocks with child (n > 1 samples of one prompt)."""
-        for b in parent.block_table:
+    def fork(self, parent: Request, child: Request, num_blocks: int | None = None):
+        """Share parent's first num_blocks blocks (all by default) with child, for n > 1 samples of
+        one prompt: their ref counts go up, and the child's computed length and prefix hashes stop
+        at them, so a child recomputes (and writes) only the blocks it owns."""
+        n = len(parent.block_table) if num_blocks is None else num_blocks
+        for b in parent.block_table[:n]:
             self.ref[b] += 1
-        child.block_table = list(parent.block_table)
-        child.block_hashes = list(parent.block_hashes)
-        child.num_cached_hashed = parent.num_cached_hashed
-        child.num_computed = parent.num_computed
+        child.block_table = list(parent.block_table[:n])
+        child.block_hashes = list(parent.block_hashes[:n])
+        child.num_cached_hashed = min(parent.num_cached_hashed, n)
+        child.num_computed = parent.num_computed if num_blocks is None else n * self.block_size
 
     # -- prefix caching -----------------------------------------------------------------------
     def _keys(self, ids: list[int], start: int, end: int, hashes: list[int]):

@@ -75,22 +75,9 @@ class Accumulator:
 
 def decode_speed(loaded, batch: int, prompt_len: int = 64, out_len: int = 32) -> float:
     """Output tok/s of the engine on `batch` identical-length greedy requests (ignore_eos)."""
-    from inferd.engine.engine import LLMEngine
-    from inferd.engine.request import SamplingParams
+    from inferd.engine.rate import decode_rate
 
-    eng = LLMEngine(loaded=loaded, kv_cache_memory="256MiB", max_num_seqs=max(batch, 1))
-    prompt = list(range(100, 100 + prompt_len))
-    for _ in range(batch):
-        eng.add_request(prompt, SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True))
-    reqs = list(eng.requests.values())
-    while eng.has_unfinished():
-        eng.step()
-    if batch == 1:
-        tt = reqs[0].timings.token_times
-        return (len(tt) - 1) / (tt[-1] - tt[0])
-    start = min(r.timings.first_token for r in reqs)
-    end = max(r.timings.finished for r in reqs)
-    return batch * (out_len - 1) / (end - start)
+    return decode_rate(loaded, list(range(100, 100 + prompt_len)), out_len, batch)
 
 
 FIXED_PROMPTS = [

@@ -24,7 +24,7 @@ from inferd.engine.sampler import build_batch, process_logits, top_logprobs
 from inferd.errors import InferdError
 from inferd.engine.spec.attention import SpecPagedAttention
 from inferd.engine.spec.draft import DraftProposer, SeqView, parse_self_draft, self_draft_model
-from inferd.engine.spec.ngram import propose_ngram
+from inferd.engine.spec.ngram import NgramProposer
 from inferd.engine.spec.rejection import accept_greedy, rejection_sample
 
 
@@ -69,11 +69,10 @@ class SpecDecoder:
         self.n_min, self.n_max = cfg.ngram_min, cfg.ngram_max
         self.backoff = cfg.ngram_backoff if self.method == "ngram" else 0
         self.stats = SpecStats()
-        self.proposer: DraftProposer | None = None
         self.draft_desc = None
-        # verify chunks (k + 1 tokens) through the decode kernel instead of gather + SDPA
-        old = engine.runner.attn
-        engine.runner.attn = SpecPagedAttention(old.pool, engine.model_config.head_dim, old.window)
+        # the engine runs verify chunks (k + 1 tokens) through the decode kernel (SpecPagedAttention)
+        if not isinstance(engine.runner.attn, SpecPagedAttention):
+            raise InferdError("speculative decoding needs the engine's SpecPagedAttention")
         if self.method == "draft":
             model = self._draft_model(engine, draft_loaded)
             mcfg = engine.model_config
@@ -81,6 +80,8 @@ class SpecDecoder:
             # the same token capacity as the target's cache, plus room for every sequence's guesses
             blocks = engine.num_kv_blocks + cfg.max_num_seqs * (-(-self.k // cfg.block_size) + 1)
             self.proposer = DraftProposer(model, blocks, cfg.block_size, mcfg.vocab_size, engine.eos_ids, window)
+        else:
+            self.proposer = NgramProposer(self.n_min, self.n_max)
 
     def _draft_model(self, engine, draft_loaded):
         cfg = engine.config
@@ -110,9 +111,7 @@ class SpecDecoder:
 
     def release_finished(self):
         """Draft caches of sequences that finished, were aborted or preempted go back at once."""
-        if self.proposer is not None:
-            self.proposer.keep_only({r.request_id for r in self.engine.scheduler.running
-                                     if r.status == Status.RUNNING})
+        self.proposer.keep_only({r.request_id for r in self.engine.scheduler.running if r.status == Status.RUNNING})
 
     # -- before scheduling ----------------------------------------------------------------------
     def propose(self, running):
@@ -136,13 +135,9 @@ class SpecDecoder:
                 ks.append(k)
         if not cands:
             return
-        if self.method == "ngram":
-            for r, k in zip(cands, ks):
-                r.spec_tokens = propose_ngram(r.all_ids, k, self.n_min, self.n_max)
-        else:
-            for r, (toks, q) in zip(cands, self.proposer.propose(cands, ks)):
-                r.spec_tokens, r.spec_q = toks, q
-            self.stats.draft_forwards = self.proposer.forwards
+        for r, (toks, q) in zip(cands, self.proposer.propose(cands, ks)):
+            r.spec_tokens, r.spec_q = toks, q
+        self.stats.draft_forwards = self.proposer.forwards
         self.stats.draft_time += time.monotonic() - t0
 
     def after_schedule(self, batch):
@@ -153,8 +148,7 @@ class SpecDecoder:
                 r.spec_tokens, r.spec_q = [], None
         for r in batch.preempted:
             r.spec_tokens, r.spec_q = [], None
-            if self.proposer is not None:
-                self.proposer.free(r.request_id)
+            self.proposer.free(r.request_id)
 
     # -- after the target forward ---------------------------------------------------------------
     def verify(self, items: list) -> list:
@@ -183,7 +177,7 @@ class SpecDecoder:
             req.spec_tokens, req.spec_q = [], None
             L = req.num_tokens
             c = req.num_computed  # == L - 1: the last known token was part of the chunk
-            out = eng._append_many(req, toks, lps)
+            out = eng.append_tokens(req, toks, lps)
             st.num_drafts += 1
             st.num_draft_tokens += k
             st.num_accepted_tokens += a
@@ -195,14 +189,12 @@ class SpecDecoder:
             st.num_emitted_tokens += len(out.new_token_ids)
             outputs.append(out)
             if req.finished:
-                if self.proposer is not None:
-                    self.proposer.free(req.request_id)
+                self.proposer.free(req.request_id)
                 continue
             # K/V of the last known token and the accepted guesses is final; the rest is rolled back
             req.num_computed = c + 1 + a
             req.max_computed = max(req.max_computed, req.num_computed)
             eng.block_manager.truncate(req, req.num_computed)
             eng.block_manager.register_full_blocks(req)
-            if self.proposer is not None:
-                self.proposer.rollback(req.request_id, L + a)
+            self.proposer.rollback(req.request_id, L + a)
         return outputs

@@ -25,3 +25,24 @@ def propose_ngram(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int
             if tokens[e - n:e] == suffix:
                 return tokens[e:e + k]
     return []
+
+
+class NgramProposer:
+    """The proposer interface (propose / free / rollback / keep_only) over prompt lookup: it keeps
+    no state per sequence, so only `propose` does anything."""
+
+    def __init__(self, n_min: int, n_max: int):
+        self.n_min, self.n_max = n_min, n_max
+        self.forwards = 0  # no model runs
+
+    def propose(self, reqs, ks: list[int]) -> list[tuple[list[int], None]]:
+        return [(propose_ngram(r.all_ids, k, self.n_min, self.n_max), None) for r, k in zip(reqs, ks)]
+
+    def free(self, rid: str):
+        pass
+
+    def keep_only(self, live: set[str]):
+        pass
+
+    def rollback(self, rid: str, valid: int):
+        pass

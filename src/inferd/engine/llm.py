@@ -1,0 +1,86 @@
+"""`LLM`: the engine for offline use -- prompts in, finished completions out (or one stream)."""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+from inferd.config import EngineConfig
+from inferd.engine.engine import LLMEngine
+from inferd.engine.request import SamplingParams
+
+
+@dataclass
+class CompletionOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+    timings: object
+    index: int = 0
+    logprobs: list | None = None  # per token: (logprob, rank, [(id, logprob)])
+    prompt_logprobs: list | None = None
+    cumulative_logprob: float = 0.0
+    samples: list = field(default_factory=list)  # all n samples (this one is samples[0])
+
+
+class LLM:
+    """Offline use: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+
+    def __init__(self, model: str | None = None, loaded=None, config: EngineConfig | None = None, **engine_options):
+        self.engine = LLMEngine(config or EngineConfig(model=model), loaded=loaded, **engine_options)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[CompletionOutput]:
+        """One CompletionOutput per prompt (with n > 1, its `samples` holds all n, best first
+        when best_of > n)."""
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        if single:
+            prompts = [prompts]
+        if not isinstance(params, list):
+            params = [params or SamplingParams() for _ in prompts]
+        ids = [self.engine.add_request(p, copy.deepcopy(sp)) for p, sp in zip(prompts, params)]
+        done: dict[str, dict[int, CompletionOutput]] = {rid: {} for rid in ids}
+        logprobs: dict[tuple, list] = {}
+        prompt_info: dict[str, tuple] = {}
+        while self.engine.has_unfinished():
+            for o in self.engine.step():
+                if o.prompt_ids is not None:
+                    prompt_info.setdefault(o.request_id, (o.prompt_ids, o.prompt_logprobs))
+                if o.logprobs:
+                    logprobs.setdefault((o.request_id, o.index), []).extend(o.logprobs)
+                if o.finished:
+                    lps = logprobs.get((o.request_id, o.index))
+                    done[o.request_id][o.index] = CompletionOutput(
+                        o.request_id, prompt_info[o.request_id][0], list(o.output_ids), o.text,
+                        o.finish_reason, o.stop_reason, o.timings, o.index, lps,
+                        prompt_info[o.request_id][1], sum(x[0] for x in lps) if lps else 0.0)
+        results = []
+        for rid, sp in zip(ids, params):
+            samples = [done[rid][i] for i in sorted(done[rid])]
+            if sp.best_of and sp.best_of > sp.n:
+                samples = sorted(samples, key=lambda c: -c.cumulative_logprob)[: sp.n]
+                if sp.logprobs is None:
+                    for c in samples:
+                        c.logprobs = None
+            first = samples[0]
+            first.samples = samples
+            results.append(first)
+        return results
+
+    def stream(self, prompt, params: SamplingParams | None = None):
+        """Yield (text delta, RequestOutput) for one prompt as tokens come; runs other queued work too."""
+        rid = self.engine.add_request(prompt, params or SamplingParams())
+        live = True
+        while live:
+            for out in self.engine.step():
+                if out.request_id == rid:
+                    live = rid in self.engine.groups
+                    yield out.text_delta, out
+            if not self.engine.has_unfinished():
+                break
+
+    def abort(self, request_id: str) -> bool:
+        return self.engine.abort(request_id)

@@ -1,0 +1,52 @@
+"""Admission: a prompt and its sampling parameters checked against the model and the KV cache
+before anything is queued (the engine's first step, as vLLM's processor is). Every failure is one
+InferdError a client can read; the server answers it with a 400."""
+from __future__ import annotations
+
+from inferd.engine.request import SamplingParams
+from inferd.errors import InferdError
+
+
+def default_max_tokens(prompt_len: int, max_model_len: int) -> int:
+    """max_tokens when a request leaves it out: the rest of the context, as in vLLM."""
+    return max_model_len - prompt_len
+
+
+def kv_blocks_needed(prompt_len: int, max_tokens: int, samples: int, block_size: int) -> int:
+    """Blocks a request may hold at its peak: the full prompt blocks once (shared by its samples),
+    and each sample's own tail (the partial prompt block, recomputed, plus its output)."""
+    prompt_blocks = prompt_len // block_size
+    return prompt_blocks + samples * (-(-(prompt_len + max_tokens) // block_size) - prompt_blocks + 1)
+
+
+def check_request(prompt: str | list[int], params: SamplingParams, tokenizer, vocab: int, max_model_len: int,
+              block_size: int, num_kv_blocks: int) -> list[int]:
+    """The prompt's token ids; fills in params.max_tokens when absent (and logprobs for best_of)."""
+    params.validate(vocab)
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise InferdError("this model has no tokenizer: pass token ids")
+        prompt_ids = tokenizer.encode(prompt)
+    else:
+        prompt_ids = [int(t) for t in prompt]
+    if not prompt_ids:
+        raise InferdError("prompt is empty")
+    if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+        raise InferdError(f"prompt token ids must be in [0, {vocab})")
+    if params.stop and tokenizer is None:
+        raise InferdError("stop strings need a tokenizer")
+    room = max_model_len - len(prompt_ids)
+    if room < 1:
+        raise InferdError(f"prompt is {len(prompt_ids)} tokens; the context limit is {max_model_len}")
+    if params.max_tokens is None:
+        params.max_tokens = default_max_tokens(len(prompt_ids), max_model_len)
+    elif params.max_tokens > room:
+        raise InferdError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                          f"exceeds the context limit of {max_model_len}")
+    k = params.best_of or params.n
+    need = kv_blocks_needed(len(prompt_ids), params.max_tokens, k, block_size)
+    if need > num_kv_blocks:
+        raise InferdError(f"request needs up to {need} KV blocks but the cache holds {num_kv_blocks}")
+    if k > params.n:  # best_of ranks by cumulative logprob
+        params.logprobs = params.logprobs if params.logprobs is not None else 0
+    return prompt_ids

@@ -1,0 +1,29 @@
+"""Decode speed of the engine, measured the one way `inferd eval` and the benchmarks all use."""
+from __future__ import annotations
+
+from inferd.engine.engine import LLMEngine
+from inferd.engine.request import SamplingParams
+
+
+def decode_rate(loaded, prompt: list[int], n: int, batch: int = 1, warmup: bool = False,
+                kv_cache_memory: str = "256MiB") -> float:
+    """Output tok/s of `batch` identical greedy requests of n tokens (ignore_eos), prefill excluded:
+    at batch 1 the gaps between one request's tokens; above it, all tokens after each request's
+    first over the span from the first first token to the last finish. `warmup` runs a short
+    request first (kernel builds, allocator)."""
+    eng = LLMEngine(loaded=loaded, kv_cache_memory=kv_cache_memory, max_num_seqs=max(batch, 1))
+    if warmup:
+        eng.add_request(prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        while eng.has_unfinished():
+            eng.step()
+    ids = [eng.add_request(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+           for _ in range(batch)]
+    reqs = [eng.requests[i] for i in ids]
+    while eng.has_unfinished():
+        eng.step()
+    if batch == 1:
+        tt = reqs[0].timings.token_times
+        return (len(tt) - 1) / (tt[-1] - tt[0])
+    start = min(r.timings.first_token for r in reqs)
+    end = max(r.timings.finished for r in reqs)
+    return batch * (n - 1) / (end - start)

@@ -1,0 +1,176 @@
+"""Helpers the test modules share (workloads, engine runs with leak checks, a hand-built AWQ
+folder). Test modules import from here or from conftest, never from each other."""
+import json
+import os
+import random
+
+import torch
+from safetensors.torch import save_file
+
+from inferd.engine.engine import LLMEngine
+from inferd.engine.reference import reference_generate
+from inferd.engine.request import SamplingParams
+
+# -- engine workloads and runs ---------------------------------------------------------------------
+
+N_REQ = 64
+
+
+def make_requests(seed=0, n=N_REQ, vocab=512, shared_prefixes=0):
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(vocab) for _ in range(rng.randint(40, 200))] for _ in range(shared_prefixes)]
+    reqs = []
+    for i in range(n):
+        if prefixes:
+            pre = prefixes[i % len(prefixes)]
+            prompt = pre + [rng.randrange(vocab) for _ in range(rng.randint(1, 60))]
+        else:
+            prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 300))]
+        reqs.append((prompt, rng.randint(1, 64)))
+    return reqs
+
+
+def reference_outputs(model, reqs):
+    outs = []
+    for prompt, n in reqs:
+        r = reference_generate(model, prompt, n, keep_logits=True)
+        outs.append((r.token_ids, r.logits))
+    return outs
+
+
+def compare(got, ref):
+    """Token equality up to the first step where the reference's top-2 logits are within 1e-4.
+    Returns how many requests were cut short by such a near tie."""
+    near_ties = 0
+    for i, (toks, (want, logits)) in enumerate(zip(got, ref)):
+        assert len(toks) == len(want), f"request {i}: {len(toks)} tokens, reference {len(want)}"
+        for j, (a, b) in enumerate(zip(toks, want)):
+            if a != b:
+                top2 = torch.topk(logits[j], 2).values
+                assert float(top2[0] - top2[1]) < 1e-4, f"request {i} differs at token {j}: {a} vs {b}"
+                near_ties += 1
+                break
+    return near_ties
+
+
+def run_engine(loaded, reqs, keep_history=False, **opts):
+    eng = LLMEngine(loaded=loaded, dtype="float32", **opts)
+    eng.keep_history = keep_history
+    rids = [eng.add_request(p, SamplingParams(max_tokens=n, temperature=0)) for p, n in reqs]
+    outs = {rid: [] for rid in rids}
+    while eng.has_unfinished():
+        for o in eng.step():
+            outs[o.request_id].extend(o.new_token_ids)
+    assert_no_leaks(eng)
+    return [outs[r] for r in rids], eng
+
+
+def assert_no_leaks(eng):
+    bm = eng.block_manager
+    bm.check_invariants([])
+    assert bm.num_free == bm.num_blocks and all(r == 0 for r in bm.ref)
+    assert not eng.requests and not eng.scheduler.running and not eng.scheduler.waiting
+
+
+def mixed_requests(seed=0, n=32, vocab=512):
+    """Random prompts, shared-prefix prompts and copy-style prompts (a passage, then its start
+    again), each with its own output length."""
+    rng = random.Random(seed)
+    reqs = make_requests(seed=seed, n=n // 2, vocab=vocab)
+    for i in range(n - len(reqs)):
+        passage = [rng.randrange(vocab) for _ in range(rng.randint(20, 80))]
+        prompt = passage + [rng.randrange(vocab) for _ in range(rng.randint(0, 5))] + passage[:rng.randint(3, 12)]
+        reqs.append((prompt, rng.randint(8, 48)))
+    rng.shuffle(reqs)
+    return reqs
+
+
+def run_spec(loaded, reqs, params=None, **opts):
+    eng = LLMEngine(loaded=loaded, dtype="float32", **opts)
+    rids = [eng.add_request(p, SamplingParams(max_tokens=n, temperature=0) if params is None else params(n))
+            for p, n in reqs]
+    outs = {rid: [] for rid in rids}
+    finish = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            outs[o.request_id].extend(o.new_token_ids)
+            assert o.output_ids[-len(o.new_token_ids):] == o.new_token_ids
+            if o.finished:
+                finish[o.request_id] = o.finish_reason
+        eng.block_manager.check_invariants(eng.scheduler.running)
+    assert_no_leaks(eng)
+    if eng.spec is not None and hasattr(eng.spec.proposer, "bm"):  # a draft model's own cache
+        dbm = eng.spec.proposer.bm
+        dbm.check_invariants([])
+        assert dbm.num_free == dbm.num_blocks and not eng.spec.proposer.seqs
+    return [outs[r] for r in rids], [finish[r] for r in rids], eng
+
+
+def assert_speculated(eng, min_rate=0.0):
+    s, sp = eng.stats, eng.spec.stats
+    print(sp.as_dict(), "tokens", s.generated_tokens, "target steps per sequence", s.sample_events)
+    assert sp.num_draft_tokens > 0 and sp.num_accepted_tokens > 0
+    assert s.sample_events < s.generated_tokens  # fewer target forwards than tokens
+    assert sp.acceptance_rate >= min_rate
+
+
+FUSED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16)
+
+
+def pack_by_hand(codes: torch.Tensor) -> torch.Tensor:
+    """The GEMM word layout written out with Python integers (independent of pack_int4)."""
+    order = [0, 2, 4, 6, 1, 3, 5, 7]
+    rows = []
+    for r in codes.tolist():
+        words = []
+        for c in range(0, len(r), 8):
+            v = sum(r[c + order[k]] << (4 * k) for k in range(8))
+            words.append(v - 2**32 if v >= 2**31 else v)
+        rows.append(words)
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+def hf_awq_config(group, **over):
+    d = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **TINY, "rms_norm_eps": 1e-5,
+         "rope_theta": 10000.0, "max_position_embeddings": 256, "tie_word_embeddings": False,
+         "torch_dtype": "float16",
+         "quantization_config": {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+                                 "version": "gemm"}}
+    d.update(over)
+    return d
+
+
+def build_hf_awq_checkpoint(folder, group=32, seed=0):
+    """Known integers for every linear -> a folder in the AutoAWQ GEMM layout; returns the
+    intended dequantized torch-layout weights [out, in] (float64, exact) per HF linear name."""
+    g = torch.Generator().manual_seed(seed)
+    h, ff, hd = TINY["hidden_size"], TINY["intermediate_size"], TINY["head_dim"]
+    shapes = {"self_attn.q_proj": (4 * hd, h), "self_attn.k_proj": (2 * hd, h), "self_attn.v_proj": (2 * hd, h),
+              "self_attn.o_proj": (h, 4 * hd), "mlp.gate_proj": (ff, h), "mlp.up_proj": (ff, h),
+              "mlp.down_proj": (h, ff)}
+    sd, want = {}, {}
+    for i in range(TINY["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        for name, (n_out, n_in) in shapes.items():
+            q = torch.randint(0, 16, (n_in, n_out), generator=g)  # [in, out]: the checkpoint's orientation
+            z = torch.randint(0, 16, (n_in // group, n_out), generator=g)
+            s = (torch.rand(n_in // group, n_out, generator=g) * 0.02 + 0.001).half()
+            sd[p + name + ".qweight"] = pack_by_hand(q)
+            sd[p + name + ".qzeros"] = pack_by_hand(z)
+            sd[p + name + ".scales"] = s
+            rep = lambda t: t.double().repeat_interleave(group, 0)  # noqa: E731  group row -> its input rows
+            want[f"{i}.{name}"] = ((q.double() - rep(z)) * rep(s)).t()
+        sd[p + "input_layernorm.weight"] = (1 + 0.1 * torch.randn(h, generator=g)).half()
+        sd[p + "post_attention_layernorm.weight"] = (1 + 0.1 * torch.randn(h, generator=g)).half()
+    sd["model.embed_tokens.weight"] = torch.randn(TINY["vocab_size"], h, generator=g).half()
+    sd["model.norm.weight"] = torch.ones(h).half()
+    sd["lm_head.weight"] = (0.1 * torch.randn(TINY["vocab_size"], h, generator=g)).half()
+    os.makedirs(folder, exist_ok=True)
+    save_file(sd, os.path.join(folder, "model.safetensors"))
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(hf_awq_config(group), f)
+    return want, sd
