@@ -32,7 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 sys.path.insert(0, HERE)
 
-from common import hf_decode_rate as hf_rate  # noqa: E402
+from common import cpu_features, hf_decode_rate as hf_rate  # noqa: E402
 from inferd.engine.rate import decode_rate  # noqa: E402
 from inferd.loader import default_model_path, load_model  # noqa: E402
 
@@ -145,7 +145,8 @@ def main():
 
     four_bit = [k for k in med if k.startswith("inferd") and ("int4" in k or "gguf" in k)]
     best = max(four_bit, key=med.get)
-    print(f"\nCPU: {torch.backends.cpu.get_cpu_capability()} kernels, {a.threads} threads "
+    print(f"\n{cpu_features()}")
+    print(f"PyTorch CPU kernels: {torch.backends.cpu.get_cpu_capability()}, {a.threads} threads "
           "(bf16 GEMMs are fast only with AVX512-BF16/AMX; elsewhere fp32 is the fast dense dtype)")
     print(f"batch-1 decode, {a.tokens} tokens after a 64-token prompt, {a.threads} threads, bf16 activations "
           f"(fp32 for the fp32 and W4A8 rows), median of {a.rounds} alternating rounds")
@@ -186,7 +187,7 @@ def main():
         print(f"  {k}: bf16 {v['bf16_us']:.0f} us, fp32 {v['fp32_us']:.0f} us ({v['fp32_slowdown']:.1f}x slower)")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"cpu_capability": torch.backends.cpu.get_cpu_capability(), "batch1_tok_s": med, "rounds": rates, "fastest_4bit": best, "batch32_tok_s": b32,
+            json.dump({"cpu": cpu_features(), "cpu_capability": torch.backends.cpu.get_cpu_capability(), "batch1_tok_s": med, "rounds": rates, "fastest_4bit": best, "batch32_tok_s": b32,
                        "fp32_kernel_penalty": pen, "llamacpp_note": llama_note}, f, indent=2)
 
 
