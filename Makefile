@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.inferd-installed
 ARGS   ?=
 
-.PHONY: run test test-integration install clean chromium
+.PHONY: run test test-fast test-integration install clean chromium
 
 # torch first and pinned: a CPU build of 2.13.0 lies on local disk; an unpinned torch pulls CUDA (GBs).
 $(STAMP): pyproject.toml Makefile
@@ -26,8 +26,15 @@ chromium:
 	  (apt-get update -q && apt-get install -y -q chromium) || \
 	  echo "chromium not installed: the bench HTML screenshot test will skip"
 
+# the layers of pyproject.toml's [tool.importlinter] first (seconds), then every test
 test: $(STAMP) chromium
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q --durations=15 $(ARGS)
+
+# the inner loop: the same minus the tests marked slow (a few minutes)
+test-fast: $(STAMP)
+	$(VENV)/bin/lint-imports
+	$(PY) -m pytest -q -m "not slow and not integration" $(ARGS)
 
 # latency-SLA tests against a live server (timing thresholds: not for CI on shared machines).
 # INFERD_BENCH_URL=http://host:port points them at a running server instead of starting one.

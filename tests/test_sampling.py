@@ -14,6 +14,7 @@ from transformers.generation.logits_process import (  # noqa: E402
 from inferd.engine import sampler as S  # noqa: E402
 from inferd.engine.engine import LLMEngine  # noqa: E402
 from inferd.engine.llm import LLM  # noqa: E402
+from inferd.engine.output import detokenize  # noqa: E402
 from inferd.engine.request import Request, SamplingParams  # noqa: E402
 from inferd.model.llama import ContiguousKV  # noqa: E402
 
@@ -124,7 +125,7 @@ def _feed(eng, text, params):
         req.output_ids.append(t)
         if i == len(ids) - 1 and req.finish_reason is None:
             req.finish_reason = "length"
-        d = eng._detokenize(req, t)
+        d = detokenize(req, t)
         assert "\ufffd" not in d
         emitted.append(d)
         if req.finish_reason == "stop":
@@ -152,7 +153,7 @@ def test_stop_hold_back_is_minimal(tiny_real_vocab):
     decoded = ""
     for t in ids:
         req.output_ids.append(t)
-        eng._detokenize(req, t)
+        detokenize(req, t)
         decoded = eng.tokenizer.decode(req.output_ids)
         # held back: at most a suffix that could still begin "abx"
         assert decoded.startswith(req.text)
