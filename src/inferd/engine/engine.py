@@ -17,7 +17,7 @@ import torch
 from inferd.config import EngineConfig, available_memory_bytes
 from inferd.engine.attention import PagedAttention
 from inferd.engine.kv_cache import BlockManager, KVPool
-from inferd.engine.request import Request, RequestOutput, SamplingParams, Status
+from inferd.engine.request import Request, RequestOutput, SamplingParams, Status, rest_of_context
 from inferd.engine.runner import ModelRunner
 from inferd.engine.sampler import build_batch, sample, top_logprobs
 from inferd.engine.scheduler import ScheduledBatch, Scheduler
@@ -154,7 +154,7 @@ class LLMEngine:
             raise InferdError(f"prompt token ids must be in [0, {vocab})")
         if params.stop and self.tokenizer is None:
             raise InferdError("stop strings need a tokenizer")
-        room = self.max_model_len - len(prompt_ids)
+        room = rest_of_context(self.max_model_len, len(prompt_ids))
         if room < 1:
             raise InferdError(f"prompt is {len(prompt_ids)} tokens; the context limit is {self.max_model_len}")
         if params.max_tokens is None:

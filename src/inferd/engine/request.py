@@ -10,6 +10,11 @@ import torch
 from inferd.errors import InferdError
 
 
+def rest_of_context(max_model_len: int, num_prompt_tokens: int) -> int:
+    """Positions the context has left after the prompt: what max_tokens=None resolves to."""
+    return max_model_len - num_prompt_tokens
+
+
 @dataclass
 class SamplingParams:
     """The OpenAI / vLLM sampling knobs, meaning what they mean there."""
