@@ -1,0 +1,95 @@
+"""/v1/chat/completions: messages through the model's chat template; logprobs, n and best_of."""
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import APIRouter
+
+from inferd.errors import InferdError
+from inferd.server.generation import Served, logprob_sum, respond, usage
+from inferd.server.protocol import ApiError, ChatCompletionRequest
+
+
+def router(srv: Served) -> APIRouter:
+    r = APIRouter()
+
+    @r.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest):
+        srv.check_model(req.model)
+        try:
+            ids = srv.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+        except InferdError as e:
+            raise ApiError(str(e), param="messages") from None
+        mt_req = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if mt_req is not None and mt_req < 1:
+            raise ApiError("max_tokens must be at least 1", param="max_tokens")
+        top = req.top_logprobs if req.logprobs else None
+        if req.logprobs and top is None:
+            top = 0
+        params = req.sampling_params(srv.max_tokens_for(mt_req, len(ids)), top)
+        cid = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+
+        def chunks(include_usage, continuous_usage):
+            return chat_chunks(srv, req, ids, params, cid, created, include_usage, continuous_usage)
+
+        return await respond(req, chunks, "chat.completion", merge_choice)
+
+    return r
+
+
+async def chat_chunks(srv: Served, req: ChatCompletionRequest, ids, params, cid, created, include_usage,
+                      continuous_usage):
+    """The stream of a chat request: per sample a role chunk, then its content deltas."""
+    base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": srv.name}
+    completion_tokens = 0
+    started: set[int] = set()
+    cum: dict[int, float] = {}
+    async for _, out in srv.merged([ids], lambda i: params, cid):
+        if out.index not in started:
+            started.add(out.index)
+            yield {**base, "choices": [{"index": out.index, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}]}
+        completion_tokens += len(out.new_token_ids)
+        cum[out.index] = cum.get(out.index, 0.0) + logprob_sum(out.logprobs)
+        choice = {"index": out.index, "delta": {"content": out.text_delta} if out.text_delta else {},
+                  "logprobs": chat_logprobs(srv, out.logprobs or [], out.new_token_ids) if req.logprobs else None,
+                  "finish_reason": out.finish_reason if out.finished else None}
+        if out.finished:
+            choice.update(_stop_reason=out.stop_reason, _cum=cum[out.index])
+        chunk = {**base, "choices": [choice]}
+        if continuous_usage:
+            chunk["usage"] = usage(len(ids), completion_tokens)
+        if out.text_delta or out.finished or req.logprobs:
+            yield chunk
+    if include_usage:
+        yield {**base, "choices": [], "usage": usage(len(ids), completion_tokens)}
+
+
+def chat_logprobs(srv: Served, entries, ids) -> dict:
+    content = []
+    for t, e in zip(ids, entries):
+        s = srv.token_str(t)
+        content.append({"token": s, "logprob": e[0], "bytes": list(s.encode()),
+                        "top_logprobs": [{"token": srv.token_str(a), "logprob": b,
+                                          "bytes": list(srv.token_str(a).encode())} for a, b in e[2]]})
+    return {"content": content}
+
+
+def merge_choice(acc: dict | None, ch: dict) -> dict:
+    """Fold one chunk's choice into the choice of the non-streaming body."""
+    if acc is None:
+        acc = {"index": ch["index"], "message": {"role": "assistant", "content": ""}, "logprobs": None,
+               "finish_reason": None, "stop_reason": None}
+    delta = ch["delta"]
+    if "role" in delta:
+        acc["message"]["role"] = delta["role"]
+    acc["message"]["content"] += delta.get("content") or ""
+    if ch["logprobs"] is not None:
+        if acc["logprobs"] is None:
+            acc["logprobs"] = {"content": []}
+        acc["logprobs"]["content"] += ch["logprobs"]["content"]
+    if ch["finish_reason"] is not None:
+        acc.update(finish_reason=ch["finish_reason"], stop_reason=ch["_stop_reason"], _cum=ch["_cum"])
+    return acc

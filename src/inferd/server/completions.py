@@ -1,0 +1,139 @@
+"""/v1/completions: prompts as text, token ids or lists of either; echo, logprobs, n and best_of."""
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import APIRouter
+
+from inferd.server.generation import Served, logprob_sum, respond, usage
+from inferd.server.protocol import ApiError, CompletionRequest
+
+
+def router(srv: Served) -> APIRouter:
+    r = APIRouter()
+
+    @r.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        srv.check_model(req.model)
+        prompts = _prompt_ids(srv, req.prompt)
+        if req.max_tokens is not None and req.max_tokens < 0:
+            raise ApiError("max_tokens must be at least 0", param="max_tokens")
+        score_only = req.max_tokens == 0
+        if score_only and not req.echo:
+            raise ApiError("max_tokens must be at least 1 (0 is allowed only with echo)", param="max_tokens")
+        if req.logprobs is not None and not 0 <= req.logprobs <= 20:
+            raise ApiError("logprobs must be in [0, 20]", param="logprobs")
+        want_prompt_lp = req.logprobs if req.echo and req.logprobs is not None else None
+
+        def params_for(i):
+            mt = 1 if score_only else srv.max_tokens_for(req.max_tokens, len(prompts[i]))
+            return req.sampling_params(mt, req.logprobs, want_prompt_lp)
+
+        params_for(0)  # validate before anything is queued
+        cid = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+
+        def chunks(include_usage, continuous_usage):
+            return completion_chunks(srv, req, prompts, params_for, cid, created, score_only, include_usage,
+                                     continuous_usage)
+
+        return await respond(req, chunks, "text_completion", merge_choice)
+
+    return r
+
+
+def _prompt_ids(srv: Served, p) -> list[list[int]]:
+    if isinstance(p, str):
+        return [srv.tok.encode(p)]
+    if p and all(isinstance(x, str) for x in p):
+        return [srv.tok.encode(x) for x in p]
+    if p and all(isinstance(x, int) for x in p):
+        return [list(p)]
+    if p and all(isinstance(x, list) for x in p):
+        return [list(x) for x in p]
+    raise ApiError("prompt must be a non-empty string, list of strings, or token ids", param="prompt")
+
+
+async def completion_chunks(srv: Served, req: CompletionRequest, prompts, params_for, cid, created, score_only,
+                            include_usage, continuous_usage):
+    """The stream of a completion request. Choice index = prompt * best_of + sample (best_of is n
+    whenever the request streams). With max_tokens 0 (score_only, echo only) the one token the
+    engine had to generate is not shown or counted."""
+    k = req.best_of or req.n
+    want_lp = req.logprobs is not None
+    prompt_tokens = sum(len(x) for x in prompts)
+    base = {"id": cid, "object": "text_completion", "created": created, "model": srv.name}
+    completion_tokens = 0
+    echoed: set[int] = set()
+    prompt_lps: dict[int, list] = {}  # the engine sends them with one sample's first output only
+    cum: dict[int, float] = {}
+    async for i, out in srv.merged(prompts, params_for, cid):
+        ci = i * k + out.index
+        if out.prompt_logprobs is not None:
+            prompt_lps[i] = out.prompt_logprobs
+        cum[ci] = cum.get(ci, 0.0) + logprob_sum(out.logprobs)
+        text = "" if score_only else out.text_delta
+        ids = [] if score_only else list(out.new_token_ids)
+        ent = [] if score_only else list(out.logprobs or [])
+        if req.echo and ci not in echoed:
+            echoed.add(ci)
+            text = srv.tok.decode(prompts[i]) + text
+            if want_lp and i in prompt_lps:
+                ent = [None] + list(prompt_lps[i][1:]) + ent
+                ids = list(prompts[i]) + ids
+        completion_tokens += 0 if score_only else len(out.new_token_ids)
+        choice = {"index": ci, "text": text, "logprobs": completion_logprobs(srv, ent, ids) if want_lp else None,
+                  "finish_reason": None, "stop_reason": None}
+        if out.finished:
+            choice.update(finish_reason="length" if score_only else out.finish_reason,
+                          stop_reason=out.stop_reason, _cum=cum[ci])
+        chunk = {**base, "choices": [choice]}
+        if continuous_usage:
+            chunk["usage"] = usage(prompt_tokens, completion_tokens)
+        if text or out.finished or choice["logprobs"]:
+            yield chunk
+    if include_usage:
+        yield {**base, "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def completion_logprobs(srv: Served, entries, ids) -> dict:
+    """OpenAI completions format for (logprob, rank, alts) entries (None = no logprob). Offsets
+    count from the start of this piece (a stream chunk's offsets restart at 0)."""
+    tokens, lps, tops, offs = [], [], [], []
+    off = 0
+    for t, e in zip(ids, entries):
+        s = srv.token_str(t)
+        tokens.append(s)
+        offs.append(off)
+        off += len(s)
+        if e is None:
+            lps.append(None)
+            tops.append(None)
+        else:
+            lps.append(e[0])
+            top = {srv.token_str(a): b for a, b in e[2]}
+            top.setdefault(s, e[0])
+            tops.append(top)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
+
+
+def merge_choice(acc: dict | None, ch: dict) -> dict:
+    """Fold one chunk's choice into the choice of the non-streaming body."""
+    if acc is None:
+        acc = {"index": ch["index"], "text": "", "logprobs": None, "finish_reason": None, "stop_reason": None}
+    acc["text"] += ch["text"]
+    lp = ch["logprobs"]
+    if lp is not None:
+        if acc["logprobs"] is None:
+            acc["logprobs"] = {key: list(v) for key, v in lp.items()}
+        else:
+            a = acc["logprobs"]
+            shift = a["text_offset"][-1] + len(a["tokens"][-1]) if a["tokens"] else 0
+            a["tokens"] += lp["tokens"]
+            a["token_logprobs"] += lp["token_logprobs"]
+            a["top_logprobs"] += lp["top_logprobs"]
+            a["text_offset"] += [shift + o for o in lp["text_offset"]]
+    if ch["finish_reason"] is not None:
+        acc.update(finish_reason=ch["finish_reason"], stop_reason=ch["stop_reason"], _cum=ch["_cum"])
+    return acc

@@ -1,0 +1,202 @@
+"""What the generation endpoints share: the served model, running its requests on the engine, and
+the one path from a chunk stream to a response.
+
+Each endpoint writes a single async generator of the chunks its SSE stream sends. A streaming
+request sends them as they come; a non-streaming one folds the same chunks into one body, so the
+two answers cannot drift apart.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import json
+from typing import Any, AsyncIterator, Callable
+
+from fastapi.responses import StreamingResponse
+
+from inferd.engine.async_engine import AsyncLLM, Overloaded
+from inferd.engine.processor import default_max_tokens
+from inferd.errors import InferdError
+from inferd.server.protocol import ApiError
+
+# When the HTTP request reached the server (time.monotonic()). Set by the outermost middleware and
+# read where the engine request is made (several calls down, in a streaming task that inherits the
+# context), so that the server's TTFT/E2E/queue histograms cover what a client sees: HTTP parsing,
+# tokenization and the wait for the engine thread's current step, not only the engine's part.
+ARRIVAL: contextvars.ContextVar[float | None] = contextvars.ContextVar("inferd_arrival", default=None)
+
+Chunk = dict[str, Any]
+
+
+class Served:
+    """The model behind the API: its names, tokenizer, context length and engine."""
+
+    def __init__(self, llm: AsyncLLM, name: str, aliases: set[str] | None = None):
+        self.llm = llm
+        self.engine = llm.engine
+        self.tok = self.engine.tokenizer
+        self.name = name
+        self.names = {name} | set(aliases or ())
+        self.max_len = self.engine.max_model_len
+
+    def check_model(self, name: str | None):
+        if name is not None and name not in self.names:
+            raise ApiError(f"The model `{name}` does not exist.", status=404, param="model",
+                           code="model_not_found", type_="not_found_error")
+
+    def render_chat(self, messages, add_generation_prompt=True, kwargs=None) -> list[int]:
+        msgs = []
+        for m in messages:
+            content = m.content
+            if isinstance(content, list):  # content parts: keep the text ones
+                content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
+            msgs.append({"role": m.role, "content": content or ""})
+        return self.tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                            **(kwargs or {}))
+
+    def token_str(self, t: int) -> str:
+        return self.tok.decode([t], skip_special_tokens=False)
+
+    def max_tokens_for(self, req_max: int | None, n_prompt: int) -> int:
+        # Resolved here rather than left to the engine (max_tokens=None) so that validate() checks
+        # min_tokens against it; at least 1 so that a prompt filling the context gets the engine's
+        # context-limit error rather than "max_tokens must be at least 1".
+        if req_max is None:
+            return max(1, default_max_tokens(n_prompt, self.max_len))
+        return req_max
+
+    async def run_one(self, prompt_ids, params, rid):
+        """All outputs of one engine request, mapped to 503 / 400 as needed."""
+        try:
+            async for out in self.llm.generate(prompt_ids, params, rid, arrival=ARRIVAL.get()):
+                yield out
+        except Overloaded:
+            raise ApiError("server is overloaded: too many requests waiting; retry later", status=503,
+                           type_="server_overloaded", code="overloaded", headers={"Retry-After": "1"}) from None
+        except InferdError as e:
+            raise ApiError(str(e)) from None
+
+    async def merged(self, prompts, params_for, base_id):
+        """Outputs of several prompts' requests, as they come: (prompt index, output)."""
+        if len(prompts) == 1:
+            async for out in self.run_one(prompts[0], params_for(0), f"{base_id}-0"):
+                yield 0, out
+            return
+        q: asyncio.Queue = asyncio.Queue()
+        DONE = object()
+
+        async def pump(i, ids):
+            try:
+                async for out in self.run_one(ids, params_for(i), f"{base_id}-{i}"):
+                    await q.put((i, out))
+                await q.put((i, DONE))
+            except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
+                await q.put((i, e))
+
+        tasks = [asyncio.create_task(pump(i, ids)) for i, ids in enumerate(prompts)]
+        try:
+            left = len(tasks)
+            while left:
+                i, item = await q.get()
+                if item is DONE:
+                    left -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def logprob_sum(entries) -> float:
+    return sum(e[0] for e in entries or ())
+
+
+# -- one path for stream and non-stream ---------------------------------------------------------
+# A choice in a chunk may carry fields whose names start with "_": what the fold needs (the
+# cumulative logprob for best_of, a chat choice's stop_reason) but the stream has never sent.
+
+def _public(choice: dict) -> dict:
+    return {k: v for k, v in choice.items() if not k.startswith("_")}
+
+
+def _public_chunk(chunk: Chunk) -> Chunk:
+    if any(k.startswith("_") for ch in chunk["choices"] for k in ch):
+        chunk = {**chunk, "choices": [_public(ch) for ch in chunk["choices"]]}
+    return chunk
+
+
+def keep_best(choices: list[dict], n: int, k: int) -> list[dict]:
+    """Of each prompt's k = best_of samples (choice index // k is the prompt), keep the n with the
+    highest cumulative logprob; renumber them in order."""
+    if k <= n:
+        return choices
+    kept = []
+    for p in sorted({c["index"] // k for c in choices}):
+        kept += sorted((c for c in choices if c["index"] // k == p), key=lambda c: -c["_cum"])[:n]
+    for j, c in enumerate(kept):
+        c["index"] = j
+    return kept
+
+
+async def fold(chunks: AsyncIterator[Chunk], obj: str, merge: Callable[[dict | None, dict], dict],
+               n: int, k: int) -> dict:
+    """The non-streaming body: every choice's chunks merged (merge(acc or None, choice) -> acc), the
+    usage of the closing chunk, then the n best of best_of."""
+    head, total, acc = None, None, {}
+    async for c in chunks:
+        head = head or c
+        for ch in c["choices"]:
+            acc[ch["index"]] = merge(acc.get(ch["index"]), ch)
+        if "usage" in c:
+            total = c["usage"]
+    choices = keep_best([acc[i] for i in sorted(acc)], n, k)
+    return {"id": head["id"], "object": obj, "created": head["created"], "model": head["model"],
+            "choices": [_public(c) for c in choices], "usage": total}
+
+
+async def respond(req, chunks: Callable[[bool, bool], AsyncIterator[Chunk]], obj: str,
+                  merge: Callable[[dict | None, dict], dict]):
+    """`chunks(include_usage, continuous_usage)` is the endpoint's chunk stream: sent as SSE when the
+    request streams, else folded into one `obj` body (always with the closing usage chunk)."""
+    if req.stream:
+        so = req.stream_options
+        body = await primed(chunks(bool(so and so.include_usage), bool(so and so.continuous_usage_stats)))
+        return StreamingResponse(sse(body), media_type="text/event-stream")
+    return await fold(chunks(True, False), obj, merge, req.n, req.best_of or req.n)
+
+
+async def primed(agen):
+    """Run a stream up to its first chunk before the response starts, so that a request the engine
+    refuses (400, 503) gets its status code instead of an error event inside a 200 stream."""
+    try:
+        first = await agen.__anext__()
+    except StopAsyncIteration:
+        first = None
+
+    async def rest():
+        try:
+            if first is not None:
+                yield first
+            async for c in agen:
+                yield c
+        finally:
+            await agen.aclose()
+
+    return rest()
+
+
+async def sse(chunks):
+    """SSE framing; an error after the stream started becomes an error event, then [DONE]."""
+    try:
+        async for c in chunks:
+            yield f"data: {json.dumps(_public_chunk(c), ensure_ascii=False)}\n\n"
+    except ApiError as e:
+        yield f"data: {json.dumps(e.body())}\n\n"
+    yield "data: [DONE]\n\n"
