@@ -278,6 +278,7 @@ def tiny_awq(tiny_folder, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_quantize_cli_writes_a_self_contained_folder(tiny_awq, tiny_folder, default_gguf_path):
     from inferd.tokenizer import Tokenizer
 
@@ -305,6 +306,7 @@ def test_quantize_cli_writes_a_self_contained_folder(tiny_awq, tiny_folder, defa
     assert r.returncode == 0, r.stderr
 
 
+@pytest.mark.slow
 def test_quantize_cli_bad_inputs(tiny_folder, tiny_awq, tmp_path):
     assert_one_line_error(run_cli("quantize", "--model", tiny_folder, "--group-size", "48", "--out", str(tmp_path / "a")),
                           "group size")
@@ -321,6 +323,7 @@ def test_quantize_cli_bad_inputs(tiny_folder, tiny_awq, tmp_path):
                           "--awq-path")
 
 
+@pytest.mark.slow
 def test_quantize_cli_custom_calibration_text(tiny_folder, tmp_path):
     text = tmp_path / "calib.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 200)
@@ -330,6 +333,7 @@ def test_quantize_cli_custom_calibration_text(tiny_folder, tmp_path):
     assert json.loads((tmp_path / "o" / "config.json").read_text())["quantization_config"]["group_size"] == 64
 
 
+@pytest.mark.slow
 def test_eval_awq_config(tiny_folder, tiny_awq):
     """`inferd eval` with awq: in-memory calibration and a saved folder, same windows, same reference."""
     from inferd.eval import run_eval
@@ -345,6 +349,7 @@ def test_eval_awq_config(tiny_folder, tiny_awq):
     assert res2["reference"]["perplexity"] == res["reference"]["perplexity"]
 
 
+@pytest.mark.slow
 def test_saved_awq_folder_serves(tiny_awq):
     """`inferd serve --model AWQ_FOLDER`: /v1/completions gives the offline engine's greedy text."""
     from inferd.engine.reference import reference_generate

@@ -64,6 +64,7 @@ STRICT_TIMING = os.environ.get("INFERD_TIMING_TESTS") == "1"
 CASES = [("/v1/completions", 1, False), ("/v1/completions", 4, False), ("/v1/chat/completions", 1, True)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("conc", [1, 64, 256])
 @pytest.mark.parametrize("endpoint,k,role", CASES, ids=["completions-k1", "completions-k4", "chat-role-k1"])
 def test_mock_accuracy(mocks, tmp_path, endpoint, k, role, conc):

@@ -31,6 +31,7 @@ def bench(*args):
     (8, 16, "/v1/chat/completions", None),
     (32, 32, "/v1/completions", "server"),
 ])
+@pytest.mark.slow
 def test_bench_against_inferd_serve(server, tmp_path, conc, n, endpoint, tokenizer):
     trace, res_json, csv_path, res2 = (tmp_path / "t.jsonl", tmp_path / "r.json", tmp_path / "r.csv",
                                        tmp_path / "r2.json")

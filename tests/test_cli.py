@@ -20,6 +20,7 @@ def assert_one_line_error(r, *needles):
         assert n.lower() in lines[0].lower(), lines[0]
 
 
+@pytest.mark.slow
 def test_generate_paris_without_transformers():
     code = (
         "import sys\n"
@@ -96,6 +97,7 @@ def test_cuda_unavailable():
     assert_one_line_error(run_cli("generate", "--device", "cuda", "--prompt", "x"), "CUDA is not available")
 
 
+@pytest.mark.slow
 def test_dummy_builtin_shapes():
     code = (
         "from inferd.loader import load_model\n"

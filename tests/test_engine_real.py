@@ -54,6 +54,7 @@ def test_real_model_engine_matches_reference(real):
     print("near ties:", near)
 
 
+@pytest.mark.slow
 def test_throughput_cli(tmp_path):
     out = tmp_path / "r.json"
     r = subprocess.run([sys.executable, "-m", "inferd", "throughput", "--num-prompts", "12", "--input-len", "8-40",
@@ -68,6 +69,7 @@ def test_throughput_cli(tmp_path):
     assert res["output_throughput"] > 0 and res["mean_ttft_ms"] > 0
 
 
+@pytest.mark.slow
 def test_throughput_bad_range():
     r = subprocess.run([sys.executable, "-m", "inferd", "throughput", "--input-len", "9-3"],
                        capture_output=True, text=True, timeout=120)

@@ -22,6 +22,7 @@ def test_compare_identity_and_shift():
     assert abs(float((p * (lp[0] - other[0])).sum()) - float(d2["kl"][0])) < 1e-5
 
 
+@pytest.mark.slow
 def test_eval_cli_small(tmp_path):
     out = tmp_path / "eval.json"
     r = subprocess.run([sys.executable, "-m", "inferd", "eval", "--quantization", "none,int8,int4",

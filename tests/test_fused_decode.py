@@ -106,6 +106,7 @@ def test_fuse_decode_applies_only_where_it_can():
     assert load_model("smollm2-135m", dtype="bfloat16", **kw).model.fused_decode is None  # fp32 glue only
 
 
+@pytest.mark.slow
 def test_speculative_verify_rows_run_fused_and_change_nothing():
     """n-gram speculation on a W4A8 model: verify chunks reach the kernel as single-query rows, so
     they run fused too, and every row computes what a plain decode of it computes."""

@@ -205,6 +205,7 @@ def test_torch_kernel_gets_the_codes_only_at_hand_over(monkeypatch):
         lin.codes()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("ATEN_CPU_CAPABILITY") == "avx2", reason="already the AVX2-held run")
 def test_the_same_under_pytorch_held_to_avx2():
     """PyTorch's kernels at AVX2 on whatever CPU this is: the codes' path and the packed int4/int8

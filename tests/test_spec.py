@@ -171,6 +171,7 @@ def test_greedy_with_a_separate_draft_model(tiny_model, mixed):
     assert eng.spec.stats.num_draft_tokens > 0  # a random draft rarely agrees: rejection path
 
 
+@pytest.mark.slow
 def test_ngram_backoff_pauses_failed_lookups(tiny_model, mixed):
     """After a verify that kept no guess, a sequence skips lookups for a while (1, 2, 4 .. steps):
     the same tokens, fewer wasted guesses."""
@@ -198,6 +199,7 @@ def test_preemption_prefix_caching_and_small_budget(tiny_model):
         assert_speculated(eng)
 
 
+@pytest.mark.slow
 def test_penalties_bias_and_stops_see_the_right_history(tiny_model):
     """Greedy with every history-dependent processor: spec must equal plain decoding exactly, which
     only holds if each verified position is processed with the guesses before it as history."""
@@ -454,6 +456,7 @@ def test_yaml_config_carries_spec_options(tmp_path):
             cfg.ngram_max) == ("draft", 2, "self:layers=6", "int8", 5)
 
 
+@pytest.mark.slow
 def test_throughput_cli_reports_speculation(tmp_path, default_gguf_path):
     import json
 
