@@ -65,37 +65,78 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class ServerProc:
+    """`python -m inferd serve ARGS --port P` on a free loopback port, its output in a log file
+    (log_path, else a temporary one removed at stop). Start it, do other work, then wait_ready()."""
+
+    def __init__(self, args: list[str], log_path=None, api_key: str | None = None, timeout: float = 240):
+        import tempfile
+
+        if api_key:
+            args = ["--api-key", api_key, *args]
+        self.auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.timeout = timeout
+        self.keep_log = log_path is not None
+        self.log = open(log_path, "w+b") if log_path else tempfile.NamedTemporaryFile(
+            "w+b", prefix="inferd-serve-", suffix=".log", delete=False)
+        self.cmd = [sys.executable, "-m", "inferd", "serve", *args, "--port", str(self.port)]
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.ready = False
+
+    def log_text(self, tail: int = 6000) -> str:
+        try:
+            with open(self.log.name, "rb") as f:
+                data = f.read()
+        except OSError:
+            return "<no log>"
+        return data[-tail:].decode("utf-8", "replace")
+
+    def wait_ready(self):
+        import httpx
+
+        if self.ready:
+            return self
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"inferd serve exited with {self.proc.returncode} before ready: {' '.join(self.cmd)}\n"
+                            f"{self.log_text()}")
+            try:
+                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
+                    self.ready = True
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        pytest.fail(f"inferd serve did not come up within {self.timeout:.0f} s\n{self.log_text()}")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+        if not self.keep_log:
+            try:
+                os.unlink(self.log.name)
+            except OSError:
+                pass
+
+
 @contextlib.contextmanager
 def running_server(args: list[str], log_path=None, timeout: float = 240):
     """`inferd serve ARGS --port P` until /health answers; yields the base URL, stops it after.
-    Output goes to log_path when given (so a test can read the server's log), else is dropped."""
-    import httpx
-
-    port = free_port()
-    fh = open(log_path, "w") if log_path else subprocess.DEVNULL
-    proc = subprocess.Popen([sys.executable, "-m", "inferd", "serve", *args, "--port", str(port)],
-                            stdout=fh, stderr=subprocess.STDOUT if log_path else subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
+    Output goes to log_path when given (so a test can read the server's log)."""
+    srv = ServerProc(args, log_path, timeout=timeout)
     try:
-        while True:
-            if proc.poll() is not None:
-                tail = open(log_path).read() if log_path else proc.stderr.read()
-                pytest.fail(f"inferd serve exited: {tail[-2000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"inferd serve did not come up within {timeout:.0f} s")
-            time.sleep(0.5)
-        yield url
+        yield srv.wait_ready().base
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        if log_path:
-            fh.close()
+        srv.stop()

@@ -8,12 +8,12 @@ not starve them; a configuration whose timing checks fail is run once more befor
 """
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
+from conftest import free_port
 from inferd.bench.calibrate import _boost, compare, spawn_mock, wait_for_log
 from inferd.bench.report import read_trace
 
@@ -182,12 +182,6 @@ def test_datasets_wikitext_sharegpt(fast_mock, tmp_path):
     assert res["completed"] == 2 and res["total_output_tokens"] == want  # the replies' token counts
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def assert_one_line_error(r, *needles, code=2):
     assert r.returncode == code, (r.returncode, r.stderr)
     lines = [l for l in r.stderr.splitlines() if l.strip()]
@@ -197,7 +191,7 @@ def assert_one_line_error(r, *needles, code=2):
 
 
 def test_bad_input_is_one_line_exit_2(fast_mock, tmp_path):
-    dead = f"http://127.0.0.1:{_free_port()}"
+    dead = f"http://127.0.0.1:{free_port()}"
     assert_one_line_error(bench("--base-url", dead, "--num-prompts", "1", boost=False), "cannot reach")
     assert_one_line_error(bench("--base-url", fast_mock, "--sla", "p99_ttft<500", boost=False), "--sla")
     assert_one_line_error(bench("--base-url", fast_mock, "--sla", "p99_ttft_ms<<5", boost=False), "--sla")

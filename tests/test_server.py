@@ -7,11 +7,7 @@ Two server start-ups in all: the main one (module scope) and one with `--api-key
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +17,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import conftest
 from inferd import LLM, SamplingParams
 
 MODEL = "smollm2-135m"
@@ -45,72 +42,13 @@ assert len(set(CONC_PROMPTS)) == 32
 
 
 # -- server processes ---------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def ServerProc(*extra: str, api_key: str | None = None):
+    """conftest's ServerProc with this module's model and flags."""
+    return conftest.ServerProc(["--model", MODEL, "--dtype", "float32", "--host", "127.0.0.1", "--kv-cache-memory",
+                                "256MiB", *extra], api_key=api_key, timeout=READY_TIMEOUT)
 
 
-class ServerProc:
-    """`python -m inferd serve ...` on a free loopback port; output goes to a temp file."""
-
-    def __init__(self, *extra: str, api_key: str | None = None):
-        if api_key:
-            extra = ("--api-key", api_key, *extra)
-        self.auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.port = _free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w+b", prefix="inferd-serve-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "inferd", "serve", "--model", MODEL, "--dtype", "float32",
-               "--host", "127.0.0.1", "--port", str(self.port), "--kv-cache-memory", "256MiB", *extra]
-        self.cmd = cmd
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        self.ready = False
-
-    def log_text(self, tail: int = 6000) -> str:
-        try:
-            with open(self.log.name, "rb") as f:
-                data = f.read()
-        except OSError:
-            return "<no log>"
-        return data[-tail:].decode("utf-8", "replace")
-
-    def wait_ready(self):
-        if self.ready:
-            return self
-        deadline = time.monotonic() + READY_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"server exited with {self.proc.returncode} before ready: {' '.join(self.cmd)}\n"
-                            f"{self.log_text()}")
-            try:
-                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
-                    self.ready = True
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        pytest.fail(f"server not ready after {READY_TIMEOUT:.0f} s\n{self.log_text()}")
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.log.close()
-        try:
-            os.unlink(self.log.name)
-        except OSError:
-            pass
-
-
-_SERVERS: list[ServerProc] = []
+_SERVERS: list = []
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +96,7 @@ def _server_log_on_failure(request):
         pytest.fail(f"server process died (exit {[s.proc.returncode for s in dead]})")
 
 
-def client(srv: ServerProc, key: str = "x") -> openai.OpenAI:
+def client(srv, key: str = "x") -> openai.OpenAI:
     return openai.OpenAI(base_url=srv.base + "/v1", api_key=key, timeout=HTTP_TIMEOUT, max_retries=0)
 
 
@@ -269,7 +207,7 @@ def sse_events(r: httpx.Response) -> list[str]:
     return [line[len("data:"):].strip() for line in r.iter_lines() if line.startswith("data:")]
 
 
-def stream_completion_text(srv: ServerProc, body: dict, headers=None) -> tuple[str, list[str], str | None]:
+def stream_completion_text(srv, body: dict, headers=None) -> tuple[str, list[str], str | None]:
     """Stream /v1/completions over raw SSE: (concatenated text, deltas, finish_reason)."""
     deltas, finish = [], None
     with httpx.Client(timeout=HTTP_TIMEOUT) as c:
@@ -287,7 +225,7 @@ def stream_completion_text(srv: ServerProc, body: dict, headers=None) -> tuple[s
     return "".join(deltas), deltas, finish
 
 
-def stream_chat_text(srv: ServerProc, body: dict) -> tuple[str, list[str], str | None]:
+def stream_chat_text(srv, body: dict) -> tuple[str, list[str], str | None]:
     deltas, finish = [], None
     with httpx.Client(timeout=HTTP_TIMEOUT) as c:
         with c.stream("POST", srv.base + "/v1/chat/completions", json={**body, "stream": True}) as r:
@@ -455,7 +393,7 @@ def test_raw_sse_ends_with_done(server):
 
 # == 2. concurrency ==============================================================================
 class MetricsPoller(threading.Thread):
-    def __init__(self, srv: ServerProc, period: float = 0.05):
+    def __init__(self, srv, period: float = 0.05):
         super().__init__(daemon=True)
         self.srv, self.period = srv, period
         self.stop_evt = threading.Event()

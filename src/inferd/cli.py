@@ -6,6 +6,7 @@ import os
 import sys
 
 from inferd.errors import InferdError
+from inferd.quant import METHODS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -26,7 +27,7 @@ def add_model_args(p: argparse.ArgumentParser):
     g.add_argument("--device", default="cpu", help="cpu | cuda")
     g.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
     g.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
-    g.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "int8-gptq", "int4-gptq", "gguf", "awq"],
+    g.add_argument("--quantization", default="none", choices=list(METHODS),
                    help="weight-only quantization of the linear layers (CPU packed kernels); *-gptq: the same "
                         "formats with GPTQ rounding (a calibration pass on WikiText-2 at load); awq: an AWQ "
                         "checkpoint folder (picked automatically for one)")

@@ -51,13 +51,11 @@ def jsonl_requests(path: str, n: int, tokenizer, output_len: tuple[int, int], se
 
 
 def percentile(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+    """bench's percentile (numpy's linear method); NaN for no samples, as this report always wrote."""
+    from inferd.bench.metrics import percentile as pct
+
+    v = pct(xs, q)
+    return float("nan") if v is None else v
 
 
 def run_throughput(args) -> dict:

@@ -24,31 +24,47 @@ it needs. Adding one is a module with `apply(model, ctx) -> str` (a log line) an
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from typing import Callable
 
 from inferd.errors import InferdError
-from inferd.quant import awq_checkpoint, gguf_native, gptq, rtn
-from inferd.quant.linear import (Int4Linear, Int8Linear, dequantize_int4, hand_over, pack_nibbles,  # noqa: F401
-                                 quantize_int4, quantize_int8, unpack_nibbles, weight_bytes)
-from inferd.quant.rtn import quantize, quantize_lm_head_int8  # noqa: F401
 
 
 @dataclass(frozen=True)
 class Method:
-    apply: Callable  # (model, QuantContext) -> str, a log line
+    module: str  # the module whose apply(model, QuantContext) -> str (a log line) quantizes
     needs: tuple[str, ...] = ()  # "gguf": the file's own blocks; "checkpoint": a quantized folder; "calibration": text
 
+    def apply(self, model, ctx) -> str:
+        return importlib.import_module(self.module).apply(model, ctx)
 
+
+# by name, not by import: the CLI reads the names without loading torch
 METHODS: dict[str, Method | None] = {
     "none": None,
-    "int8": Method(rtn.apply),
-    "int4": Method(rtn.apply),
-    "int8-gptq": Method(gptq.apply, ("calibration",)),
-    "int4-gptq": Method(gptq.apply, ("calibration",)),
-    "gguf": Method(gguf_native.apply, ("gguf",)),
-    "awq": Method(awq_checkpoint.apply, ("checkpoint",)),
+    "int8": Method("inferd.quant.rtn"),
+    "int4": Method("inferd.quant.rtn"),
+    "int8-gptq": Method("inferd.quant.gptq", ("calibration",)),
+    "int4-gptq": Method("inferd.quant.gptq", ("calibration",)),
+    "gguf": Method("inferd.quant.gguf_native", ("gguf",)),
+    "awq": Method("inferd.quant.awq_checkpoint", ("checkpoint",)),
 }
+
+_LINEAR = {"Int4Linear", "Int8Linear", "dequantize_int4", "hand_over", "pack_nibbles", "quantize_int4",
+           "quantize_int8", "unpack_nibbles", "weight_bytes"}
+
+
+def __getattr__(name):  # the public names of quant.linear and quant.rtn, loaded (with torch) when used
+    if name in _LINEAR:
+        from inferd.quant import linear
+
+        return getattr(linear, name)
+    if name in ("quantize", "quantize_lm_head_int8"):
+        from inferd.quant import rtn
+
+        return getattr(rtn, name)
+    raise AttributeError(f"module 'inferd.quant' has no attribute {name!r}")
 
 
 @dataclass
@@ -79,6 +95,7 @@ def method(name: str) -> Method | None:
 def apply(model, ctx: QuantContext) -> list[str]:
     """Quantize the model in place as `ctx` says; returns what was done, one line each (for the log)."""
     from inferd.quant import w4a8
+    from inferd.quant.linear import hand_over, weight_bytes
 
     m = method(ctx.method)
     if ctx.activations and (m is None or ctx.dense):
