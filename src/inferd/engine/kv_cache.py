@@ -87,16 +87,19 @@ class BlockManager:
             req.block_table.append(self._take())
         return True
 
-    def free_request(self, req: Request):
+    def _release(self, blocks: list[int]):
         # reverse order: a sequence's tail blocks become the first to be evicted
-        for b in reversed(req.block_table):
+        for b in reversed(blocks):
             self.ref[b] -= 1
             assert self.ref[b] >= 0, f"block {b} freed twice"
             if self.ref[b] == 0:
                 if self.key_of[b] is not None:
-                    self.evictable[b] = None
+                    self.evictable[b] = None  # registered: findable by its prefix until evicted
                 else:
                     self.free.append(b)
+
+    def free_request(self, req: Request):
+        self._release(req.block_table)
         req.block_table = []
         req.block_hashes = []
         req.num_cached_hashed = 0
@@ -105,14 +108,7 @@ class BlockManager:
         """Give back the blocks wholly past the first num_tokens tokens (rejected speculative
         slots). They were allocated this step and never registered, so they go straight to free."""
         keep = -(-num_tokens // self.block_size)
-        for b in reversed(req.block_table[keep:]):
-            self.ref[b] -= 1
-            assert self.ref[b] >= 0, f"block {b} freed twice"
-            if self.ref[b] == 0:
-                if self.key_of[b] is not None:
-                    self.evictable[b] = None
-                else:
-                    self.free.append(b)
+        self._release(req.block_table[keep:])
         del req.block_table[keep:]
         del req.block_hashes[keep:]
         req.num_cached_hashed = min(req.num_cached_hashed, keep)

@@ -69,12 +69,9 @@ def gptq_int8(w: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 def gptq_int4(w: torch.Tensor, h: torch.Tensor, group_size: int):
     """Group-wise asymmetric int4 codes (0..15) with scale and min [N, K / group] in inferd's int4
     form (w ~= q * scale + min), the groups' min/max fixed from the unrounded weights."""
-    N, K = w.shape
-    if K % group_size:
-        raise InferdError(f"group size {group_size} does not divide the layer's input size {K}")
-    g = w.float().reshape(N, K // group_size, group_size)
-    lo, hi = g.amin(-1), g.amax(-1)
-    scale = ((hi - lo) / 15).clamp(min=1e-8)
+    from inferd.quant.linear import int4_grid
+
+    _, scale, lo = int4_grid(w, group_size)
 
     def col(x, k):
         s, l0 = scale[:, k // group_size], lo[:, k // group_size]

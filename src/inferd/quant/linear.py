@@ -24,17 +24,22 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[N, K] float -> q int32 [N, K] in 0..15, scale and min [N, K / group] (fp32), with
-    w ~= q * scale + min: min/max round-to-nearest per group."""
+def int4_grid(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each group's min/max grid of 16 levels: (w as [N, K / group, group] fp32, scale, min)."""
     N, K = w.shape
     if K % group_size:
         raise InferdError(f"group size {group_size} does not divide the layer's input size {K}")
     g = w.float().reshape(N, K // group_size, group_size)
     lo, hi = g.amin(-1), g.amax(-1)
-    scale = ((hi - lo) / 15).clamp(min=1e-8)
+    return g, ((hi - lo) / 15).clamp(min=1e-8), lo
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N, K] float -> q int32 [N, K] in 0..15, scale and min [N, K / group] (fp32), with
+    w ~= q * scale + min: min/max round-to-nearest per group."""
+    g, scale, lo = int4_grid(w, group_size)
     q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
-    return q.reshape(N, K), scale, lo
+    return q.reshape(w.shape), scale, lo
 
 
 def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, group_size: int) -> torch.Tensor:
