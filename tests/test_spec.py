@@ -410,7 +410,7 @@ def test_prometheus_spec_metrics(tiny_model):
         eng.add_request(p, SamplingParams(max_tokens=n, temperature=0))
     while eng.has_unfinished():
         eng.step()
-        m.on_step(eng)
+        m.on_step(eng.snapshot())
     text = m.render().decode()
     sp = eng.spec.stats
     assert sp.num_draft_tokens > 0

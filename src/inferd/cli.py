@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or INFERD_API_KEY)")
     sv.add_argument("--max-waiting", type=int, default=512, help="queued requests beyond this get 503")
     sv.add_argument("--log-level", default="info")
+    sv.add_argument("--engine-in-process", action="store_true",
+                    help="run the engine loop on a thread of the server process instead of in its own process "
+                         "(debugging; the default process boundary keeps HTTP work off the engine's cores)")
     sv.set_defaults(func=cmd_serve)
 
     ev = sub.add_parser("eval", help="quality of quantized configs vs the unaltered model (ppl, KL, top-1)")

@@ -24,11 +24,15 @@ class Overloaded(Exception):
     """More requests waiting than --max-waiting: the caller answers 503."""
 
 
+class EngineDead(RuntimeError):
+    """The engine cannot go on (its loop raised, or its process died): every request fails with 503."""
+
+
 class AsyncLLM:
     def __init__(self, engine: LLMEngine, max_waiting: int = 512, on_step=None, on_finish=None):
         self.engine = engine
         self.max_waiting = max_waiting
-        self.on_step = on_step  # called on the engine thread after every step (metrics)
+        self.on_step = on_step  # called on the engine thread with an EngineSnapshot after every step (metrics)
         self.on_finish = on_finish  # called with each finished RequestOutput
         self._cmds: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -54,7 +58,7 @@ class AsyncLLM:
         is when the request reached the server; its latencies count from there. Without it they
         would count from the engine thread's add, which waits for the running step to end."""
         if self.dead:
-            raise RuntimeError(f"engine stopped: {self.dead}")
+            raise EngineDead(f"engine stopped: {self.dead}")
         if self.num_waiting >= self.max_waiting:
             raise Overloaded()
         loop = asyncio.get_running_loop()
@@ -128,7 +132,7 @@ class AsyncLLM:
                     except queue.Empty:
                         cmd = None
                 if handled and self.on_step:  # an abort on an idle engine must show in the gauges
-                    self.on_step(eng)
+                    self.on_step(eng.snapshot())
                 if not eng.has_unfinished():
                     continue
                 outs = eng.step()
@@ -140,12 +144,12 @@ class AsyncLLM:
                     if out.finished and self.on_finish:
                         self.on_finish(out)
                 if self.on_step:
-                    self.on_step(eng)
+                    self.on_step(eng.snapshot())
         except Exception as e:  # a bug in a step: fail every open stream rather than hang them
             log.exception("engine loop died")
             self.dead = f"{type(e).__name__}: {e}"
             for loop, q in list(self._streams.values()):
-                loop.call_soon_threadsafe(q.put_nowait, RuntimeError(self.dead))
+                loop.call_soon_threadsafe(q.put_nowait, EngineDead(f"engine stopped: {self.dead}"))
 
 
 def _settle(fut: asyncio.Future, err):

@@ -60,6 +60,20 @@ class EngineStats:
     history: list[StepStats] = field(default_factory=list)
 
 
+@dataclass
+class EngineSnapshot:
+    """The engine's gauges and running counters after a step: what /metrics shows, and what crosses
+    the process boundary when the engine runs in its own process (inferd.engine.core)."""
+    running: int = 0
+    waiting: int = 0
+    kv_used: int = 0
+    kv_total: int = 1
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    preemptions: int = 0
+    spec: dict | None = None  # SpecStats counters and rates, with speculation
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, loaded=None, draft_loaded=None, **overrides):
         cfg = config or EngineConfig()
@@ -189,6 +203,17 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.release_finished()
         return True
+
+    def snapshot(self) -> EngineSnapshot:
+        bm = self.block_manager
+        spec = None
+        if self.spec is not None:
+            st = self.spec.stats
+            spec = {k: getattr(st, k) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens",
+                                                "num_emitted_tokens", "draft_time", "verify_time")}
+            spec.update(acceptance_rate=st.acceptance_rate, mean_accepted_length=st.mean_accepted_length)
+        return EngineSnapshot(len(self.scheduler.running), len(self.scheduler.waiting), bm.num_used, bm.num_blocks,
+                              bm.queries, bm.hits, self.stats.preemptions, spec)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()

@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator, Callable
 
 from fastapi.responses import StreamingResponse
 
-from inferd.engine.async_engine import AsyncLLM, Overloaded
+from inferd.engine.async_engine import AsyncLLM, EngineDead, Overloaded
 from inferd.engine.processor import default_max_tokens
 from inferd.errors import InferdError
 from inferd.server.protocol import ApiError
@@ -75,6 +75,8 @@ class Served:
                            type_="server_overloaded", code="overloaded", headers={"Retry-After": "1"}) from None
         except InferdError as e:
             raise ApiError(str(e)) from None
+        except EngineDead as e:
+            raise ApiError(str(e), status=503, type_="server_error", code="engine_dead") from None
 
     async def merged(self, prompts, params_for, base_id):
         """Outputs of several prompts' requests, as they come: (prompt index, output)."""

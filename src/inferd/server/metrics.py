@@ -57,28 +57,26 @@ class Metrics:
                                   "Mean accepted guesses per verify step.", L, registry=r)
             self._last.update({k: 0 for k in self.spec})
 
-    def on_step(self, engine):
-        """Engine thread, after every step: gauges and counter deltas."""
+    def on_step(self, snap):
+        """After every engine step, with its EngineSnapshot: gauges and counter deltas."""
         lab = self.labels
-        bm = engine.block_manager
-        self.running.labels(**lab).set(len(engine.scheduler.running))
-        self.waiting.labels(**lab).set(len(engine.scheduler.waiting))
-        self.kv_usage.labels(**lab).set(bm.num_used / bm.num_blocks)
-        for key, now, counter in (("queries", bm.queries, self.pc_queries), ("hits", bm.hits, self.pc_hits),
-                                  ("preempt", engine.stats.preemptions, self.preemptions)):
+        self.running.labels(**lab).set(snap.running)
+        self.waiting.labels(**lab).set(snap.waiting)
+        self.kv_usage.labels(**lab).set(snap.kv_used / snap.kv_total)
+        for key, now, counter in (("queries", snap.prefix_queries, self.pc_queries),
+                                  ("hits", snap.prefix_hits, self.pc_hits),
+                                  ("preempt", snap.preemptions, self.preemptions)):
             if now > self._last[key]:
                 counter.labels(**lab).inc(now - self._last[key])
             self._last[key] = now
-        spec = getattr(engine, "spec", None)
-        if self.spec is not None and spec is not None:
-            st = spec.stats
+        if self.spec is not None and snap.spec is not None:
             for key, counter in self.spec.items():
-                now = getattr(st, key)
+                now = snap.spec[key]
                 if now > self._last[key]:
                     counter.labels(**lab).inc(now - self._last[key])
                 self._last[key] = now
-            self.spec_rate.labels(**lab).set(st.acceptance_rate)
-            self.spec_len.labels(**lab).set(st.mean_accepted_length)
+            self.spec_rate.labels(**lab).set(snap.spec["acceptance_rate"])
+            self.spec_len.labels(**lab).set(snap.spec["mean_accepted_length"])
 
     def on_finish(self, out):
         """Engine thread, for each finished sequence: its latencies from the engine's events."""

@@ -1,0 +1,340 @@
+"""The engine core in its own process, behind typed messages over ZeroMQ.
+
+Why: in one process the asyncio server (HTTP, tokenizing, SSE) and the engine loop share one
+interpreter lock, and on two cores a waiting thread costs the engine's OpenMP workers their core.
+vLLM v1 moved its engine loop into a separate EngineCore process for the same reason, and replicas,
+disaggregated prefill/decode and tensor parallelism all need the engine behind a message boundary.
+
+The API process (`EngineCoreClient`) keeps what is cheap and per request (templates, tokenizing,
+HTTP, SSE); the core process (`run_core`) owns the model, the KV cache and the scheduler and runs
+`LLMEngine.step()` in a loop. Two ZeroMQ PUSH/PULL pipes over ipc:// sockets carry the messages
+below, pickled (dataclasses as they are: RequestOutput and its timings cross unchanged, and
+time.monotonic() is one clock for every process on Linux). One message per engine step carries all
+of that step's outputs and the engine's gauges, so a busy step costs one send, not one per token.
+
+Faults are defined once here: if the core dies (any exception in a step, a kill, an OOM) the client
+marks itself dead, fails every open stream with the reason, and calls `on_fault`, which the server
+uses to answer /health with 503 and exit non-zero.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import pickle
+import tempfile
+import threading
+import uuid
+from dataclasses import dataclass, field
+
+log = logging.getLogger("inferd")
+
+
+# -- messages ------------------------------------------------------------------------------------
+
+@dataclass
+class AddRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: object  # SamplingParams
+    arrival: float | None
+
+
+@dataclass
+class Abort:
+    request_id: str
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+@dataclass
+class Ready:
+    """The core loaded its model: what the API process needs to know about it."""
+    pid: int
+    model_name: str
+    tokenizer_path: str | None
+    max_model_len: int
+    vocab_size: int
+    speculative: bool
+
+
+@dataclass
+class AddFailed:
+    request_id: str
+    error: BaseException  # the engine's validation error (InferdError: a 400)
+
+
+@dataclass
+class StepOutputs:
+    outputs: list = field(default_factory=list)  # RequestOutput, this step's
+    snapshot: object = None  # EngineSnapshot after the step
+    adds_seen: int = 0  # AddRequests the core has taken so far (the rest are still in the pipe)
+
+
+@dataclass
+class Fault:
+    """The core cannot go on: every open request fails, and the server exits."""
+    reason: str
+
+
+# -- the core process ----------------------------------------------------------------------------
+
+def run_core(cfg, to_core: str, from_core: str, threads: int | None, log_level: int = logging.INFO):
+    """The core process's main (started with `spawn`): build the engine, then serve messages."""
+    import sys
+
+    if threads:  # before torch loads, so OpenMP starts with this many workers
+        for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ[k] = str(threads)
+    logging.basicConfig(level=log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s (engine core): %(message)s")
+    import zmq
+
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.connect(to_core)
+    push = ctx.socket(zmq.PUSH)
+    push.connect(from_core)
+
+    def send(msg):
+        push.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+    try:
+        from inferd.engine.engine import LLMEngine
+        from inferd.gguf_file import default_model_path
+
+        engine = LLMEngine(cfg)
+        src = engine.loaded.source
+        tok_path = src.path if src.kind != "builtin" else (default_model_path() if engine.tokenizer else None)
+        send(Ready(os.getpid(), src.name, tok_path if engine.tokenizer else None, engine.max_model_len,
+                   engine.model_config.vocab_size, engine.spec is not None))
+        _serve(engine, pull, send, os.getppid())
+    except Exception as e:  # the engine cannot go on: say why, then exit non-zero
+        log.exception("engine core died")
+        try:
+            send(Fault(f"{type(e).__name__}: {e}"))
+        except Exception:
+            pass
+        raise SystemExit(1)
+    finally:
+        push.close(linger=1000)
+        pull.close(linger=0)
+        ctx.term()
+
+
+def _serve(engine, pull, send, parent: int):
+    import zmq
+
+    poller = zmq.Poller()
+    poller.register(pull, zmq.POLLIN)
+    adds = 0
+    while True:
+        # idle: wait for a message; busy: take what is there and step
+        timeout = 0 if engine.has_unfinished() else 500
+        if timeout and os.getppid() != parent:  # the server is gone (killed): nothing to serve
+            return
+        handled = False
+        while poller.poll(timeout):
+            msg = pickle.loads(pull.recv())
+            if isinstance(msg, Shutdown):
+                return
+            if isinstance(msg, AddRequest):
+                adds += 1
+                try:
+                    engine.add_request(msg.prompt_ids, msg.params, msg.request_id, msg.arrival)
+                except Exception as e:  # InferdError: the client's 400
+                    send(AddFailed(msg.request_id, e))
+            elif isinstance(msg, Abort):
+                engine.abort(msg.request_id)
+            handled = True
+            timeout = 0
+        if engine.has_unfinished():
+            send(StepOutputs(engine.step(), engine.snapshot(), adds))
+        elif handled:  # an abort on an idle engine must show in the gauges
+            send(StepOutputs([], engine.snapshot(), adds))
+
+
+# -- the API process's side ----------------------------------------------------------------------
+
+class EngineView:
+    """What the server reads of the engine when the engine is in another process."""
+
+    def __init__(self, ready: Ready, tokenizer):
+        from types import SimpleNamespace
+
+        self.tokenizer = tokenizer
+        self.max_model_len = ready.max_model_len
+        self.model_name = ready.model_name
+        self.model_config = SimpleNamespace(vocab_size=ready.vocab_size)
+        self.speculative = ready.speculative
+
+
+class EngineCoreClient:
+    """AsyncLLM's interface (generate, abort, shutdown, dead, num_waiting) over a core process."""
+
+    def __init__(self, cfg, max_waiting: int = 512, on_step=None, on_finish=None, on_fault=None,
+                 start_timeout: float = 600):
+        import multiprocessing as mp
+
+        import zmq
+
+        from inferd.errors import InferdError
+
+        self.max_waiting = max_waiting
+        self.on_step, self.on_finish, self.on_fault = on_step, on_finish, on_fault
+        self.dead: str | None = None
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._waiting = self._running = 0
+        self._adds_sent = self._adds_seen = 0
+        self._lock = threading.Lock()
+        base = os.path.join(tempfile.gettempdir(), f"inferd-core-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        to_core, from_core = f"ipc://{base}-in", f"ipc://{base}-out"
+        self._ctx = zmq.Context()
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.bind(to_core)
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.bind(from_core)
+        # spawn, not fork: forking after torch/OpenMP started can deadlock the child
+        level = logging.getLogger().getEffectiveLevel()
+        self.proc = mp.get_context("spawn").Process(target=run_core, args=(cfg, to_core, from_core, cfg.threads, level),
+                                                    name="inferd-engine-core", daemon=True)
+        self.proc.start()
+        ready = self._wait_ready(start_timeout)
+        if isinstance(ready, Fault):
+            self.proc.join(10)
+            raise InferdError(f"the engine process failed to start: {ready.reason}")
+        from inferd.tokenizer import Tokenizer
+
+        log.info("engine core: process %d", ready.pid)
+        tok = Tokenizer.load(ready.tokenizer_path) if ready.tokenizer_path else None
+        self.engine = EngineView(ready, tok)
+        self._send_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._receive, name="inferd-core-client", daemon=True)
+        self._thread.start()
+        self._watch = threading.Thread(target=self._watchdog, name="inferd-core-watchdog", daemon=True)
+        self._watch.start()
+
+    def _wait_ready(self, timeout: float):
+        import zmq
+
+        from inferd.errors import InferdError
+
+        poller = zmq.Poller()
+        poller.register(self._pull, zmq.POLLIN)
+        waited = 0.0
+        while waited < timeout:
+            if poller.poll(500):
+                return pickle.loads(self._pull.recv())
+            waited += 0.5
+            if not self.proc.is_alive():
+                raise InferdError(f"the engine process exited with {self.proc.exitcode} while loading the model")
+        raise InferdError(f"the engine process did not load the model within {timeout:.0f} s")
+
+    def _send(self, msg):
+        with self._send_lock:
+            self._push.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+    # -- event-loop side ------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return self._waiting + self._adds_sent - self._adds_seen
+
+    @property
+    def num_running(self) -> int:
+        return self._running
+
+    async def generate(self, prompt_ids: list[int], params, request_id: str, arrival: float | None = None):
+        from inferd.engine.async_engine import EngineDead, Overloaded
+
+        if self.dead:
+            raise EngineDead(f"engine stopped: {self.dead}")
+        if self.num_waiting >= self.max_waiting:
+            raise Overloaded()
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (loop, q)
+        k = params.best_of or params.n
+        self._adds_sent += 1
+        self._send(AddRequest(request_id, prompt_ids, params, arrival))
+        done = 0
+        finished = False
+        try:
+            while done < k:
+                out = await q.get()
+                if isinstance(out, BaseException):
+                    raise out
+                if out.finished:
+                    done += 1
+                yield out
+            finished = True
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished and not self.dead:
+                self.abort(request_id)
+
+    def abort(self, request_id: str):
+        if not self.dead:
+            self._send(Abort(request_id))
+
+    def shutdown(self):
+        if self.proc.is_alive():
+            try:
+                self._send(Shutdown())
+            except Exception:
+                pass
+            self.proc.join(10)
+            if self.proc.is_alive():
+                self.proc.terminate()
+                self.proc.join(5)
+        self._push.close(linger=0)
+
+    # -- receiver thread ------------------------------------------------------------------------
+    def _deliver(self, request_id: str, item):
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, q = target
+            loop.call_soon_threadsafe(q.put_nowait, item)
+
+    def _receive(self):
+        while True:
+            try:
+                msg = pickle.loads(self._pull.recv())
+            except Exception:  # the socket closed at shutdown
+                return
+            if isinstance(msg, StepOutputs):
+                for out in msg.outputs:
+                    self._deliver(out.request_id, out)
+                    if out.finished and self.on_finish:
+                        self.on_finish(out)
+                snap = msg.snapshot
+                self._adds_seen = msg.adds_seen
+                if snap is not None:
+                    self._waiting, self._running = snap.waiting, snap.running
+                    if self.on_step:
+                        self.on_step(snap)
+            elif isinstance(msg, AddFailed):
+                self._deliver(msg.request_id, msg.error)
+            elif isinstance(msg, Fault):
+                self._fail(msg.reason)
+                return
+
+    def _watchdog(self):
+        self.proc.join()  # returns when the core exits, however it exits
+        if not self.dead and self.proc.exitcode not in (0, None):
+            self._fail(f"the engine process exited with {self.proc.exitcode}")
+
+    def _fail(self, reason: str):
+        with self._lock:
+            if self.dead:
+                return
+            self.dead = reason
+        from inferd.engine.async_engine import EngineDead
+
+        log.error("engine core failed: %s", reason)
+        for rid in list(self._streams):
+            self._deliver(rid, EngineDead(f"engine stopped: {reason}"))
+        if self.on_fault:
+            self.on_fault(reason)
