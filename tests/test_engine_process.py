@@ -103,3 +103,18 @@ def test_killed_engine_is_a_fault_the_server_exits_on(tmp_path):
         assert "Traceback" not in srv.log_text(100_000)
     finally:
         srv.stop()
+
+
+def test_engine_in_process_mode_serves_the_same_tokens(server, tmp_path):
+    """--engine-in-process (the engine on a thread of the server) stays available and gives the
+    process mode's greedy tokens."""
+    body = {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0}
+    want = httpx.post(server.base + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+    srv = conftest.ServerProc([*ARGS, "--engine-in-process"], log_path=tmp_path / "serve.log")
+    try:
+        srv.wait_ready()
+        assert "engine core: process" not in srv.log_text(100_000)
+        got = httpx.post(srv.base + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+        assert got == want
+    finally:
+        srv.stop()

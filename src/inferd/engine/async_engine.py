@@ -15,7 +15,6 @@ from typing import AsyncIterator
 
 from inferd.engine.engine import LLMEngine
 from inferd.engine.request import RequestOutput, SamplingParams
-from inferd.errors import InferdError
 
 log = logging.getLogger("inferd")
 
@@ -72,22 +71,8 @@ class AsyncLLM:
         except BaseException:
             self._streams.pop(request_id, None)
             raise
-        k = params.best_of or params.n
-        done = 0
-        finished = False
-        try:
-            while done < k:
-                out = await q.get()
-                if isinstance(out, BaseException):
-                    raise out
-                if out.finished:
-                    done += 1
-                yield out
-            finished = True
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
+        async for out in outputs_until_done(self, q, request_id, params):
+            yield out
 
     def abort(self, request_id: str):
         self._cmds.put(("abort", request_id, None))
@@ -150,6 +135,28 @@ class AsyncLLM:
             self.dead = f"{type(e).__name__}: {e}"
             for loop, q in list(self._streams.values()):
                 loop.call_soon_threadsafe(q.put_nowait, EngineDead(f"engine stopped: {self.dead}"))
+
+
+async def outputs_until_done(client, q: asyncio.Queue, request_id: str, params) -> AsyncIterator[RequestOutput]:
+    """A request's outputs from its queue until all its samples finished; an exception put on the
+    queue (a failed add, a dead engine) is raised. Leaving early aborts the request through
+    `client` (AsyncLLM or the engine-process client), unless its engine is already dead."""
+    k = params.best_of or params.n
+    done = 0
+    finished = False
+    try:
+        while done < k:
+            out = await q.get()
+            if isinstance(out, BaseException):
+                raise out
+            if out.finished:
+                done += 1
+            yield out
+        finished = True
+    finally:
+        client._streams.pop(request_id, None)
+        if not finished and not client.dead:
+            client.abort(request_id)
 
 
 def _settle(fut: asyncio.Future, err):

@@ -247,7 +247,7 @@ class EngineCoreClient:
         return self._running
 
     async def generate(self, prompt_ids: list[int], params, request_id: str, arrival: float | None = None):
-        from inferd.engine.async_engine import EngineDead, Overloaded
+        from inferd.engine.async_engine import EngineDead, Overloaded, outputs_until_done
 
         if self.dead:
             raise EngineDead(f"engine stopped: {self.dead}")
@@ -256,24 +256,10 @@ class EngineCoreClient:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, q)
-        k = params.best_of or params.n
         self._adds_sent += 1
         self._send(AddRequest(request_id, prompt_ids, params, arrival))
-        done = 0
-        finished = False
-        try:
-            while done < k:
-                out = await q.get()
-                if isinstance(out, BaseException):
-                    raise out
-                if out.finished:
-                    done += 1
-                yield out
-            finished = True
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished and not self.dead:
-                self.abort(request_id)
+        async for out in outputs_until_done(self, q, request_id, params):
+            yield out
 
     def abort(self, request_id: str):
         if not self.dead:
