@@ -152,9 +152,18 @@ def _serve(engine, pull, send, parent: int):
             handled = True
             timeout = 0
         if engine.has_unfinished():
-            send(StepOutputs(engine.step(), engine.snapshot(), adds))
+            send(StepOutputs([_slim(o) for o in engine.step()], engine.snapshot(), adds))
         elif handled:  # an abort on an idle engine must show in the gauges
             send(StepOutputs([], engine.snapshot(), adds))
+
+
+def _slim(out):
+    """What crosses the boundary of one output: the step's delta. The cumulative ids and text, and
+    the timings before the finish, would make every message grow with the sequence (quadratic in
+    its length); the client rebuilds them."""
+    from dataclasses import replace
+
+    return replace(out, output_ids=None, text="", timings=out.timings if out.finished else None)
 
 
 # -- the API process's side ----------------------------------------------------------------------
@@ -173,7 +182,10 @@ class EngineView:
 
 
 class EngineCoreClient:
-    """AsyncLLM's interface (generate, abort, shutdown, dead, num_waiting) over a core process."""
+    """AsyncLLM's interface (generate, abort, shutdown, dead, num_waiting) over a core process.
+
+    Its RequestOutputs carry the same ids as the in-process engine's; `text` (the whole text so far)
+    is filled on the finishing output only, as joining it every step would cost O(length) a token."""
 
     def __init__(self, cfg, max_waiting: int = 512, on_step=None, on_finish=None, on_fault=None,
                  start_timeout: float = 600):
@@ -186,7 +198,9 @@ class EngineCoreClient:
         self.max_waiting = max_waiting
         self.on_step, self.on_finish, self.on_fault = on_step, on_finish, on_fault
         self.dead: str | None = None
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # request id -> (its queue, {sample index: (output ids so far, [text so far])})
+        self._streams: dict[str, tuple[asyncio.Queue, dict]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._waiting = self._running = 0
         self._adds_sent = self._adds_seen = 0
         self._lock = threading.Lock()
@@ -212,8 +226,6 @@ class EngineCoreClient:
         tok = Tokenizer.load(ready.tokenizer_path) if ready.tokenizer_path else None
         self.engine = EngineView(ready, tok)
         self._send_lock = threading.Lock()
-        self._thread = threading.Thread(target=self._receive, name="inferd-core-client", daemon=True)
-        self._thread.start()
         self._watch = threading.Thread(target=self._watchdog, name="inferd-core-watchdog", daemon=True)
         self._watch.start()
 
@@ -253,9 +265,9 @@ class EngineCoreClient:
             raise EngineDead(f"engine stopped: {self.dead}")
         if self.num_waiting >= self.max_waiting:
             raise Overloaded()
-        loop = asyncio.get_running_loop()
+        self._attach(asyncio.get_running_loop())
         q: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (loop, q)
+        self._streams[request_id] = (q, {})
         self._adds_sent += 1
         self._send(AddRequest(request_id, prompt_ids, params, arrival))
         async for out in outputs_until_done(self, q, request_id, params):
@@ -266,6 +278,8 @@ class EngineCoreClient:
             self._send(Abort(request_id))
 
     def shutdown(self):
+        import zmq
+
         if self.proc.is_alive():
             try:
                 self._send(Shutdown())
@@ -275,42 +289,85 @@ class EngineCoreClient:
             if self.proc.is_alive():
                 self.proc.terminate()
                 self.proc.join(5)
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.remove_reader(self._pull.getsockopt(zmq.FD))
+            except RuntimeError:  # called from another thread while the loop runs: it stops anyway
+                pass
         self._push.close(linger=0)
 
-    # -- receiver thread ------------------------------------------------------------------------
+    # -- receiving, on the event loop -------------------------------------------------------------
+    # No receiver thread: the socket's file descriptor is watched by the event loop itself, so a
+    # step's outputs wake one thread of this process (not a thread, then the loop through
+    # call_soon_threadsafe); on two cores every wake-up preempts one of the engine's workers.
+    def _attach(self, loop: asyncio.AbstractEventLoop):
+        import zmq
+
+        if loop is self._loop:
+            return
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._pull.getsockopt(zmq.FD))
+        self._loop = loop
+        loop.add_reader(self._pull.getsockopt(zmq.FD), self._drain)
+        loop.call_soon(self._drain)  # what came before the loop watched (the fd is edge-triggered)
+
+    def _drain(self):
+        import zmq
+
+        try:
+            while self._pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                self._handle(pickle.loads(self._pull.recv(zmq.NOBLOCK)))
+        except zmq.ZMQError:  # closed at shutdown
+            pass
+
     def _deliver(self, request_id: str, item):
         target = self._streams.get(request_id)
         if target is not None:
-            loop, q = target
-            loop.call_soon_threadsafe(q.put_nowait, item)
+            target[0].put_nowait(item)
 
-    def _receive(self):
-        while True:
-            try:
-                msg = pickle.loads(self._pull.recv())
-            except Exception:  # the socket closed at shutdown
-                return
-            if isinstance(msg, StepOutputs):
-                for out in msg.outputs:
-                    self._deliver(out.request_id, out)
-                    if out.finished and self.on_finish:
-                        self.on_finish(out)
-                snap = msg.snapshot
-                self._adds_seen = msg.adds_seen
-                if snap is not None:
-                    self._waiting, self._running = snap.waiting, snap.running
-                    if self.on_step:
-                        self.on_step(snap)
-            elif isinstance(msg, AddFailed):
-                self._deliver(msg.request_id, msg.error)
-            elif isinstance(msg, Fault):
-                self._fail(msg.reason)
-                return
+    def _handle(self, msg):
+        if isinstance(msg, StepOutputs):
+            for out in msg.outputs:
+                target = self._streams.get(out.request_id)
+                if target is not None:
+                    ids, text = target[1].setdefault(out.index, ([], []))
+                    ids.extend(out.new_token_ids)
+                    text.append(out.text_delta)
+                    out.output_ids, out.text = ids, "".join(text) if out.finished else ""
+                    target[0].put_nowait(out)
+                if out.finished and self.on_finish:
+                    if out.output_ids is None:  # its stream is gone (aborted): count what the metrics need
+                        out.output_ids = []
+                    self.on_finish(out)
+            snap = msg.snapshot
+            self._adds_seen = msg.adds_seen
+            if snap is not None:
+                self._waiting, self._running = snap.waiting, snap.running
+                if self.on_step:
+                    self.on_step(snap)
+        elif isinstance(msg, AddFailed):
+            self._deliver(msg.request_id, msg.error)
+        elif isinstance(msg, Fault):
+            self._fail(msg.reason)
 
     def _watchdog(self):
         self.proc.join()  # returns when the core exits, however it exits
-        if not self.dead and self.proc.exitcode not in (0, None):
-            self._fail(f"the engine process exited with {self.proc.exitcode}")
+        if self.dead or self.proc.exitcode in (0, None):
+            return
+        reason = f"the engine process exited with {self.proc.exitcode}"
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:  # on the loop: a Fault the core sent before it died is read first, with its reason
+                loop.call_soon_threadsafe(self._drain_then_fail, reason)
+                return
+            except RuntimeError:  # the loop closed meanwhile
+                pass
+        self._drain_then_fail(reason)
+
+    def _drain_then_fail(self, reason: str):
+        self._drain()
+        self._fail(reason)
 
     def _fail(self, reason: str):
         with self._lock:
@@ -320,7 +377,7 @@ class EngineCoreClient:
         from inferd.engine.async_engine import EngineDead
 
         log.error("engine core failed: %s", reason)
-        for rid in list(self._streams):
-            self._deliver(rid, EngineDead(f"engine stopped: {reason}"))
+        for q, _ in list(self._streams.values()):
+            q.put_nowait(EngineDead(f"engine stopped: {reason}"))
         if self.on_fault:
             self.on_fault(reason)

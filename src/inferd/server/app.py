@@ -6,9 +6,10 @@ OpenAI error body with a 4xx; past --max-waiting queued requests the answer is 5
 """
 from __future__ import annotations
 
+import hmac
 import time
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
@@ -44,15 +45,7 @@ def create_app(llm: AsyncLLM, served_name: str, api_key: str | None = None,
     async def _inferd_error(_, e: InferdError):
         return JSONResponse(ApiError(str(e)).body(), status_code=400)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        ARRIVAL.set(time.monotonic())
-        if api_key and not request.url.path.startswith(("/health", "/metrics")):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                e = ApiError("invalid or missing API key", status=401, type_="authentication_error",
-                             code="invalid_api_key")
-                return JSONResponse(e.body(), status_code=401)
-        return await call_next(request)
+    app.add_middleware(_Front, api_key=api_key)
 
     # -- plain routes ---------------------------------------------------------------------------
     @app.get("/health")
@@ -93,3 +86,25 @@ def create_app(llm: AsyncLLM, served_name: str, api_key: str | None = None,
     app.include_router(completions.router(srv))
     app.include_router(chat.router(srv))
     return app
+
+
+class _Front:
+    """Stamps each request's arrival and checks the API key, as plain ASGI: Starlette's
+    `@app.middleware("http")` would pass every streamed chunk through an extra task and memory
+    stream, a cost paid once per token. The key is compared in constant time."""
+
+    def __init__(self, app, api_key: str | None):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            ARRIVAL.set(time.monotonic())
+            if self.expected is not None and not scope["path"].startswith(("/health", "/metrics")):
+                got = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+                if not hmac.compare_digest(got, self.expected):
+                    e = ApiError("invalid or missing API key", status=401, type_="authentication_error",
+                                 code="invalid_api_key")
+                    await JSONResponse(e.body(), status_code=401)(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
