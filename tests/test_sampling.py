@@ -241,3 +241,25 @@ def test_logprobs_equal_full_forward(tiny_model):
         assert abs(lp - float(row[tok])) < 1e-4
         assert rank == int((row > row[tok]).sum()) + 1
         assert [a for a, _ in alts] == torch.topk(row, 3).indices.tolist()
+
+
+def test_categorical_draws_the_distribution_per_row_generator():
+    """The inverse-CDF draw: each row follows its own probabilities (zeros never drawn, rows need
+    not be normalised), and a row's tokens depend only on its own generator."""
+    from test_spec import chi2, chi2_critical
+
+    p = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3, 0.0])
+    rows = torch.stack([p * 3.0, p.flip(0)])  # unnormalised, and a different one
+    g1, g2 = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
+    N = 6000
+    draws = torch.stack([S.categorical(rows, [g1, g2]) for _ in range(N)])
+    for r, probs in enumerate((p, p.flip(0))):
+        counts = {}
+        for t in draws[:, r].tolist():
+            counts[t] = counts.get(t, 0) + 1
+        assert all(probs[t] > 0 for t in counts)  # zero-probability tokens never come out
+        stat, df = chi2(counts, dict(enumerate(probs.tolist())), N)
+        assert stat < chi2_critical(df), (r, stat, df)
+    alone = torch.Generator().manual_seed(1)
+    solo = [int(S.categorical(rows[:1], [alone])[0]) for _ in range(50)]
+    assert solo == draws[:50, 0].tolist()  # the same tokens as inside a batch of two

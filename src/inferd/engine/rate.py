@@ -6,18 +6,19 @@ from inferd.engine.request import SamplingParams
 
 
 def decode_rate(loaded, prompt: list[int], n: int, batch: int = 1, warmup: bool = False,
-                kv_cache_memory: str = "256MiB") -> float:
+                kv_cache_memory: str = "256MiB", temperature: float = 0.0) -> float:
     """Output tok/s of `batch` identical greedy requests of n tokens (ignore_eos), prefill excluded:
     at batch 1 the gaps between one request's tokens; above it, all tokens after each request's
     first over the span from the first first token to the last finish. `warmup` runs a short
-    request first (kernel builds, allocator)."""
+    request first (kernel builds, allocator). temperature > 0 samples (seeded) instead of argmax."""
     eng = LLMEngine(loaded=loaded, kv_cache_memory=kv_cache_memory, max_num_seqs=max(batch, 1))
     if warmup:
         eng.add_request(prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
         while eng.has_unfinished():
             eng.step()
-    ids = [eng.add_request(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-           for _ in range(batch)]
+    ids = [eng.add_request(prompt, SamplingParams(max_tokens=n, temperature=temperature, ignore_eos=True,
+                                                  seed=i if temperature > 0 else None))
+           for i in range(batch)]
     reqs = [eng.requests[i] for i in ids]
     while eng.has_unfinished():
         eng.step()

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from inferd.engine.kv_cache import BlockManager, KVPool
-from inferd.engine.sampler import build_batch, process_logits
+from inferd.engine.sampler import build_batch, categorical, process_logits
 from inferd.errors import InferdError
 from inferd.engine.spec.attention import SpecPagedAttention
 
@@ -137,9 +137,9 @@ class DraftProposer:
         rand = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if rand:
             pr = proc[rand].softmax(-1)
+            toks[rand] = categorical(pr, [reqs[i].draft_generator for i in rand])
             for j, i in enumerate(rand):
                 probs[i] = pr[j]
-                toks[i] = torch.multinomial(pr[j], 1, generator=reqs[i].draft_generator)[0]
         return toks.tolist(), probs
 
     @torch.inference_mode()

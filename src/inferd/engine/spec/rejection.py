@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from inferd.engine.sampler import categorical
+
 
 def accept_greedy(draft_tokens: list[int], target_argmax: list[int]) -> tuple[int, list[int]]:
     """target_argmax: K+1 entries (one per verified position). -> (accepted count, emitted tokens)."""
@@ -30,7 +32,7 @@ def _uniform(generator: torch.Generator | None) -> float:
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    return int(torch.multinomial(probs, 1, generator=generator)[0])
+    return int(categorical(probs[None], [generator])[0])
 
 
 def rejection_sample(p_target: torch.Tensor, q_draft: torch.Tensor | None, draft_tokens: list[int],
