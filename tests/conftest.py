@@ -69,7 +69,8 @@ class ServerProc:
     """`python -m inferd serve ARGS --port P` on a free loopback port, its output in a log file
     (log_path, else a temporary one removed at stop). Start it, do other work, then wait_ready()."""
 
-    def __init__(self, args: list[str], log_path=None, api_key: str | None = None, timeout: float = 240):
+    def __init__(self, args: list[str], log_path=None, api_key: str | None = None, timeout: float = 240,
+                 env: dict | None = None):
         import tempfile
 
         if api_key:
@@ -82,7 +83,8 @@ class ServerProc:
         self.log = open(log_path, "w+b") if log_path else tempfile.NamedTemporaryFile(
             "w+b", prefix="inferd-serve-", suffix=".log", delete=False)
         self.cmd = [sys.executable, "-m", "inferd", "serve", *args, "--port", str(self.port)]
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env={**os.environ, **env} if env else None)
         self.ready = False
 
     def log_text(self, tail: int = 6000) -> str:

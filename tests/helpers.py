@@ -174,3 +174,62 @@ def build_hf_awq_checkpoint(folder, group=32, seed=0):
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(hf_awq_config(group), f)
     return want, sd
+
+
+def write_tiny_chat_gguf(path, n_layers=2, hidden=64, seed=0):
+    """A tiny random Llama GGUF (2 layers, hidden 64) with SmolLM2's tokenizer and chat template
+    copied from the embedded default: a served model whose requests finish in milliseconds."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q, GGUFReader, GGUFValueType, GGUFWriter, quants
+
+    from inferd.gguf_file import default_model_path
+
+    src = GGUFReader(default_model_path())
+    vocab = len(src.fields["tokenizer.ggml.tokens"].data)
+    ff, nh, nkv = 2 * hidden, 4, 2
+    hd = hidden // nh
+    w = GGUFWriter(str(path), "llama")
+    w.add_block_count(n_layers)
+    w.add_context_length(2048)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ff)
+    w.add_head_count(nh)
+    w.add_head_count_kv(nkv)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(vocab)
+    for key, field in src.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        if field.types[0] == GGUFValueType.ARRAY:
+            w.add_array(key, field.contents())
+        else:
+            w.add_key_value(key, field.contents(), field.types[0])
+    rng = np.random.default_rng(seed)
+
+    def add(name, shape, qt=Q.Q8_0, norm=False):
+        arr = (1 + 0.1 * rng.standard_normal(shape)) if norm else 0.5 * rng.standard_normal(shape)
+        arr = arr.astype(np.float32)
+        if qt == Q.F32:
+            w.add_tensor(name, arr)
+        else:
+            w.add_tensor(name, quants.quantize(arr, qt), raw_dtype=qt)
+
+    add("token_embd.weight", (vocab, hidden))
+    add("output_norm.weight", (hidden,), Q.F32, norm=True)
+    for i in range(n_layers):
+        p = f"blk.{i}."
+        add(p + "attn_norm.weight", (hidden,), Q.F32, norm=True)
+        add(p + "ffn_norm.weight", (hidden,), Q.F32, norm=True)
+        add(p + "attn_q.weight", (nh * hd, hidden))
+        add(p + "attn_k.weight", (nkv * hd, hidden))
+        add(p + "attn_v.weight", (nkv * hd, hidden))
+        add(p + "attn_output.weight", (hidden, nh * hd))
+        add(p + "ffn_gate.weight", (ff, hidden))
+        add(p + "ffn_up.weight", (ff, hidden))
+        add(p + "ffn_down.weight", (hidden, ff))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)

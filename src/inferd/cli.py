@@ -127,6 +127,20 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or INFERD_API_KEY)")
     sv.add_argument("--max-waiting", type=int, default=512, help="queued requests beyond this get 503")
     sv.add_argument("--log-level", default="info")
+    sv.add_argument("--max-request-body-bytes", type=int, default=4 * 1024 * 1024,
+                    help="a larger request body gets 413 before it is read whole")
+    sv.add_argument("--max-request-header-bytes", type=int, default=16 * 1024,
+                    help="larger request headers get 431")
+    sv.add_argument("--request-body-timeout", type=float, default=30.0,
+                    help="seconds to wait for each piece of a request body (then 408)")
+    sv.add_argument("--stream-stall-timeout", type=float, default=30.0,
+                    help="a stream whose client has not read for this many seconds is aborted (0: never)")
+    sv.add_argument("--drain-timeout", type=float, default=30.0,
+                    help="on SIGTERM/SIGINT, seconds open requests get to finish before the server exits")
+    sv.add_argument("--allowed-origins", default=None,
+                    help="CORS origins allowed to call the API, as a JSON list or comma-separated (default: none)")
+    sv.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (PEM)")
+    sv.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate (PEM)")
     sv.add_argument("--engine-in-process", action="store_true",
                     help="run the engine loop on a thread of the server process instead of in its own process "
                          "(debugging; the default process boundary keeps HTTP work off the engine's cores)")

@@ -14,11 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from inferd.config import LoadConfig
+from inferd.config import LoadConfig, available_memory_bytes
 from inferd.errors import InferdError
 from inferd.gguf_file import DEFAULT_GGUF_FILE, default_model_path  # noqa: F401  (re-exported)
-from inferd.model.config import ModelConfig, builtin_config, load_hf_config
+from inferd.model.config import ModelConfig, builtin_config, config_from_hf, load_hf_config  # noqa: F401
 from inferd.model.llama import LlamaModel, rope_inv_freq
+from inferd.model_files import check_config, check_gguf, check_safetensors, read_config_json
 
 log = logging.getLogger("inferd")
 
@@ -106,6 +107,20 @@ def _hf_key_to_ours(name: str) -> str:
     return name.replace("self_attn.", "").replace("mlp.", "")
 
 
+def _checked(make_config, where: str):
+    """A ModelConfig from a file's metadata, bounded (model_files.check_config) before anything of
+    its shape is allocated; a missing or mistyped field is one clear error, not a KeyError."""
+    try:
+        cfg = make_config()
+    except InferdError:
+        raise
+    except (KeyError, TypeError, ValueError, ArithmeticError) as e:
+        raise InferdError(f"model config of {where}: missing or invalid field ({type(e).__name__}: {e})") from None
+    # 4 bits a parameter is the smallest form any path keeps: past that it cannot fit at all
+    check_config(cfg, where, memory_bytes=available_memory_bytes(), bytes_per_param=0.5)
+    return cfg
+
+
 def load_safetensors_folder(folder: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -114,6 +129,7 @@ def load_safetensors_folder(folder: str) -> dict[str, torch.Tensor]:
         raise InferdError(f"no *.safetensors weights in model folder {folder}")
     sd = {}
     for f in files:
+        check_safetensors(f)
         try:
             part = load_file(f)
         except Exception as e:
@@ -231,16 +247,17 @@ def _load(lc: LoadConfig) -> LoadedModel:
     elif src.kind == "gguf":
         from inferd.model import gguf as G
 
+        check_gguf(src.path)  # before the gguf reader trusts a count or an offset
         reader = G.open_gguf(src.path)
         meta = G.read_metadata(reader)
-        cfg = G.config_from_metadata(meta)
+        cfg = _checked(lambda: G.config_from_metadata(meta), src.path)
         sd = None if dummy else G.load_gguf_state_dict(reader, cfg)
         if lc.with_tokenizer:
             tok = _tokenizer_from_meta(meta)
     else:
         from inferd.quant.awq_checkpoint import read_quant_config, take_awq_linears
 
-        cfg = load_hf_config(src.path)
+        cfg = _checked(lambda: config_from_hf(read_config_json(os.path.join(src.path, "config.json"))), src.path)
         awq = None if dummy else read_quant_config(src.path)
         sd = None if dummy else load_safetensors_folder(src.path)
         if awq is not None:

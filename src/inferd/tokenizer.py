@@ -505,7 +505,7 @@ class Tokenizer:
         variables["add_generation_prompt"] = bool(add_generation_prompt)
         template = self._template()
         try:
-            return template.render(**variables)
+            return render_bounded(template, variables)
         except InferdError:
             raise
         except Exception as e:
@@ -552,6 +552,36 @@ def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[st
 
 _ENV = None
 
+# A chat template comes with the model file: untrusted code. The sandbox already refuses attribute
+# escapes (`__class__`, `__subclasses__`); these bound what it may cost: loop iterations over
+# range() and calls, the size of `*` and `**` results, and the rendered text.
+TEMPLATE_MAX_STEPS = 1_000_000  # range() items plus calls, in one render
+TEMPLATE_MAX_CHARS = 8 * 1024 * 1024  # rendered text; also the largest str/list a `*` may build
+_steps = None  # contextvars.ContextVar of the current render's remaining steps (created with the env)
+
+
+def render_bounded(template, variables: dict) -> str:
+    token = _steps.set([TEMPLATE_MAX_STEPS])
+    try:
+        out, n = [], 0
+        for piece in template.generate(**variables):
+            n += len(piece)
+            if n > TEMPLATE_MAX_CHARS:
+                raise InferdError(f"chat template output is larger than {TEMPLATE_MAX_CHARS} characters")
+            out.append(piece)
+        return "".join(out)
+    finally:
+        _steps.reset(token)
+
+
+def _charge(n: int):
+    left = _steps.get(None)
+    if left is None:  # rendering outside render_bounded (a test, a tool): no budget
+        return
+    left[0] -= n
+    if left[0] < 0:
+        raise InferdError(f"chat template takes more than {TEMPLATE_MAX_STEPS} steps (a loop that does not end?)")
+
 
 def _jinja_env():
     """A sandboxed environment set up like Hugging Face's chat template renderer."""
@@ -586,9 +616,43 @@ def _jinja_env():
     def strftime_now(fmt):
         return datetime.now().strftime(fmt)
 
-    env = ImmutableSandboxedEnvironment(
+    import contextvars
+
+    from jinja2.exceptions import SecurityError
+
+    global _steps
+    _steps = contextvars.ContextVar("inferd_template_steps")
+    widths = {"ljust", "rjust", "center", "zfill", "expandtabs"}
+
+    class BoundedSandbox(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"*", "**"})
+
+        def call_binop(self, context, operator, left, right):
+            if operator == "**" and isinstance(right, int) and isinstance(left, int) and abs(right) > 256:
+                raise SecurityError("exponent too large in chat template")
+            if operator == "*":
+                for seq, k in ((left, right), (right, left)):
+                    if isinstance(seq, (str, list, tuple)) and isinstance(k, int) and len(seq) * k > TEMPLATE_MAX_CHARS:
+                        raise SecurityError("sequence repetition too large in chat template")
+            return super().call_binop(context, operator, left, right)
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's signature
+            _charge(1)
+            if getattr(__obj, "__name__", None) in widths and any(isinstance(a, int) and a > 1_000_000 for a in args):
+                raise SecurityError("width too large in chat template")
+            return super().call(__context, __obj, *args, **kwargs)
+
+    def bounded_range(*args):
+        r = range(*args)
+        if len(r) > TEMPLATE_MAX_STEPS:
+            raise SecurityError(f"range of {len(r)} items in chat template")
+        _charge(len(r))
+        return r
+
+    env = BoundedSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
+    env.globals["range"] = bounded_range
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
@@ -603,8 +667,11 @@ class IncrementalDetokenizer:
     text emitted last time) to the end, and subtracts the decoding of the already-emitted part of
     that window (`prefix_offset:read_offset`). Decoding a window rather than single tokens keeps
     multi-token characters and decoder rules (e.g. SentencePiece spaces) right; text ending in
-    U+FFFD (an incomplete UTF-8 character) is held back until the next token completes it, or
-    until flush(). The concatenated deltas equal `tokenizer.decode(all_ids, skip_special_tokens)`.
+    U+FFFD (an incomplete UTF-8 character) is held back until the next token completes it. The
+    concatenated deltas equal `tokenizer.decode(all_ids, skip_special_tokens)` with the U+FFFD that
+    an incomplete character at the very end decodes to removed: when the sequence stops inside a
+    multi-byte character (max_tokens cut it), flush() drops those bytes rather than emit U+FFFD, as
+    vLLM's incremental detokenizer does, streamed or not.
 
     `prompt_ids` is accepted for API compatibility but not used: the output is defined as the
     decoding of the generated ids alone, which is what a non-streaming response returns too.
@@ -655,7 +722,7 @@ class IncrementalDetokenizer:
         if self._read_offset >= len(self._ids):
             return ""
         window = self.tokenizer.decode(self._ids[self._prefix_offset :], skip_special_tokens=self.skip_special_tokens)
-        delta = window[len(self._prefix_text) :]
+        delta = window[len(self._prefix_text) :].rstrip("\ufffd")  # the bytes of an unfinished character
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         self._prefix_text = self.tokenizer.decode(

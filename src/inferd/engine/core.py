@@ -84,8 +84,13 @@ class Fault:
 
 def run_core(cfg, to_core: str, from_core: str, threads: int | None, log_level: int = logging.INFO):
     """The core process's main (started with `spawn`): build the engine, then serve messages."""
+    import signal
     import sys
 
+    # The server decides when the core stops (after draining, on a Shutdown message); a SIGINT or
+    # SIGTERM sent to the whole process group must not kill it under the open requests.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if threads:  # before torch loads, so OpenMP starts with this many workers
         for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             os.environ[k] = str(threads)
@@ -134,7 +139,7 @@ def _serve(engine, pull, send, parent: int):
     while True:
         # idle: wait for a message; busy: take what is there and step
         timeout = 0 if engine.has_unfinished() else 500
-        if timeout and os.getppid() != parent:  # the server is gone (killed): nothing to serve
+        if os.getppid() != parent:  # the server is gone (killed): nothing to serve
             return
         handled = False
         while poller.poll(timeout):

@@ -16,6 +16,7 @@ import torch
 
 from inferd.config import EngineConfig, available_memory_bytes
 from inferd.engine.attention import PagedAttention
+from inferd.engine.faults import Faults
 from inferd.engine.kv_cache import BlockManager, KVPool
 from inferd.engine.output import detokenize, record_token
 from inferd.engine.processor import check_request
@@ -56,6 +57,7 @@ class EngineStats:
     peak_kv_blocks: int = 0
     max_prefill_chunks: int = 0  # most steps any one prompt was split over
     forks: int = 0  # n > 1 requests split into samples
+    failed: int = 0  # sequences ended by an error in their step (the engine went on)
     sample_events: int = 0  # (sequence, step) pairs that gained tokens: target forwards per sequence
     history: list[StepStats] = field(default_factory=list)
 
@@ -115,6 +117,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, set[str]] = {}  # client request id -> live sequence ids
         self.stats = EngineStats()
+        self.faults = Faults()
         self.keep_history = False
         self._ids = itertools.count()
         self.eos_ids = set(self.tokenizer.eos_token_ids) if self.tokenizer else (
@@ -232,7 +235,11 @@ class LLMEngine:
                 raise RuntimeError("scheduler cannot admit any request (KV cache too small?)")
             return []
         t_fwd = time.monotonic()
-        logits, idx, prompt_rows = self.runner.execute(batch.requests, batch.num_new)
+        try:
+            self.faults.hit("forward")
+            logits, idx, prompt_rows = self.runner.execute(batch.requests, batch.num_new)
+        except Exception as e:  # noqa: BLE001 - the step's requests fail; the engine goes on
+            return self._fail(batch.requests, e, "the forward pass")
         outputs: list[RequestOutput] = []
         if spec is not None and any(batch.requests[i].spec_tokens for i in idx):
             logits, idx, verified = self._split_spec_rows(batch, logits, idx)
@@ -245,27 +252,74 @@ class LLMEngine:
             req.max_computed = max(req.max_computed, req.num_computed)
             self.block_manager.register_full_blocks(req)
         for i, (first, rows) in prompt_rows.items():
-            self._prompt_logprobs(batch.requests[i], first, rows)
+            try:
+                self._prompt_logprobs(batch.requests[i], first, rows)
+            except Exception as e:  # noqa: BLE001
+                outputs.extend(self._fail([batch.requests[i]], e, "prompt logprobs"))
         if verified:
-            outputs.extend(spec.verify(verified))
+            try:
+                outputs.extend(spec.verify(verified))
+            except Exception as e:  # noqa: BLE001
+                outputs.extend(self._fail([r for r, _ in verified], e, "verifying speculative tokens"))
             spec.stats.verify_time += time.monotonic() - t_fwd
-        reqs = [batch.requests[i] for i in idx]
-        forks = [r for r in reqs if r.fork_into]
+        keep = [(j, batch.requests[i]) for j, i in enumerate(idx) if not batch.requests[i].finished]
+        forks = [r for _, r in keep if r.fork_into]
         if forks:
-            reqs = [r for r in reqs if not r.fork_into]
-            logits = logits[[j for j, i in enumerate(idx) if not batch.requests[i].fork_into]]
+            keep = [(j, r) for j, r in keep if not r.fork_into]
             for parent in forks:
                 self._fork(parent)
-        if reqs:
-            tokens, lps = sample(logits, build_batch(reqs, self.model_config.vocab_size, self.eos_ids))
-            now = time.monotonic()
-            for j, (req, tok) in enumerate(zip(reqs, tokens.tolist())):
-                outputs.append(self._append(req, tok, now, lps[j] if lps else None))
+        if keep:
+            reqs = [r for _, r in keep]
+            logits = logits[[j for j, _ in keep]]
+            for req, tok, lp in self._sample(reqs, logits, outputs):
+                try:
+                    outputs.append(self._append(req, tok, time.monotonic(), lp))
+                except Exception as e:  # noqa: BLE001 - detokenizing, stop strings: this request only
+                    outputs.extend(self._fail([req], e, "output processing"))
         self.stats.sample_events += len(outputs)
         if spec is not None:
             spec.release_finished()
         self._record(batch, time.monotonic() - t0)
         return outputs
+
+    def _sample(self, reqs: list[Request], logits: torch.Tensor, outputs: list):
+        """(request, token, logprob entry) for each request. Sampling is batched; if the batch
+        fails, each request is sampled alone so that only the one at fault fails."""
+        try:
+            self.faults.hit("sample")
+            tokens, lps = sample(logits, build_batch(reqs, self.model_config.vocab_size, self.eos_ids))
+            return [(r, t, lps[j] if lps else None) for j, (r, t) in enumerate(zip(reqs, tokens.tolist()))]
+        except Exception as e:  # noqa: BLE001
+            if len(reqs) == 1:
+                outputs.extend(self._fail(reqs, e, "sampling"))
+                return []
+        out = []
+        for j, r in enumerate(reqs):
+            out.extend(self._sample([r], logits[j:j + 1], outputs))
+        return out
+
+    def _fail(self, reqs: list[Request], e: BaseException, where: str) -> list[RequestOutput]:
+        """End these sequences with an error (their blocks freed), logged once with its traceback.
+        Blocks are registered in the prefix cache only after a forward succeeds, so nothing a failed
+        step wrote can be found by a later request."""
+        reqs = [r for r in reqs if not r.finished]
+        log.error("%s failed for %d sequence(s) (%s); they end with an error, the engine goes on",
+                  where, len(reqs), ", ".join(r.request_id for r in reqs[:8]), exc_info=e)
+        msg = f"{where} failed: {type(e).__name__}: {e}"
+        now = time.monotonic()
+        outs = []
+        for req in reqs:
+            self.scheduler.remove(req)
+            req.status = Status.FINISHED
+            req.finish_reason = "error"
+            req.timings.finished = now
+            self._detach(req)
+            outs.append(RequestOutput(req.group, [], req.output_ids, True, "error", None, req.num_prompt,
+                                      req.timings, error=msg, index=req.index))
+        if self.spec is not None:
+            self.spec.release_finished()
+        self.stats.failed += len(outs)
+        return outs
 
     def _split_spec_rows(self, batch: ScheduledBatch, logits: torch.Tensor, idx: list[int]):
         """Separate the k + 1 logits rows of each sequence verifying guesses from the one-row rest."""
@@ -340,7 +394,11 @@ class LLMEngine:
     def _append(self, req: Request, tok: int, now: float, lp=None) -> RequestOutput:
         record_token(req, tok, now, lp, self.eos_ids, self.max_model_len)
         self.stats.generated_tokens += 1
-        delta = detokenize(req, tok) if req.detok is not None else ""
+        if req.detok is not None:
+            self.faults.hit("detokenize")
+            delta = detokenize(req, tok)
+        else:
+            delta = ""
         if req.finish_reason is not None:
             req.status = Status.FINISHED
             req.timings.finished = now

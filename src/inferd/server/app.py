@@ -6,25 +6,30 @@ OpenAI error body with a 4xx; past --max-waiting queued requests the answer is 5
 """
 from __future__ import annotations
 
-import hmac
 import time
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inferd.engine.async_engine import AsyncLLM
 from inferd.errors import InferdError
 from inferd.server import chat, completions
-from inferd.server.generation import ARRIVAL, Served
+from inferd.server.generation import Served
+from inferd.server.limits import Front, Limits
 from inferd.server.metrics import Metrics
-from inferd.server.protocol import ApiError, DetokenizeRequest, TokenizeRequest
+from inferd.server.protocol import (COMMON_ERRORS, ApiError, DetokenizeRequest, DetokenizeResponse, HealthResponse,
+                                    ModelList, TokenizeRequest, TokenizeResponse, error_responses)
 
 
 def create_app(llm: AsyncLLM, served_name: str, api_key: str | None = None,
-               metrics: Metrics | None = None, aliases: set[str] | None = None) -> FastAPI:
+               metrics: Metrics | None = None, aliases: set[str] | None = None, limits: Limits | None = None,
+               allowed_origins: list[str] | None = None) -> FastAPI:
     app = FastAPI(title="inferd", docs_url=None, redoc_url=None)
-    srv = Served(llm, served_name, aliases)
+    app.state.draining = False  # set on SIGTERM: new requests get 503 while the open ones finish
+    limits = limits or Limits()
+    srv = Served(llm, served_name, aliases, limits)
 
     # -- errors ---------------------------------------------------------------------------------
     @app.exception_handler(ApiError)
@@ -45,27 +50,42 @@ def create_app(llm: AsyncLLM, served_name: str, api_key: str | None = None,
     async def _inferd_error(_, e: InferdError):
         return JSONResponse(ApiError(str(e)).body(), status_code=400)
 
-    app.add_middleware(_Front, api_key=api_key)
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_, e: StarletteHTTPException):  # routing (404, 405), body limits (408, 413)
+        msg = e.detail if isinstance(e.detail, str) else "request failed"
+        if e.status_code == 404 and msg == "Not Found":
+            msg = "no such route"
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(ApiError(msg, status=e.status_code, type_=kind).body(), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))
+
+    if allowed_origins:  # CORS only when asked for (vLLM's --allowed-origins): a browser page elsewhere
+        from starlette.middleware.cors import CORSMiddleware  # may not drive the API by default
+
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
+    app.add_middleware(Front, api_key=api_key, limits=limits, state=app.state)
 
     # -- plain routes ---------------------------------------------------------------------------
-    @app.get("/health")
+    @app.get("/health", responses={200: {"model": HealthResponse}, 503: {"model": HealthResponse}})
     async def health():
         if llm.dead:
             return JSONResponse({"status": "error", "detail": llm.dead}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
+                                    **error_responses(408, 413, 431)})
     async def prom():
         if metrics is None:
             return Response("", media_type="text/plain")
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses={200: {"model": ModelList}, **error_responses(*COMMON_ERRORS)})
     async def models():
         return {"object": "list", "data": [{"id": served_name, "object": "model", "created": int(time.time()),
                                             "owned_by": "inferd", "max_model_len": srv.max_len}]}
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses={200: {"model": TokenizeResponse}, **error_responses(*COMMON_ERRORS, 404)})
     async def tokenize(req: TokenizeRequest):
         srv.check_model(req.model)
         if req.messages is not None:
@@ -74,7 +94,7 @@ def create_app(llm: AsyncLLM, served_name: str, api_key: str | None = None,
             ids = srv.tok.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": srv.max_len}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses={200: {"model": DetokenizeResponse}, **error_responses(*COMMON_ERRORS, 404)})
     async def detokenize(req: DetokenizeRequest):
         srv.check_model(req.model)
         bad = [t for t in req.tokens if not 0 <= t < srv.engine.model_config.vocab_size]
@@ -85,26 +105,23 @@ def create_app(llm: AsyncLLM, served_name: str, api_key: str | None = None,
     # -- generation -----------------------------------------------------------------------------
     app.include_router(completions.router(srv))
     app.include_router(chat.router(srv))
+    app.openapi = lambda: openapi_document(app)
     return app
 
 
-class _Front:
-    """Stamps each request's arrival and checks the API key, as plain ASGI: Starlette's
-    `@app.middleware("http")` would pass every streamed chunk through an extra task and memory
-    stream, a cost paid once per token. The key is compared in constant time."""
+def openapi_document(app: FastAPI) -> dict:
+    """FastAPI's document without its 422 answers: validation errors here are 400s (the OpenAI
+    shape), declared on each route."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
 
-    def __init__(self, app, api_key: str | None):
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        doc = get_openapi(title="inferd", version="1", routes=app.routes)
+        for path in doc.get("paths", {}).values():
+            for op in path.values():
+                op.get("responses", {}).pop("422", None)
+        comps = doc.get("components", {}).get("schemas", {})
+        comps.pop("HTTPValidationError", None)
+        comps.pop("ValidationError", None)
+        app.openapi_schema = doc
+    return app.openapi_schema
 
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            ARRIVAL.set(time.monotonic())
-            if self.expected is not None and not scope["path"].startswith(("/health", "/metrics")):
-                got = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-                if not hmac.compare_digest(got, self.expected):
-                    e = ApiError("invalid or missing API key", status=401, type_="authentication_error",
-                                 code="invalid_api_key")
-                    await JSONResponse(e.body(), status_code=401)(scope, receive, send)
-                    return
-        await self.app(scope, receive, send)

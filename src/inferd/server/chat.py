@@ -8,13 +8,16 @@ from fastapi import APIRouter
 
 from inferd.errors import InferdError
 from inferd.server.generation import Served, logprob_sum, respond, usage
-from inferd.server.protocol import ApiError, ChatCompletionRequest
+from inferd.server.protocol import (COMMON_ERRORS, ApiError, ChatCompletionRequest, ChatCompletionResponse,
+                                    error_responses)
 
 
 def router(srv: Served) -> APIRouter:
     r = APIRouter()
 
-    @r.post("/v1/chat/completions")
+    @r.post("/v1/chat/completions", responses={
+        200: {"model": ChatCompletionResponse, "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+        **error_responses(*COMMON_ERRORS, 404, 500)})
     async def chat(req: ChatCompletionRequest):
         srv.check_model(req.model)
         try:
@@ -34,7 +37,7 @@ def router(srv: Served) -> APIRouter:
         def chunks(include_usage, continuous_usage):
             return chat_chunks(srv, req, ids, params, cid, created, include_usage, continuous_usage)
 
-        return await respond(req, chunks, "chat.completion", merge_choice)
+        return await respond(req, chunks, "chat.completion", merge_choice, srv.stall_timeout)
 
     return r
 

@@ -7,13 +7,15 @@ import uuid
 from fastapi import APIRouter
 
 from inferd.server.generation import Served, logprob_sum, respond, usage
-from inferd.server.protocol import ApiError, CompletionRequest
+from inferd.server.protocol import COMMON_ERRORS, ApiError, CompletionRequest, CompletionResponse, error_responses
 
 
 def router(srv: Served) -> APIRouter:
     r = APIRouter()
 
-    @r.post("/v1/completions")
+    @r.post("/v1/completions", responses={
+        200: {"model": CompletionResponse, "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+        **error_responses(*COMMON_ERRORS, 404, 500)})
     async def completions(req: CompletionRequest):
         srv.check_model(req.model)
         prompts = _prompt_ids(srv, req.prompt)
@@ -38,7 +40,7 @@ def router(srv: Served) -> APIRouter:
             return completion_chunks(srv, req, prompts, params_for, cid, created, score_only, include_usage,
                                      continuous_usage)
 
-        return await respond(req, chunks, "text_completion", merge_choice)
+        return await respond(req, chunks, "text_completion", merge_choice, srv.stall_timeout)
 
     return r
 

@@ -8,6 +8,7 @@ two answers cannot drift apart.
 from __future__ import annotations
 
 import asyncio
+import logging
 import contextvars
 import json
 from typing import Any, AsyncIterator, Callable
@@ -23,6 +24,8 @@ from inferd.server.protocol import ApiError
 # read where the engine request is made (several calls down, in a streaming task that inherits the
 # context), so that the server's TTFT/E2E/queue histograms cover what a client sees: HTTP parsing,
 # tokenization and the wait for the engine thread's current step, not only the engine's part.
+log = logging.getLogger("inferd")
+
 ARRIVAL: contextvars.ContextVar[float | None] = contextvars.ContextVar("inferd_arrival", default=None)
 
 Chunk = dict[str, Any]
@@ -31,13 +34,15 @@ Chunk = dict[str, Any]
 class Served:
     """The model behind the API: its names, tokenizer, context length and engine."""
 
-    def __init__(self, llm: AsyncLLM, name: str, aliases: set[str] | None = None):
+    def __init__(self, llm: AsyncLLM, name: str, aliases: set[str] | None = None, limits=None):
         self.llm = llm
+        self.limits = limits
         self.engine = llm.engine
         self.tok = self.engine.tokenizer
         self.name = name
         self.names = {name} | set(aliases or ())
         self.max_len = self.engine.max_model_len
+        self.stall_timeout = limits.stall_timeout_s if limits is not None else None
 
     def check_model(self, name: str | None):
         if name is not None and name not in self.names:
@@ -69,6 +74,9 @@ class Served:
         """All outputs of one engine request, mapped to 503 / 400 as needed."""
         try:
             async for out in self.llm.generate(prompt_ids, params, rid, arrival=ARRIVAL.get()):
+                if out.error:  # its step failed in the engine (which went on): a 500 of this request only
+                    raise ApiError(f"the engine failed on this request: {out.error}", status=500,
+                                   type_="server_error", code="internal_error")
                 yield out
         except Overloaded:
             raise ApiError("server is overloaded: too many requests waiting; retry later", status=503,
@@ -164,14 +172,44 @@ async def fold(chunks: AsyncIterator[Chunk], obj: str, merge: Callable[[dict | N
 
 
 async def respond(req, chunks: Callable[[bool, bool], AsyncIterator[Chunk]], obj: str,
-                  merge: Callable[[dict | None, dict], dict]):
+                  merge: Callable[[dict | None, dict], dict], stall_timeout: float | None = None):
     """`chunks(include_usage, continuous_usage)` is the endpoint's chunk stream: sent as SSE when the
     request streams, else folded into one `obj` body (always with the closing usage chunk)."""
     if req.stream:
         so = req.stream_options
         body = await primed(chunks(bool(so and so.include_usage), bool(so and so.continuous_usage_stats)))
-        return StreamingResponse(sse(body), media_type="text/event-stream")
+        return SSEResponse(sse(body), stall_timeout)
     return await fold(chunks(True, False), obj, merge, req.n, req.best_of or req.n)
+
+
+class SSEResponse(StreamingResponse):
+    """A text/event-stream whose client must keep reading: a write that waits on a full socket for
+    longer than stall_timeout seconds ends the stream (its request is aborted, its KV blocks freed),
+    so a client that stops reading cannot hold an engine slot without bound."""
+
+    def __init__(self, content, stall_timeout: float | None):
+        super().__init__(content, media_type="text/event-stream")
+        self.stall_timeout = stall_timeout
+
+    async def stream_response(self, send) -> None:
+        if not self.stall_timeout:
+            return await super().stream_response(send)
+
+        async def timed(msg):
+            try:
+                await asyncio.wait_for(send(msg), self.stall_timeout)
+            except asyncio.TimeoutError:
+                raise _Stalled() from None
+
+        try:
+            await super().stream_response(timed)
+        except _Stalled:
+            log.warning("a client stopped reading its stream for %.0f s: request aborted", self.stall_timeout)
+            await self.body_iterator.aclose()  # leaves the engine's generator: the request is aborted
+
+
+class _Stalled(Exception):
+    pass
 
 
 async def primed(agen):

@@ -1,9 +1,9 @@
 """Request schemas of the OpenAI-compatible API (pydantic, strict types, unknown fields ignored)."""
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Annotated, Any, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from inferd.engine.request import SamplingParams
 from inferd.errors import InferdError
@@ -23,36 +23,75 @@ class ApiError(Exception):
                           "code": self.code if self.code is not None else self.status}}
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+# Bounds of the request fields. Every numeric field has a range (a value past 64 bits or a NaN is a
+# 400, never a 500) and every list a length, each error naming the limit. They are published in the
+# OpenAPI document (/openapi.json), which is what schemathesis fuzzes the server against.
+MAX_PROMPTS = 64  # prompts in one /v1/completions request
+MAX_MESSAGES = 1024  # messages in one chat
+MAX_STOP = 16  # stop strings
+MAX_STOP_CHARS = 256  # characters in one stop string
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 1024  # logit_bias entries
+MAX_LOGPROBS = 20  # logprobs / top_logprobs, as vLLM's default --max-logprobs
+INT32_MAX = 2**31 - 1
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Count = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]  # what torch.Generator.manual_seed takes
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+BiasKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
+BiasValue = Annotated[float, Field(ge=-100, le=100)]
+
+# Fields that would change what the output must be, which inferd does not implement yet: a 400
+# naming the field, never silently ignored. (name -> the values that mean "no constraint")
+UNSUPPORTED = {
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}), "guided_json": (None,), "guided_regex": (None,),
+    "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,), "prediction": (None,),
+    "audio": (None,), "modalities": (None, ["text"]),
+}
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    n: int = 1
-    best_of: int | None = None
-    seed: int | None = None
-    stop: Union[str, list[str], None] = None
-    stop_token_ids: list[int] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+class _Sampling(Strict):
+    model: str | None = Field(None, max_length=256)
+    max_tokens: Count | None = None
+    temperature: float | None = Field(None, ge=0, le=100)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
+    min_p: float | None = Field(None, ge=0, le=1)
+    n: int = Field(1, ge=1, le=MAX_N)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    seed: Seed | None = None
+    stop: Union[StopString, list[StopString], None] = Field(None, max_length=MAX_STOP)
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=100)
+    logit_bias: dict[BiasKey, BiasValue] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Count = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = Field(None, max_length=256)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported(cls, data):
+        if isinstance(data, dict):
+            for name, neutral in UNSUPPORTED.items():
+                if name in data and data[name] not in neutral:
+                    raise ApiError(f"{name} is not supported by this server yet", param=name)
+        return data
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -97,37 +136,138 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: Union[str, Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)],
+                  Annotated[list[TokenId], Field(min_length=1)],
+                  Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
+                            Field(min_length=1, max_length=MAX_PROMPTS)]]
     echo: bool = False
-    logprobs: int | None = None
-    suffix: str | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    suffix: None = None  # insertion is not supported: any value is a 400
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-    role: str
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+    role: str = Field(max_length=64)
     content: Union[str, list[dict[str, Any]], None] = None
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-    model: str | None = None
+class TokenizeRequest(Strict):
+    model: str | None = Field(None, max_length=256)
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, max_length=MAX_MESSAGES)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-    model: str | None = None
+class DetokenizeRequest(Strict):
+    model: str | None = Field(None, max_length=256)
+    tokens: list[TokenId]
+
+
+# -- response schemas, for the OpenAPI document (what schemathesis checks every answer against) --
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: Union[str, int, None] = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ChatChoiceMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    index: int
+    message: ChatChoiceMessage
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    id: str
+    object: str
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: str
+    data: list[ModelCard]
+
+
+class HealthResponse(BaseModel):
+    status: str
+    detail: str | None = None
+
+
+class TokenizeResponse(BaseModel):
     tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+def error_responses(*statuses: int) -> dict:
+    """OpenAPI `responses` entries: an OpenAI error body for each status."""
+    return {s: {"model": ErrorResponse, "description": _REASONS.get(s, "error")} for s in statuses}
+
+
+_REASONS = {400: "invalid request", 401: "missing or wrong API key", 404: "unknown model or route",
+            408: "request body too slow", 413: "request body too large", 431: "request headers too large",
+            500: "the engine failed on this request", 503: "overloaded, shutting down, or engine stopped"}
+COMMON_ERRORS = (400, 401, 408, 413, 431, 503)

@@ -32,6 +32,7 @@ def serve(args) -> int:
     from inferd.engine.async_engine import AsyncLLM
     from inferd.engine.engine import LLMEngine
     from inferd.server.app import create_app
+    from inferd.server.limits import Limits
     from inferd.server.metrics import Metrics
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
@@ -67,10 +68,56 @@ def serve(args) -> int:
     name = args.served_model_name or model_name
     aliases = {n for n in (args.model, model_name) if n}
     metrics_box["m"] = metrics = Metrics(name, speculative=speculative)
-    app = create_app(llm, name, api_key=api_key, metrics=metrics, aliases=aliases)
-    log.info("serving %s on http://%s:%d (OpenAI API under /v1)", name, args.host, args.port)
+    limits = Limits.from_args(args)
+    app = create_app(llm, name, api_key=api_key, metrics=metrics, aliases=aliases, limits=limits,
+                     allowed_origins=parse_origins(args.allowed_origins))
+    scheme = "https" if args.ssl_certfile else "http"
+    log.info("serving %s on %s://%s:%d (OpenAI API under /v1)", name, scheme, args.host, args.port)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
+                            ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+                            timeout_graceful_shutdown=args.drain_timeout,
+                            h11_max_incomplete_event_size=limits.max_header_bytes)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+        DrainingServer(config, app.state).run()
     finally:
         llm.shutdown()
     return 0
+
+
+def parse_origins(value: str | None) -> list[str] | None:
+    """--allowed-origins as a JSON list (vLLM's form) or comma-separated."""
+    import json
+
+    if not value:
+        return None
+    if value.lstrip().startswith("["):
+        try:
+            out = json.loads(value)
+        except json.JSONDecodeError:
+            raise InferdError("--allowed-origins: not a JSON list of strings") from None
+        if not isinstance(out, list) or not all(isinstance(x, str) for x in out):
+            raise InferdError("--allowed-origins: not a JSON list of strings")
+        return out
+    return [x.strip() for x in value.split(",") if x.strip()]
+
+
+def DrainingServer(config, state):
+    """uvicorn's server with the shutdown a supervisor expects: the first SIGTERM/SIGINT stops
+    accepting (new requests on open connections get 503) and lets open requests finish within
+    --drain-timeout, then the process exits 0; a second signal of either kind exits at once."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            if self.should_exit:
+                log.warning("second signal: exiting now")
+                self.force_exit = True
+                return
+            state.draining = True
+            log.info("signal %d: draining open requests (at most %.0f s), then exiting", sig,
+                     config.timeout_graceful_shutdown)
+            # not uvicorn's handler: it re-raises the signal after shutdown, so a drained exit would
+            # read as killed by SIGTERM instead of 0
+            self.should_exit = True
+
+    return Server(config)

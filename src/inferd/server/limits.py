@@ -1,0 +1,97 @@
+"""What one request may cost the server, and the plain-ASGI front that enforces it before any
+route runs: the body size (413, counted as it arrives, so a body is never read whole past the
+limit), the header size (431), a body that trickles in (408), a draining server (503), and the
+API key (401, compared in constant time). Counts inside a request (prompts, messages, stop strings,
+n, logit_bias) are bounds of the request schema (protocol.py)."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from dataclasses import dataclass
+
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse
+
+from inferd.server.generation import ARRIVAL
+from inferd.server.protocol import ApiError
+
+
+@dataclass
+class Limits:
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_header_bytes: int = 16 * 1024
+    body_timeout_s: float = 30.0  # longest wait for the next piece of a request body
+    stall_timeout_s: float = 30.0  # longest a stream may wait for its client to read before it is aborted
+
+    @classmethod
+    def from_args(cls, args) -> Limits:
+        return cls(args.max_request_body_bytes, args.max_request_header_bytes, args.request_body_timeout,
+                   args.stream_stall_timeout)
+
+
+class Front:
+    """The outermost ASGI layer. `state.draining` (set on SIGTERM) turns new requests into 503."""
+
+    def __init__(self, app, api_key: str | None, limits: Limits, state):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.limits = limits
+        self.state = state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        ARRIVAL.set(time.monotonic())
+        lim = self.limits
+        err = None
+        if getattr(self.state, "draining", False) and scope["path"] != "/metrics":
+            err = ApiError("server is shutting down", status=503, type_="server_error", code="shutting_down",
+                           headers={"Connection": "close", "Retry-After": "1"})
+        elif sum(len(k) + len(v) for k, v in scope["headers"]) > lim.max_header_bytes:
+            err = ApiError(f"request headers are larger than the limit of {lim.max_header_bytes} bytes",
+                           status=431, code="headers_too_large")
+        elif self.expected is not None and not scope["path"].startswith(("/health", "/metrics")):
+            got = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(got, self.expected):
+                err = ApiError("invalid or missing API key", status=401, type_="authentication_error",
+                               code="invalid_api_key")
+        if err is None:
+            length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+            if length is not None and (not length.isdigit() or int(length) > lim.max_body_bytes):
+                err = too_large(lim.max_body_bytes)
+        if err is not None:
+            return await JSONResponse(err.body(), status_code=err.status, headers=err.headers)(scope, receive, send)
+        await self.app(scope, bounded_receive(receive, lim), send)
+
+
+def too_large(limit: int) -> ApiError:
+    return ApiError(f"request body is larger than the limit of {limit} bytes (--max-request-body-bytes)",
+                    status=413, code="request_too_large")
+
+
+def bounded_receive(receive, lim: Limits):
+    """receive() that counts the body as it comes (413 past the limit, also for chunked bodies
+    without a length) and waits at most body_timeout_s for each piece (408). Once the body is
+    complete it passes through untouched: a stream listens on it for the client's disconnect."""
+    seen = 0
+    done = False
+
+    async def inner():
+        nonlocal seen, done
+        if done:
+            return await receive()
+        try:
+            msg = await asyncio.wait_for(receive(), lim.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise HTTPException(408, f"the request body did not arrive within {lim.body_timeout_s:g} s") from None
+        if msg["type"] == "http.request":
+            seen += len(msg.get("body", b""))
+            if seen > lim.max_body_bytes:
+                raise HTTPException(413, too_large(lim.max_body_bytes).message)
+            done = not msg.get("more_body", False)
+        else:
+            done = True
+        return msg
+
+    return inner

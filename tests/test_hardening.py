@@ -1,0 +1,344 @@
+"""Hostile and faulty conditions: request limits (413, 431, 408, counts), numbers past 64 bits and
+non-finite floats, unsupported output constraints, OpenAI error shapes everywhere, the constant-time
+key check, a stalled reader, faults injected into engine steps, the UTF-8 cut at max_tokens, and
+SIGTERM draining open streams."""
+import asyncio
+import json
+import signal
+import socket
+import time
+
+import httpx
+import pytest
+
+from conftest import ServerProc, make_tiny_model
+from helpers import write_tiny_chat_gguf
+
+LIMIT = 64 * 1024
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_gguf(tmp_path_factory):
+    return write_tiny_chat_gguf(tmp_path_factory.mktemp("tiny") / "tiny-chat.gguf")
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_chat_gguf):
+    s = ServerProc(["--model", tiny_chat_gguf, "--max-model-len", "64", "--max-request-body-bytes", str(LIMIT),
+                    "--request-body-timeout", "1", "--threads", "1"])
+    try:
+        yield s.wait_ready()
+    finally:
+        s.stop()
+
+
+def post(srv, path, body, **kw):
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(srv.base + path, content=data, headers={"Content-Type": "application/json"}, timeout=30, **kw)
+
+
+def assert_error(r, status, *words):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"}
+    for w in words:
+        assert w in err["message"] or w == err["param"], (w, err)
+    return err
+
+
+def test_body_over_the_limit_is_413_before_it_is_read(srv):
+    big = {"prompt": "x" * (LIMIT + 10), "max_tokens": 1}
+    assert_error(post(srv, "/v1/completions", big), 413, str(LIMIT))
+
+    def chunks():  # no Content-Length: counted as it arrives
+        yield b'{"prompt": "'
+        for _ in range(LIMIT // 1024 + 2):
+            yield b"y" * 1024
+        yield b'"}'
+
+    r = httpx.post(srv.base + "/v1/completions", content=chunks(), headers={"Content-Type": "application/json"},
+                   timeout=30)
+    assert_error(r, 413, str(LIMIT))
+
+
+def test_headers_over_the_limit_are_431(srv):
+    r = httpx.get(srv.base + "/v1/models", headers={"X-Big": "h" * 20000}, timeout=30)
+    assert_error(r, 431)
+
+
+def test_a_body_that_trickles_in_is_408(srv):
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{\"prompt\":")
+        data = b""
+        while b"\r\n\r\n" not in data or not data.rstrip().endswith(b"}"):
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+    assert data.startswith(b"HTTP/1.1 408"), data[:200]
+    assert b'"error"' in data
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": ["a"] * 65, "max_tokens": 1}, "prompt"),
+    ({"prompt": "a", "n": 17, "temperature": 1}, "n"),
+    ({"prompt": "a", "best_of": 17, "temperature": 1}, "best_of"),
+    ({"prompt": "a", "stop": [f"s{i}" for i in range(17)]}, "stop"),
+    ({"prompt": "a", "logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
+    ({"prompt": "a", "seed": 2**70}, "seed"),
+    ({"prompt": "a", "max_tokens": 2**64}, "max_tokens"),
+    ({"prompt": [2**40], "max_tokens": 1}, "prompt"),
+    ({"prompt": "a", "logprobs": 21}, "logprobs"),
+    ({"prompt": "a", "top_p": 0}, "top_p"),
+])
+def test_counts_and_ranges_are_400_naming_the_field(srv, body, param):
+    err = assert_error(post(srv, "/v1/completions", body), 400)
+    assert err["param"] and err["param"].startswith(param), err
+
+
+def test_chat_message_count_is_bounded(srv):
+    msgs = [{"role": "user", "content": "a"}] * 1025
+    err = assert_error(post(srv, "/v1/chat/completions", {"messages": msgs}), 400)
+    assert err["param"].startswith("messages") and "1024" in err["message"]
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
+def test_non_finite_floats_are_400(srv, literal):
+    assert_error(post(srv, "/v1/completions", '{"prompt": "a", "temperature": %s}' % literal), 400)
+
+
+@pytest.mark.parametrize("field,value", [("response_format", {"type": "json_object"}),
+                                         ("tools", [{"type": "function", "function": {"name": "f"}}]),
+                                         ("tool_choice", "required"), ("guided_json", {"type": "object"}),
+                                         ("suffix", "tail")])
+def test_output_constraints_not_implemented_are_400_not_ignored(srv, field, value):
+    path = "/v1/completions" if field == "suffix" else "/v1/chat/completions"
+    body = {"prompt": "a"} if field == "suffix" else {"messages": [{"role": "user", "content": "hi"}]}
+    err = assert_error(post(srv, path, {**body, "max_tokens": 2, field: value}), 400)
+    assert err["param"] == field
+
+
+def test_neutral_values_of_those_fields_are_accepted(srv):
+    r = post(srv, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                           "response_format": {"type": "text"}, "tool_choice": "none"})
+    assert r.status_code == 200, r.text
+
+
+def test_every_error_has_the_openai_shape(srv):
+    assert_error(post(srv, "/v1/completions", b"{not json"), 400)
+    assert_error(post(srv, "/v1/completions", b"[1, 2]"), 400)
+    assert_error(httpx.get(srv.base + "/v1/nope", timeout=10), 404)
+    assert_error(httpx.get(srv.base + "/v1/completions", timeout=10), 405)
+    assert_error(httpx.post(srv.base + "/v1/completions", content=b"\xff\xfe", timeout=10,
+                            headers={"Content-Type": "application/json"}), 400)
+
+
+def test_utf8_cut_by_max_tokens_is_dropped_not_replaced(srv):
+    from inferd.loader import load_model
+
+    tok = load_model(srv.cmd[srv.cmd.index("--model") + 1], with_tokenizer=True).tokenizer
+    ids = tok.encode("🎉", add_special_tokens=False)
+    assert len(ids) > 1 and "\ufffd" in tok.decode(ids[:1])  # its first token is half a character
+    body = {"prompt": "hi", "max_tokens": 1, "temperature": 0, "logit_bias": {str(ids[0]): 100}}
+    r = post(srv, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert r.json()["usage"]["completion_tokens"] == 1 and choice["text"] == ""
+    with httpx.stream("POST", srv.base + "/v1/completions", json={**body, "stream": True}, timeout=30) as s:
+        events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    streamed = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1] if json.loads(e)["choices"])
+    assert streamed == choice["text"] == ""
+
+
+def test_api_key_is_compared_in_constant_time(monkeypatch):
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+
+    from inferd.server import limits
+
+    calls = []
+    real = limits.hmac.compare_digest
+
+    def spy(a, b):
+        calls.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(limits.hmac, "compare_digest", spy)
+    inner = Starlette(routes=[Route("/v1/x", lambda r: PlainTextResponse("ok"))])
+    app = limits.Front(inner, "s3cret", limits.Limits(), state=None)
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            bad = await c.get("/v1/x", headers={"Authorization": "Bearer wrong"})
+            good = await c.get("/v1/x", headers={"Authorization": "Bearer s3cret"})
+            return bad, good
+
+    bad, good = asyncio.run(go())
+    assert bad.status_code == 401 and bad.json()["error"]["code"] == "invalid_api_key"
+    assert good.status_code == 200
+    assert calls == [(b"Bearer wrong", b"Bearer s3cret"), (b"Bearer s3cret", b"Bearer s3cret")]
+
+
+def test_a_client_that_stops_reading_is_aborted():
+    """A stream's write that waits on its client past the stall timeout ends the stream and closes
+    the generator behind it (which aborts the engine request)."""
+    from inferd.server.generation import SSEResponse
+
+    closed = asyncio.Event()
+
+    async def body():
+        try:
+            while True:
+                yield "data: x\n\n"
+                await asyncio.sleep(0)
+        finally:
+            closed.set()
+
+    async def blocked_send(msg):
+        if msg["type"] == "http.response.body":
+            await asyncio.sleep(3600)  # the client never reads: the socket stays full
+
+    async def go():
+        resp = SSEResponse(body(), stall_timeout=0.2)
+        t0 = time.monotonic()
+        await resp.stream_response(blocked_send)
+        return time.monotonic() - t0
+
+    took = asyncio.run(go())
+    assert closed.is_set() and took < 5
+
+
+def _engine_with_faults(spec, **kw):
+    from inferd.engine.engine import LLMEngine
+    from inferd.engine.faults import Faults
+
+    eng = LLMEngine(loaded=make_tiny_model(), kv_cache_memory="16MiB", max_num_seqs=8, **kw)
+    eng.faults = Faults(spec)
+    return eng
+
+
+def _run(eng, prompts, n=8):
+    from inferd.engine.request import SamplingParams
+
+    ids = [eng.add_request(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)) for p in prompts]
+    outs = {i: [] for i in ids}
+    errors = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.error:
+                errors[o.request_id] = o.error
+            outs[o.request_id].extend(o.new_token_ids)
+    return ids, outs, errors
+
+
+def test_a_failed_forward_fails_its_step_and_the_engine_goes_on():
+    from inferd.engine.reference import reference_generate
+
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [30, 31, 32], [40, 41]]
+    eng = _engine_with_faults("forward@3", enable_prefix_caching=True)
+    ids, outs, errors = _run(eng, prompts)
+    assert set(errors) == set(ids) and all("injected fault" in e for e in errors.values())  # all in that step
+    assert eng.block_manager.num_used == 0 and not eng.requests and eng.stats.failed == 3
+    # the engine serves on; the same prompts (a prefix cache that must hold nothing of the failed
+    # step) give the reference's tokens
+    ids2, outs2, errors2 = _run(eng, prompts)
+    assert not errors2
+    ref = [reference_generate(eng.model, p, 8).token_ids for p in prompts]
+    for i, r in zip(ids2, ref):
+        assert outs2[i] == list(r), (outs2[i], r)
+    assert eng.block_manager.num_used == 0
+
+
+def test_a_failed_batched_sample_is_retried_per_request():
+    from inferd.engine.reference import reference_generate
+
+    prompts = [[5, 6, 7], [30, 31, 32]]
+    eng = _engine_with_faults("sample@2")
+    ids, outs, errors = _run(eng, prompts)
+    assert not errors  # the batch failed once; each request alone succeeded
+    for i, p in zip(ids, prompts):
+        assert outs[i] == reference_generate(eng.model, p, 8).token_ids
+
+
+def test_a_failed_request_alone_gets_500_and_the_rest_complete(tiny_chat_gguf):
+    s = ServerProc(["--model", tiny_chat_gguf, "--max-model-len", "64", "--threads", "1"],
+                   env={"INFERD_INJECT_FAULT": "detokenize@12"})
+    try:
+        s.wait_ready()
+        body = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+        async def one(c, stream):
+            if not stream:
+                r = await c.post("/v1/completions", json=body)
+                return r.status_code, r.json()
+            async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                events = [line[6:] async for line in r.aiter_lines() if line.startswith("data: ")]
+            return r.status_code, events
+
+        async def go():
+            async with httpx.AsyncClient(base_url=s.base, timeout=60) as c:
+                return await asyncio.gather(one(c, False), one(c, True), one(c, False))
+
+        results = asyncio.run(go())
+        failed = [r for r in results if r[0] == 500 or (isinstance(r[1], list) and any('"error"' in e for e in r[1]))]
+        assert len(failed) == 1, results
+        status, got = failed[0]
+        if status == 500:
+            assert got["error"]["code"] == "internal_error" and "injected fault" in got["error"]["message"]
+        else:
+            assert got[-1] == "[DONE]" and "injected fault" in got[-2]
+        texts = [r[1]["choices"][0]["text"] for r in results if r[0] == 200 and isinstance(r[1], dict)]
+        again = httpx.post(s.base + "/v1/completions", json=body, timeout=60)
+        assert again.status_code == 200 and all(t == again.json()["choices"][0]["text"] for t in texts)
+        metrics = httpx.get(s.base + "/metrics", timeout=10).text
+        assert 'inferd:kv_cache_usage_perc{model_name=' in metrics
+        usage = [line for line in metrics.splitlines() if line.startswith("inferd:kv_cache_usage_perc")]
+        assert usage and float(usage[0].split()[-1]) == 0.0
+        assert s.alive()
+        assert s.log_text().count("Traceback") == 1  # logged once, with its traceback
+    finally:
+        s.stop()
+
+
+def test_sigterm_drains_open_streams_then_exits_0(tiny_chat_gguf):
+    s = ServerProc(["--model", tiny_chat_gguf, "--threads", "1", "--max-model-len", "2048"])
+    s.wait_ready()
+    try:
+        body = {"prompt": "Once", "max_tokens": 1500, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", s.base + "/v1/completions", json=body, timeout=120) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            s.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            with pytest.raises(httpx.HTTPError):  # no new connections while it drains
+                httpx.post(s.base + "/v1/completions", json={"prompt": "a", "max_tokens": 1}, timeout=5)
+            rest = [line[6:] for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "[DONE]"
+        n = sum(len(json.loads(e)["choices"][0]["text"]) > 0 for e in [first[6:], *rest[:-1]] if json.loads(e)["choices"])
+        assert n > 100  # the stream ran to its end after the signal
+        usage = json.loads(rest[-2]).get("usage") if len(rest) > 1 else None
+        assert usage is None or usage["completion_tokens"] == 1500
+        assert s.proc.wait(60) == 0
+    finally:
+        s.stop()
+
+
+def test_a_second_signal_exits_at_once(tiny_chat_gguf):
+    s = ServerProc(["--model", tiny_chat_gguf, "--threads", "1", "--max-model-len", "2048", "--drain-timeout", "600"])
+    s.wait_ready()
+    try:
+        body = {"prompt": "Once", "max_tokens": 2000, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", s.base + "/v1/completions", json=body, timeout=120) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            s.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.2)
+            s.proc.send_signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            code = s.proc.wait(30)
+        assert time.monotonic() - t0 < 10 and code == 0
+    finally:
+        s.stop()
