@@ -89,8 +89,9 @@ def check_gguf(path: str) -> None:
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         r = _Reader(f, size, path)
-        if r.read(4) != b"GGUF":
-            r.fail("bad magic")
+        magic = r.read(4) if size >= 4 else b""
+        if magic != b"GGUF":
+            raise InferdError(f"not a GGUF file (bad magic {magic!r}): {path}")
         version = r.u32()
         if version not in (2, 3):
             r.fail(f"unsupported version {version} (2 and 3 are)")
