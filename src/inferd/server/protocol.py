@@ -192,46 +192,43 @@ class Usage(BaseModel):
     total_tokens: int
 
 
-class CompletionChoice(BaseModel):
+class _Open(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+
+class _Choice(_Open):
     index: int
-    text: str
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
 
 
-class CompletionResponse(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    id: str
-    object: str
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
+class CompletionChoice(_Choice):
+    text: str
 
 
-class ChatChoiceMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class ChatChoiceMessage(_Open):
     role: str
     content: str | None = None
 
 
-class ChatChoice(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    index: int
+class ChatChoice(_Choice):
     message: ChatChoiceMessage
-    logprobs: dict[str, Any] | None = None
-    finish_reason: str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class _Completion(_Open):
     id: str
     object: str
     created: int
     model: str
-    choices: list[ChatChoice]
     usage: Usage | None = None
+
+
+class CompletionResponse(_Completion):
+    choices: list[CompletionChoice]
+
+
+class ChatCompletionResponse(_Completion):
+    choices: list[ChatChoice]
 
 
 class ModelCard(BaseModel):
