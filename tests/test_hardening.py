@@ -3,6 +3,7 @@ non-finite floats, unsupported output constraints, OpenAI error shapes everywher
 key check, a stalled reader, faults injected into engine steps, the UTF-8 cut at max_tokens, and
 SIGTERM draining open streams."""
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -33,8 +34,9 @@ def servers(tiny_chat_gguf):
     (also fuzzed by schemathesis), one with an injected fault, and two to send signals to."""
     common = ["--model", tiny_chat_gguf, "--threads", "1"]
     procs = {
+        # the body timeout leaves room for the CPU the other three take while they start
         "main": ServerProc([*common, "--max-model-len", "64", "--max-request-body-bytes", str(LIMIT),
-                            "--request-body-timeout", "1"]),
+                            "--request-body-timeout", "5"]),
         "fault": ServerProc([*common, "--max-model-len", "64"], env={"INFERD_INJECT_FAULT": "detokenize@12"}),
         "drain": ServerProc([*common, "--max-model-len", "1024"]),
         "twice": ServerProc([*common, "--max-model-len", "1024", "--drain-timeout", "600"]),
@@ -221,13 +223,10 @@ def test_a_client_that_stops_reading_is_aborted():
             await asyncio.sleep(3600)  # the client never reads: the socket stays full
 
     async def go():
-        resp = SSEResponse(body(), stall_timeout=0.2)
-        t0 = time.monotonic()
-        await resp.stream_response(blocked_send)
-        return time.monotonic() - t0
+        await SSEResponse(body(), stall_timeout=0.2).stream_response(blocked_send)
 
-    took = asyncio.run(go())
-    assert closed.is_set() and took < 5
+    asyncio.run(go())  # returns: the blocked write was given up on
+    assert closed.is_set()
 
 
 def _engine_with_faults(spec, **kw):
@@ -321,20 +320,27 @@ def test_a_failed_request_alone_gets_500_and_the_rest_complete(servers):
         s.stop()
 
 
+@contextlib.contextmanager
+def _open_stream(s, max_tokens=1000):
+    """A greedy completion stream on server s, once its first event came: (first event, the rest)."""
+    body = {"prompt": "Once", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", s.base + "/v1/completions", json=body, timeout=120) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        yield first[6:], (line[6:] for line in lines if line.startswith("data: "))
+
+
 def test_sigterm_drains_open_streams_then_exits_0(servers):
     s = servers["drain"].wait_ready()
     try:
-        body = {"prompt": "Once", "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", s.base + "/v1/completions", json=body, timeout=120) as r:
-            lines = r.iter_lines()
-            first = next(line for line in lines if line.startswith("data: "))
+        with _open_stream(s) as (first, events):
             s.proc.send_signal(signal.SIGTERM)
             time.sleep(0.3)
             with pytest.raises(httpx.HTTPError):  # no new connections while it drains
                 httpx.post(s.base + "/v1/completions", json={"prompt": "a", "max_tokens": 1}, timeout=5)
-            rest = [line[6:] for line in lines if line.startswith("data: ")]
+            rest = list(events)
         assert rest[-1] == "[DONE]"
-        n = sum(len(json.loads(e)["choices"][0]["text"]) > 0 for e in [first[6:], *rest[:-1]] if json.loads(e)["choices"])
+        n = sum(len(json.loads(e)["choices"][0]["text"]) > 0 for e in [first, *rest[:-1]] if json.loads(e)["choices"])
         assert n > 100  # the stream ran to its end after the signal
         usage = json.loads(rest[-2]).get("usage") if len(rest) > 1 else None
         assert usage is None or usage["completion_tokens"] == 1000
@@ -346,16 +352,16 @@ def test_sigterm_drains_open_streams_then_exits_0(servers):
 def test_a_second_signal_exits_at_once(servers):
     s = servers["twice"].wait_ready()
     try:
-        body = {"prompt": "Once", "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", s.base + "/v1/completions", json=body, timeout=120) as r:
-            lines = r.iter_lines()
-            next(line for line in lines if line.startswith("data: "))
+        with _open_stream(s) as (_, events):
             s.proc.send_signal(signal.SIGTERM)
             time.sleep(0.2)
             s.proc.send_signal(signal.SIGTERM)
-            t0 = time.monotonic()
-            code = s.proc.wait(30)
-        assert time.monotonic() - t0 < 10 and code == 0
+            code = s.proc.wait(60)  # --drain-timeout is 600 s: only the second signal can end it this soon
+            try:
+                rest = list(events)
+            except httpx.HTTPError:  # the connection dropped mid-stream
+                rest = []
+        assert code == 0 and "[DONE]" not in rest  # it exited without finishing the open stream
     finally:
         s.stop()
 
