@@ -7,7 +7,7 @@ of events). Reported: 5xx count (must be 0), KV blocks and running/waiting reque
 (must be 0), the RSS of the API and engine processes after warm-up and at the end (growth <= 5 %),
 and output tok/s of the first and last 5 minutes (within 10 %).
 
-Usage: .venv/bin/python benchmarks/soak.py [--minutes 30] [--concurrency 16] [--json F]
+Usage: .venv/bin/python benchmarks/soak.py [--minutes 31] [--warmup 1] [--concurrency 16] [--json F]
 """
 from __future__ import annotations
 
@@ -57,20 +57,25 @@ async def client(c: httpx.AsyncClient, rng: random.Random, stop_at: float, log: 
         try:
             if kind in ("stream", "abort"):
                 cut = rng.randrange(1, 20) if kind == "abort" else None
-                async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                async with c.stream("POST", "/v1/completions",
+                                    json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
                     if r.status_code >= 500:
                         stats["5xx"] += 1
-                    seen = 0
+                    seen = seen_tokens = 0
                     async for line in r.aiter_lines():
                         if not line.startswith("data: ") or line == "data: [DONE]":
                             continue
                         ev = json.loads(line[6:])
+                        if ev.get("usage"):  # the closing usage chunk: the tokens the events did not count
+                            log.append((time.monotonic(), ev["usage"]["completion_tokens"] - seen_tokens))
+                            continue
                         if "error" in ev:
                             stats["errors"] += 1
                             continue
                         for ch in ev.get("choices", []):
-                            if ch.get("text"):
+                            if ch.get("text"):  # an event may carry several (speculated) tokens: usage settles it
                                 log.append((time.monotonic(), 1))
+                                seen_tokens += 1
                         seen += 1
                         if cut is not None and seen >= cut:
                             stats["aborted"] += 1
@@ -112,9 +117,12 @@ async def drive(url: str, minutes: float, conc: int, samples: list):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--minutes", type=float, default=30)
+    ap.add_argument("--minutes", type=float, default=31)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--window", type=float, default=5, help="minutes of the first and last throughput windows")
+    ap.add_argument("--warmup", type=float, default=1,
+                    help="minutes before the first throughput window and the RSS baseline (first requests page "
+                         "weights in and fill the allocator's pools)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     flags = ["--quantization", "gguf", "--speculative-method", "ngram", "--max-num-seqs", str(a.concurrency)]
@@ -125,11 +133,11 @@ def main():
         time.sleep(1)
         end = gauges(url)
         rss_end = rss_mb(url)
-    w = a.window * 60
-    first = sum(n for t, n in log if t - t0 < w) / w
+    w, warm_s = a.window * 60, a.warmup * 60
+    first = sum(n for t, n in log if warm_s <= t - t0 < warm_s + w) / w
     last_start = max(t for t, _ in log) - w
     last = sum(n for t, n in log if t >= last_start) / w
-    warm = next((s for t, s in samples if t - t0 >= w), samples[0][1] if samples else rss_end)
+    warm = next((s for t, s in samples if t - t0 >= warm_s), samples[0][1] if samples else rss_end)
     growth = {k: (rss_end[k] - warm[k]) / warm[k] for k in rss_end if k in warm}
     report = {"cpu": cpu_features(), "minutes": a.minutes, "concurrency": a.concurrency, "requests": stats,
               "end_gauges": end, "rss_mb_after_warmup": warm, "rss_mb_end": rss_end, "rss_growth": growth,

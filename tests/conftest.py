@@ -70,19 +70,19 @@ class ServerProc:
     (log_path, else a temporary one removed at stop). Start it, do other work, then wait_ready()."""
 
     def __init__(self, args: list[str], log_path=None, api_key: str | None = None, timeout: float = 240,
-                 env: dict | None = None):
+                 env: dict | None = None, command: str = "serve", port: int | None = None):
         import tempfile
 
         if api_key:
             args = ["--api-key", api_key, *args]
         self.auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.port = free_port()
+        self.port = port or free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.timeout = timeout
         self.keep_log = log_path is not None
         self.log = open(log_path, "w+b") if log_path else tempfile.NamedTemporaryFile(
             "w+b", prefix="inferd-serve-", suffix=".log", delete=False)
-        self.cmd = [sys.executable, "-m", "inferd", "serve", *args, "--port", str(self.port)]
+        self.cmd = [sys.executable, "-m", "inferd", command, *args, "--port", str(self.port)]
         self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env={**os.environ, **env} if env else None)
         self.ready = False

@@ -414,8 +414,8 @@ def test_prometheus_spec_metrics(tiny_model):
     text = m.render().decode()
     sp = eng.spec.stats
     assert sp.num_draft_tokens > 0
-    assert f'inferd:spec_decode_num_draft_tokens_total{{model_name="tiny"}} {float(sp.num_draft_tokens)}' in text
-    assert f'inferd:spec_decode_num_accepted_tokens_total{{model_name="tiny"}} {float(sp.num_accepted_tokens)}' in text
+    assert f'inferd:spec_decode_num_draft_tokens_total{{engine="0",model_name="tiny"}} {float(sp.num_draft_tokens)}' in text
+    assert f'inferd:spec_decode_num_accepted_tokens_total{{engine="0",model_name="tiny"}} {float(sp.num_accepted_tokens)}' in text
     assert "inferd:spec_decode_draft_acceptance_rate" in text and "inferd:spec_decode_mean_accepted_length" in text
 
 

@@ -144,6 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--engine-in-process", action="store_true",
                     help="run the engine loop on a thread of the server process instead of in its own process "
                          "(debugging; the default process boundary keeps HTTP work off the engine's cores)")
+    sv.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                    help="engine processes (model copies) behind this server, each pinned to its share of the cores")
+    sv.add_argument("--data-parallel-routing", default="prefix", choices=["prefix", "least_loaded", "round_robin"],
+                    help="how requests are spread over the engines (prefix: the engine holding the longest "
+                         "prefix of the prompt, unless loads are uneven)")
     sv.set_defaults(func=cmd_serve)
 
     ev = sub.add_parser("eval", help="quality of quantized configs vs the unaltered model (ppl, KL, top-1)")
@@ -205,7 +210,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--endpoint", default="/v1/completions", help="/v1/completions | /v1/chat/completions")
     b.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
     b.add_argument("--api-key", default=None, help="Bearer token (default: $OPENAI_API_KEY if set)")
-    b.add_argument("--dataset", default="random", choices=["random", "wikitext", "jsonl", "sharegpt"])
+    b.add_argument("--dataset", default="random",
+                   choices=["random", "wikitext", "jsonl", "sharegpt", "prefix-families", "multi-turn"])
+    b.add_argument("--prefix-families", type=int, default=8,
+                   help="prefix-families / multi-turn: shared system prompts (conversations)")
+    b.add_argument("--question-len", default="32", help="prefix-families / multi-turn: tokens of each question")
     b.add_argument("--dataset-path", default=None, help="wikitext: a text file; jsonl: {\"prompt\", "
                    "\"output_len\"} lines; sharegpt: JSON conversations")
     b.add_argument("--tokenizer", default=None, help="tokenizer.json | HF folder | .gguf | server "
@@ -235,6 +244,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-server-metrics", dest="server_metrics", action="store_false",
                    help="do not scrape the server's /metrics for the client-vs-server cross-check")
     b.set_defaults(func=cmd_bench)
+
+    rt = sub.add_parser("router", help="OpenAI-compatible router over several servers (prefix-, load-aware)")
+    from inferd.router.main import add_router_args
+
+    add_router_args(rt)
+    rt.set_defaults(func=cmd_router)
 
     ms = sub.add_parser("mock-server", help="OpenAI-compatible server with an exact, known token schedule")
     ms.add_argument("--ttft-ms", type=float, default=200.0)
@@ -306,6 +321,12 @@ def cmd_bench(args) -> int:
     from inferd.bench.main import main as bench_main
 
     return bench_main(args)
+
+
+def cmd_router(args) -> int:
+    from inferd.router.main import run
+
+    return run(args)
 
 
 def cmd_mock_server(args) -> int:

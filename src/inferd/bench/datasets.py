@@ -1,4 +1,9 @@
-"""Benchmark prompts: random tokens, WikiText-2 slices, JSONL prompts, ShareGPT conversations.
+"""Benchmark prompts: random tokens, WikiText-2 slices, JSONL prompts, ShareGPT conversations, and
+two workloads with shared prefixes for prefix caching and prefix routing to find:
+`prefix-families` (K shared system prompts of --input-len tokens, each request one of them plus its
+own --question-len question, in random order) and `multi-turn` (K conversations; each turn's prompt
+is the previous turn's prompt + an answer of --output-len tokens + a new question, turns sent in
+order, conversations interleaved; the answers are fixed random text, as the load is open-loop).
 
 Lengths (`--input-len`, `--output-len`): `N`, `MIN-MAX` (uniform integers), or `normal:MEAN,STD`
 (rounded, at least 1). Random and WikiText prompts hit their input length exactly under the
@@ -105,12 +110,50 @@ class _Exact:
         return best[0], best[1] + self.n_special
 
 
+def _prefix_prompts(dataset: str, num: int, ex: "_Exact", rng: random.Random, in_spec, out_spec, q_spec,
+                    families: int) -> list[BenchPrompt]:
+    vocab = ex.vocab()
+
+    def text(n: int) -> str:
+        def more(k):
+            return [rng.choice(vocab) for _ in range(k)]
+
+        return ex.fit(more(n), n, more)[0]
+
+    def bench_prompt(t: str, olen: int) -> BenchPrompt:
+        return BenchPrompt(t, len(ex.tok.encode(t)), olen)
+
+    systems = [text(in_spec(rng)) for _ in range(families)]
+    if dataset == "prefix-families":
+        order = [i % families for i in range(num)]
+        rng.shuffle(order)
+        return [bench_prompt(systems[f] + "\n" + text(q_spec(rng)), out_spec(rng)) for f in order]
+    contexts = list(systems)  # multi-turn: the conversation so far, per conversation
+    out = []
+    for i in range(num):
+        c = i % families
+        olen = out_spec(rng)
+        prompt = contexts[c] + "\nUser: " + text(q_spec(rng)) + "\nAssistant:"
+        out.append(bench_prompt(prompt, olen))
+        contexts[c] = prompt + " " + text(olen)
+    return out
+
+
 def build_prompts(dataset: str, num: int, tokenizer, input_len: str, output_len: str | None, seed: int,
-                  path: str | None = None) -> tuple[list[BenchPrompt], list[str]]:
+                  path: str | None = None, families: int = 8,
+                  question_len: str = "32") -> tuple[list[BenchPrompt], list[str]]:
     """(prompts, warnings)."""
     rng = random.Random(f"dataset:{seed}")
     out_spec = parse_length(output_len, "--output-len") if output_len is not None else None
     warnings: list[str] = []
+    if dataset in ("prefix-families", "multi-turn"):
+        if tokenizer is None:
+            raise InferdError(f"--dataset {dataset} needs a tokenizer: pass --tokenizer PATH|server")
+        if families < 1:
+            raise InferdError("--prefix-families must be >= 1")
+        return _prefix_prompts(dataset, num, _Exact(tokenizer), rng, parse_length(input_len, "--input-len"),
+                               out_spec or parse_length("128", "--output-len"),
+                               parse_length(question_len, "--question-len"), families), warnings
     if dataset in ("random", "wikitext"):
         if tokenizer is None:
             raise InferdError(f"--dataset {dataset} needs a tokenizer: pass --tokenizer PATH|server "
@@ -162,7 +205,8 @@ def build_prompts(dataset: str, num: int, tokenizer, input_len: str, output_len:
     elif dataset == "sharegpt":
         items = _sharegpt_items(path, tokenizer)
     else:
-        raise InferdError(f"unknown --dataset {dataset!r} (random, wikitext, jsonl, sharegpt)")
+        raise InferdError(f"unknown --dataset {dataset!r} (random, wikitext, jsonl, sharegpt, prefix-families, "
+                          f"multi-turn)")
     if not items:
         raise InferdError(f"no usable prompts in {path}")
     rng.shuffle(items)

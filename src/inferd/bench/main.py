@@ -166,11 +166,13 @@ def cmd_run(args) -> int:
     model = args.model or (models[0] if models else None)
     tok, tok_id = resolve_tokenizer(args.tokenizer, args.base_url, model, api_key)
     prompts, warnings = build_prompts(args.dataset, args.num_prompts, tok, args.input_len, args.output_len,
-                                      args.seed, args.dataset_path)
+                                      args.seed, args.dataset_path, args.prefix_families, args.question_len)
     cfg = {"base_url": args.base_url, "endpoint": args.endpoint,
            "endpoint_type": "chat" if "chat" in args.endpoint else "completions", "model": model,
            "tokenizer": tok_id, "dataset": args.dataset, "dataset_path": args.dataset_path,
            "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
+           **({"prefix_families": args.prefix_families, "question_len": args.question_len}
+              if args.dataset in ("prefix-families", "multi-turn") else {}),
            "request_rate": _safe(rate), "burstiness": _safe(burst), "max_concurrency": args.max_concurrency,
            "seed": args.seed, "warmup": args.warmup, "percentiles": percentiles, "goodput": goodput,
            "timeout": args.timeout, "extra_body": extra, "api_key": api_key}

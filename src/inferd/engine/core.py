@@ -59,6 +59,7 @@ class Ready:
     max_model_len: int
     vocab_size: int
     speculative: bool
+    cache_info: dict = field(default_factory=dict)  # LLMEngine.cache_info()
 
 
 @dataclass
@@ -82,8 +83,11 @@ class Fault:
 
 # -- the core process ----------------------------------------------------------------------------
 
-def run_core(cfg, to_core: str, from_core: str, threads: int | None, log_level: int = logging.INFO):
-    """The core process's main (started with `spawn`): build the engine, then serve messages."""
+def run_core(cfg, to_core: str, from_core: str, threads: int | None, log_level: int = logging.INFO,
+             cpus: list[int] | None = None):
+    """The core process's main (started with `spawn`): build the engine, then serve messages.
+    `cpus`: the cores this engine is pinned to (data parallelism: replicas must not share cores,
+    or their OpenMP workers preempt each other at every barrier)."""
     import signal
     import sys
 
@@ -91,6 +95,9 @@ def run_core(cfg, to_core: str, from_core: str, threads: int | None, log_level: 
     # SIGTERM sent to the whole process group must not kill it under the open requests.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+        threads = threads or len(cpus)
     if threads:  # before torch loads, so OpenMP starts with this many workers
         for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             os.environ[k] = str(threads)
@@ -115,7 +122,7 @@ def run_core(cfg, to_core: str, from_core: str, threads: int | None, log_level: 
         src = engine.loaded.source
         tok_path = src.path if src.kind != "builtin" else (default_model_path() if engine.tokenizer else None)
         send(Ready(os.getpid(), src.name, tok_path if engine.tokenizer else None, engine.max_model_len,
-                   engine.model_config.vocab_size, engine.spec is not None))
+                   engine.model_config.vocab_size, engine.spec is not None, engine.cache_info()))
         _serve(engine, pull, send, os.getppid())
     except Exception as e:  # the engine cannot go on: say why, then exit non-zero
         log.exception("engine core died")
@@ -184,6 +191,11 @@ class EngineView:
         self.model_name = ready.model_name
         self.model_config = SimpleNamespace(vocab_size=ready.vocab_size)
         self.speculative = ready.speculative
+        self._cache_info = ready.cache_info
+        self.pid = ready.pid
+
+    def cache_info(self) -> dict:
+        return self._cache_info
 
 
 class EngineCoreClient:
@@ -193,7 +205,7 @@ class EngineCoreClient:
     is filled on the finishing output only, as joining it every step would cost O(length) a token."""
 
     def __init__(self, cfg, max_waiting: int = 512, on_step=None, on_finish=None, on_fault=None,
-                 start_timeout: float = 600):
+                 start_timeout: float = 600, cpus: list[int] | None = None, name: str = "inferd-engine-core"):
         import multiprocessing as mp
 
         import zmq
@@ -218,8 +230,9 @@ class EngineCoreClient:
         self._pull.bind(from_core)
         # spawn, not fork: forking after torch/OpenMP started can deadlock the child
         level = logging.getLogger().getEffectiveLevel()
-        self.proc = mp.get_context("spawn").Process(target=run_core, args=(cfg, to_core, from_core, cfg.threads, level),
-                                                    name="inferd-engine-core", daemon=True)
+        self.proc = mp.get_context("spawn").Process(target=run_core,
+                                                    args=(cfg, to_core, from_core, cfg.threads, level, cpus),
+                                                    name=name, daemon=True)
         self.proc.start()
         ready = self._wait_ready(start_timeout)
         if isinstance(ready, Fault):

@@ -74,6 +74,7 @@ class EngineSnapshot:
     prefix_hits: int = 0
     preemptions: int = 0
     spec: dict | None = None  # SpecStats counters and rates, with speculation
+    steps: int = 0
 
 
 class LLMEngine:
@@ -132,6 +133,12 @@ class LLMEngine:
             self.spec = SpecDecoder(self, draft_loaded)
             log.info("speculative decoding: %s, %d tokens%s", cfg.speculative_method, cfg.num_speculative_tokens,
                      f" (draft: {self.spec.draft_desc})" if self.spec.draft_desc else "")
+
+    def cache_info(self) -> dict:
+        """The KV cache's configuration, as vLLM's cache_config_info labels it."""
+        return {"block_size": self.config.block_size, "num_blocks": self.block_manager.num_blocks,
+                "dtype": str(self._kv_dtype()).replace("torch.", ""),
+                "prefix_caching": self.config.enable_prefix_caching}
 
     def _kv_dtype(self) -> torch.dtype:
         c = self.config.kv_cache_dtype
@@ -216,7 +223,7 @@ class LLMEngine:
                                                 "num_emitted_tokens", "draft_time", "verify_time")}
             spec.update(acceptance_rate=st.acceptance_rate, mean_accepted_length=st.mean_accepted_length)
         return EngineSnapshot(len(self.scheduler.running), len(self.scheduler.waiting), bm.num_used, bm.num_blocks,
-                              bm.queries, bm.hits, self.stats.preemptions, spec)
+                              bm.queries, bm.hits, self.stats.preemptions, spec, self.stats.steps)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()

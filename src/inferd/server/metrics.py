@@ -1,17 +1,60 @@
-"""Prometheus metrics from the engine's own timing events, named as vLLM names them (inferd: prefix)."""
+"""Prometheus metrics from the engine's own timing events, named as vLLM names them (inferd: prefix).
+
+Every series has an `engine` label ("0", "1", ... with --data-parallel-size), as vLLM's do. The
+ones Kubernetes LLM routers read (the Gateway API Inference Extension's endpoint picker, llm-d,
+KServe) are exposed a second time under their vLLM names, same values, so inferd can stand where
+they expect vLLM: see VLLM_NAMES.
+"""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
+
+# inferd name -> the vLLM names it is also exposed as (gpu_cache_usage_perc: vLLM before 0.10, which
+# older endpoint pickers still read)
+VLLM_NAMES = {
+    "inferd:num_requests_running": ("vllm:num_requests_running",),
+    "inferd:num_requests_waiting": ("vllm:num_requests_waiting",),
+    "inferd:kv_cache_usage_perc": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "inferd:cache_config_info": ("vllm:cache_config_info",),
+    "inferd:time_to_first_token_seconds": ("vllm:time_to_first_token_seconds",),
+    "inferd:inter_token_latency_seconds": ("vllm:inter_token_latency_seconds",),
+    "inferd:e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds",),
+    "inferd:request_queue_time_seconds": ("vllm:request_queue_time_seconds",),
+    "inferd:prompt_tokens": ("vllm:prompt_tokens",),
+    "inferd:generation_tokens": ("vllm:generation_tokens",),
+    "inferd:prefix_cache_queries": ("vllm:prefix_cache_queries",),
+    "inferd:prefix_cache_hits": ("vllm:prefix_cache_hits",),
+    "inferd:num_preemptions": ("vllm:num_preemptions",),
+    "inferd:request_success": ("vllm:request_success",),
+}
+
+
+class _Renamed:
+    """A collector that re-exposes another registry's families under other names."""
+
+    def __init__(self, source: CollectorRegistry, names: dict[str, tuple[str, ...]]):
+        self.source, self.names = source, names
+
+    def collect(self):
+        for fam in self.source.collect():
+            for new in self.names.get(fam.name, ()):
+                out = Metric(new, fam.documentation, fam.type, fam.unit)
+                for s in fam.samples:
+                    out.add_sample(new + s.name[len(fam.name):], s.labels, s.value, s.timestamp, s.exemplar)
+                yield out
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0)
 
 
 class Metrics:
-    def __init__(self, model_name: str, speculative: bool = False):
+    def __init__(self, model_name: str, speculative: bool = False, engines: int = 1):
         self.registry = r = CollectorRegistry()
-        L = ["model_name"]
-        self.labels = {"model_name": model_name}
+        L = ["model_name", "engine"]
+        self.model_name = model_name
+        self.aliases = CollectorRegistry()
+        self.aliases.register(_Renamed(r, VLLM_NAMES))
         self.ttft = Histogram("inferd:time_to_first_token_seconds", "Time to first token.", L,
                               buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("inferd:inter_token_latency_seconds", "Time between consecutive tokens.", L,
@@ -32,7 +75,11 @@ class Metrics:
         self.preemptions = Counter("inferd:num_preemptions", "Preemptions.", L, registry=r)
         self.requests = Counter("inferd:request_success", "Finished requests by reason.",
                                 L + ["finished_reason"], registry=r)
-        self._last = {"queries": 0, "hits": 0, "preempt": 0}
+        self.steps = Counter("inferd:engine_steps", "Engine steps (forward passes) run.", L, registry=r)
+        self.cache_config = Gauge("inferd:cache_config_info", "KV cache configuration (value 1).",
+                                  L + ["block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching"],
+                                  registry=r)
+        keys = ["queries", "hits", "preempt", "steps"]
         self.spec = None
         if speculative:
             self.spec = {
@@ -55,32 +102,47 @@ class Metrics:
                                    registry=r)
             self.spec_len = Gauge("inferd:spec_decode_mean_accepted_length",
                                   "Mean accepted guesses per verify step.", L, registry=r)
-            self._last.update({k: 0 for k in self.spec})
+            keys += list(self.spec)
+        self._last = [dict.fromkeys(keys, 0) for _ in range(engines)]
+        for e in range(engines):  # every engine's series exist (at 0) before its first step
+            lab = self.labels(e)
+            for g in (self.running, self.waiting, self.kv_usage):
+                g.labels(**lab).set(0)
+            for c in (self.steps, self.prompt_tokens, self.gen_tokens, self.pc_queries, self.pc_hits):
+                c.labels(**lab)
 
-    def on_step(self, snap):
+    def labels(self, engine: int = 0) -> dict:
+        return {"model_name": self.model_name, "engine": str(engine)}
+
+    def cache_info(self, engine: int, block_size: int, num_blocks: int, dtype: str, prefix_caching: bool):
+        self.cache_config.labels(**self.labels(engine), block_size=str(block_size), num_gpu_blocks=str(num_blocks),
+                                 cache_dtype=dtype, enable_prefix_caching=str(bool(prefix_caching))).set(1)
+
+    def on_step(self, snap, engine: int = 0):
         """After every engine step, with its EngineSnapshot: gauges and counter deltas."""
-        lab = self.labels
+        lab, last = self.labels(engine), self._last[engine]
         self.running.labels(**lab).set(snap.running)
         self.waiting.labels(**lab).set(snap.waiting)
         self.kv_usage.labels(**lab).set(snap.kv_used / snap.kv_total)
         for key, now, counter in (("queries", snap.prefix_queries, self.pc_queries),
                                   ("hits", snap.prefix_hits, self.pc_hits),
-                                  ("preempt", snap.preemptions, self.preemptions)):
-            if now > self._last[key]:
-                counter.labels(**lab).inc(now - self._last[key])
-            self._last[key] = now
+                                  ("preempt", snap.preemptions, self.preemptions),
+                                  ("steps", snap.steps, self.steps)):
+            if now > last[key]:
+                counter.labels(**lab).inc(now - last[key])
+            last[key] = now
         if self.spec is not None and snap.spec is not None:
             for key, counter in self.spec.items():
                 now = snap.spec[key]
-                if now > self._last[key]:
-                    counter.labels(**lab).inc(now - self._last[key])
-                self._last[key] = now
+                if now > last[key]:
+                    counter.labels(**lab).inc(now - last[key])
+                last[key] = now
             self.spec_rate.labels(**lab).set(snap.spec["acceptance_rate"])
             self.spec_len.labels(**lab).set(snap.spec["mean_accepted_length"])
 
-    def on_finish(self, out):
+    def on_finish(self, out, engine: int = 0):
         """Engine thread, for each finished sequence: its latencies from the engine's events."""
-        lab = self.labels
+        lab = self.labels(engine)
         t = out.timings
         if out.index == 0:
             self.prompt_tokens.labels(**lab).inc(out.num_prompt_tokens)
@@ -98,4 +160,4 @@ class Metrics:
             self.itl.labels(**lab).observe(b - a)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.registry) + generate_latest(self.aliases)

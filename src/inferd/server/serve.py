@@ -25,6 +25,24 @@ def _exit_soon(reason: str):
     t.start()
 
 
+def _exit_when_drained(llm, timeout: float):
+    """One of several engines died: its requests already failed; the others' open requests get
+    up to `timeout` to finish, then the process exits non-zero (see server.data_parallel)."""
+    import threading
+    import time
+
+    def wait():
+        deadline = time.monotonic() + timeout
+        while llm.open_requests() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(FAULT_GRACE_S)  # the last responses leave the socket
+        os._exit(FAULT_EXIT_CODE)
+
+    log.error("an engine process failed (%s): no new requests; exiting with %d once the other engines' "
+              "open requests finish (at most %.0f s)", llm.dead, FAULT_EXIT_CODE, timeout)
+    threading.Thread(target=wait, daemon=True).start()
+
+
 def serve(args) -> int:
     import uvicorn
 
@@ -43,18 +61,33 @@ def serve(args) -> int:
     api_key = args.api_key or os.environ.get("INFERD_API_KEY")
     metrics_box = {}
 
-    def on_step(snap):  # the metrics exist once the model is loaded; no step runs before
+    def on_step(snap, engine: int = 0):  # the metrics exist once the model is loaded; no step runs before
         if "m" in metrics_box:
-            metrics_box["m"].on_step(snap)
+            metrics_box["m"].on_step(snap, engine)
 
-    def on_finish(out):
+    def on_finish(out, engine: int = 0):
         if "m" in metrics_box:
-            metrics_box["m"].on_finish(out)
+            metrics_box["m"].on_finish(out, engine)
 
-    if args.engine_in_process:
+    dp = args.data_parallel_size
+    if dp < 1:
+        raise InferdError("--data-parallel-size must be >= 1")
+    if dp > 1 and args.engine_in_process:
+        raise InferdError("--data-parallel-size > 1 runs each engine in its own process: drop --engine-in-process")
+    if dp > 1:
+        from inferd.server.data_parallel import EngineGroup
+
+        llm = EngineGroup(cfg, dp, max_waiting=args.max_waiting, on_step=on_step, on_finish=on_finish,
+                          on_fault=lambda reason: _exit_when_drained(llm, args.drain_timeout),
+                          policy=args.data_parallel_routing)
+        engine = llm.engine
+        model_name, speculative = engine.model_name, engine.speculative
+        caches = [c.engine.cache_info() for c in llm.clients]
+    elif args.engine_in_process:
         engine = LLMEngine(cfg)
         model_name, speculative = engine.loaded.source.name, engine.spec is not None
         llm = AsyncLLM(engine, max_waiting=args.max_waiting, on_step=on_step, on_finish=on_finish)
+        caches = [engine.cache_info()]
     else:
         from inferd.engine.core import EngineCoreClient
 
@@ -62,12 +95,16 @@ def serve(args) -> int:
                                on_fault=_exit_soon)
         engine = llm.engine
         model_name, speculative = engine.model_name, engine.speculative
+        caches = [engine.cache_info()]
     if engine.tokenizer is None:
         llm.shutdown()
         raise InferdError("the server needs a model with a tokenizer")
     name = args.served_model_name or model_name
     aliases = {n for n in (args.model, model_name) if n}
-    metrics_box["m"] = metrics = Metrics(name, speculative=speculative)
+    metrics = Metrics(name, speculative=speculative, engines=dp)
+    for i, c in enumerate(caches):
+        metrics.cache_info(i, c["block_size"], c["num_blocks"], c["dtype"], c["prefix_caching"])
+    metrics_box["m"] = metrics
     limits = Limits.from_args(args)
     app = create_app(llm, name, api_key=api_key, metrics=metrics, aliases=aliases, limits=limits,
                      allowed_origins=parse_origins(args.allowed_origins))

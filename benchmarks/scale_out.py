@@ -1,0 +1,144 @@
+"""Scaling out on one box, in one run: one server on all threads vs `--data-parallel-size 2` (one
+thread each, pinned) vs `inferd router` over two one-thread servers (pinned with taskset).
+
+For each: output tok/s, TTFT and TPOT p50/p99 at each concurrency, on a shared-prefix workload
+(`--dataset prefix-families`: 8 system prompts of 384 tokens, a 32-token question each) and a
+random one (256 in). All `--quantization gguf`, 64 output tokens (ignore_eos). Every server's
+prefix-cache hit rate over the whole run is printed beside.
+
+What a 2-core machine can show: replicas do not add cores here. Two engines of one thread each
+split the same two cores a single two-thread engine uses; what can differ is how well a batch
+uses a core (one-thread matmuls do not wait at OpenMP barriers; two smaller batches are each
+less efficient than one big one), and the router adds a third process that takes CPU from
+the engines. Scale-out pays on a machine with more cores than one engine can use; this only
+shows the overheads and the cache effects.
+
+Usage: .venv/bin/python benchmarks/scale_out.py [--concurrency 1,8,32,64] [--workloads prefix,random] [--json F]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import httpx  # noqa: E402
+
+from common import cpu_features  # noqa: E402
+from serving import fmt, free_port, inferd_env, inferd_serve_cmd, print_table, run_bench, server  # noqa: E402
+
+OUT_LEN = 64
+WORKLOADS = {
+    "prefix": ["--dataset", "prefix-families", "--prefix-families", "8", "--input-len", "384",
+               "--question-len", "32"],
+    "random": ["--dataset", "random", "--input-len", "256"],
+}
+BASE = ["--quantization", "gguf", "--max-num-seqs", "64"]
+
+
+def requests_for(c: int) -> int:
+    return max(16, 2 * c)
+
+
+@contextlib.contextmanager
+def single():
+    with server(inferd_serve_cmd(*BASE, "--threads", "2", port=free_port()), "one-server", env=inferd_env()) as url:
+        yield url, [url]
+
+
+@contextlib.contextmanager
+def data_parallel():
+    with server(inferd_serve_cmd(*BASE, "--data-parallel-size", "2", port=free_port()), "dp2",
+                env=inferd_env()) as url:
+        yield url, [url]
+
+
+@contextlib.contextmanager
+def routed():
+    taskset = shutil.which("taskset")
+    ncpu = len(os.sched_getaffinity(0))
+
+    def pinned(cpu: int, cmd: list[str]) -> list[str]:
+        return [taskset, "-c", str(cpu % ncpu), *cmd] if taskset else cmd
+
+    ports = [free_port(), free_port()]
+    with contextlib.ExitStack() as st:
+        urls = []
+        for i, p in enumerate(ports):
+            cmd = pinned(i, inferd_serve_cmd(*BASE, "--threads", "1", port=p))
+            urls.append(st.enter_context(server(cmd, f"replica{i}", env=inferd_env())))
+        rport = free_port()
+        rcmd = [sys.executable, "-m", "inferd", "router", "--port", str(rport), "--policy", "prefix",
+                *[a for u in urls for a in ("--backend", u)]]
+        url = st.enter_context(server(rcmd, "router", env=inferd_env()))
+        yield url, urls
+
+
+SETUPS = [("one server, 2 threads", single), ("--data-parallel-size 2", data_parallel),
+          ("router over 2 x 1 thread", routed)]
+
+
+def cache_counts(urls: list[str]) -> tuple[float, float]:
+    hits = queries = 0.0
+    for u in urls:
+        for line in httpx.get(u + "/metrics", timeout=10).text.splitlines():
+            if line.startswith("inferd:prefix_cache_hits_total"):
+                hits += float(line.split()[-1])
+            elif line.startswith("inferd:prefix_cache_queries_total"):
+                queries += float(line.split()[-1])
+    return hits, queries
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--concurrency", default="1,8,32,64")
+    ap.add_argument("--workloads", default="prefix,random")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    concs = [int(x) for x in a.concurrency.split(",")]
+    works = a.workloads.split(",")
+    results = []
+    for name, setup in SETUPS:
+        with setup() as (url, backends):
+            for w in works:
+                h0, q0 = cache_counts(backends)
+                for c in concs:
+                    res = run_bench(url, *WORKLOADS[w], "--output-len", str(OUT_LEN), "--num-prompts",
+                                    str(requests_for(c)), "--max-concurrency", str(c), "--seed", str(c),
+                                    "--no-server-metrics")
+                    results.append({"setup": name, "workload": w, "concurrency": c, **{
+                        k: res.get(k) for k in ("output_throughput", "median_ttft_ms", "p99_ttft_ms",
+                                                "median_tpot_ms", "p99_tpot_ms", "failed")}})
+                h1, q1 = cache_counts(backends)
+                results.append({"setup": name, "workload": w,
+                                "hit_rate": (h1 - h0) / (q1 - q0) if q1 > q0 else None})
+    header = ["setup", "conc", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "vs one server"]
+    tables = []
+    for w in works:
+        base = {r["concurrency"]: r["output_throughput"] for r in results
+                if r["setup"] == SETUPS[0][0] and r["workload"] == w and "concurrency" in r}
+        rows = []
+        for r in results:
+            if r["workload"] != w or "concurrency" not in r:
+                continue
+            ratio = (r["output_throughput"] / base[r["concurrency"]]) if base.get(r["concurrency"]) else None
+            rows.append([r["setup"], str(r["concurrency"]), fmt(r["output_throughput"], "{:.1f}"),
+                         fmt(r["median_ttft_ms"], "{:.0f}"), fmt(r["p99_ttft_ms"], "{:.0f}"),
+                         fmt(r["median_tpot_ms"], "{:.1f}"), fmt(r["p99_tpot_ms"], "{:.1f}"),
+                         fmt(ratio, "{:.2f}x")])
+        hits = ", ".join(f"{r['setup']} {fmt(r['hit_rate'] and 100 * r['hit_rate'], '{:.0f}')} %"
+                         for r in results if r["workload"] == w and "hit_rate" in r)
+        tables.append(print_table(f"\n{cpu_features()} -- {w} workload, {OUT_LEN} output tokens, gguf "
+                                  f"(ms; prefix-cache hit rate over the run: {hits})", header, rows))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"cpu": cpu_features(), "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,261 @@
+"""`inferd router`: an OpenAI-compatible front over several OpenAI-compatible servers.
+
+Per request: parse just enough of the body to route it (the prompt's text: no backend's tokenizer is
+needed), pick a live backend with the policy, forward the body untouched. A backend that fails
+before the first byte of its answer (connection refused or reset, 502/503/504) costs the request
+nothing: it is sent once more, to another backend. Once bytes have gone to the client the answer
+is that backend's: a stream that breaks mid-way ends with an SSE error event and [DONE], never a
+silent truncation; a plain answer that breaks is a 502. Streams are passed on chunk by chunk as
+they arrive; the next chunk is read only when the client took the last, so a slow reader slows
+its backend stream, not the router's memory.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from inferd.router.backends import Pool
+from inferd.router.policy import Balancer
+
+log = logging.getLogger("inferd")
+
+RETRY_STATUSES = (502, 503, 504)
+HOP_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
+               "proxy-authorization", "proxy-connection", "accept-encoding"}
+
+
+def error_body(message: str, type_: str = "invalid_request_error", code: int = 400) -> dict:
+    return {"error": {"message": message, "type": type_, "param": None, "code": code}}
+
+
+def routing_text(body: dict, chat: bool) -> str:
+    """What the prefix policy matches on: the prompt as text, or the chat messages in order."""
+    if chat:
+        parts = []
+        for m in body.get("messages") or []:
+            if not isinstance(m, dict):
+                continue
+            c = m.get("content")
+            if isinstance(c, list):
+                c = "".join(p.get("text", "") for p in c if isinstance(p, dict))
+            parts.append(f"{m.get('role', '')}:{c if isinstance(c, str) else ''}\n")
+        return "".join(parts)
+    p = body.get("prompt")
+    if isinstance(p, str):
+        return p
+    if isinstance(p, list):
+        return "\n".join(x if isinstance(x, str) else json.dumps(x) for x in p)
+    return ""
+
+
+class RouterMetrics:
+    def __init__(self, urls: list[str]):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("inferd:router_requests", "Requests sent to each backend (retries included).",
+                                ["backend"], registry=r)
+        self.retries = Counter("inferd:router_retries", "Requests sent again after their backend failed "
+                               "before answering.", ["backend"], registry=r)
+        self.failed = Counter("inferd:router_failed", "Requests that got no answer from any backend, or whose "
+                              "backend broke mid-answer.", ["reason"], registry=r)
+        self.up = Gauge("inferd:router_backend_up", "1 if the backend passes its health check.", ["backend"],
+                        registry=r)
+        self.backends_up = Gauge("inferd:router_backends_up", "Backends passing their health check.", registry=r)
+        self.inflight = Gauge("inferd:router_requests_in_flight", "Requests open at each backend.", ["backend"],
+                              registry=r)
+        self.decisions = Counter("inferd:router_decisions", "Routing decisions by reason (prefix: followed the "
+                                 "cache; balance: load overrode it; new: no backend had the prefix).",
+                                 ["reason"], registry=r)
+        for u in urls:
+            self.requests.labels(backend=u)
+            self.up.labels(backend=u).set(0)
+            self.inflight.labels(backend=u).set(0)
+
+
+def create_router_app(urls: list[str], policy: str = "prefix", health_interval: float = 2.0,
+                      request_timeout: float = 600.0, max_body_bytes: int = 4 << 20, chunk_chars: int = 64,
+                      cache_chunks: int = 1 << 16, balance_abs: float = 4, balance_rel: float = 1.5,
+                      cache_threshold: float = 0.5) -> Starlette:
+    import httpx
+
+    metrics = RouterMetrics(urls)
+    balancer = Balancer(urls, policy, chunk=chunk_chars, capacity=cache_chunks, cache_threshold=cache_threshold,
+                        balance_abs=balance_abs, balance_rel=balance_rel)
+    state: dict = {}
+
+    def on_change(b, up: bool):
+        metrics.up.labels(backend=b.url).set(1 if up else 0)
+        metrics.backends_up.set(len(pool.live()))
+        balancer.forget(b.url)  # down: whatever it cached may be gone when it is back
+
+    timeout = httpx.Timeout(connect=5.0, read=request_timeout, write=30.0, pool=30.0)
+    client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=4096,
+                                                                     max_keepalive_connections=256))
+    pool = Pool(urls, client, health_interval, on_change)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await asyncio.gather(*(pool.check(b) for b in pool.backends.values()))
+        state["health"] = asyncio.create_task(pool.run())
+        try:
+            yield
+        finally:
+            state["health"].cancel()
+            await client.aclose()
+
+    def unavailable(msg: str) -> JSONResponse:
+        return JSONResponse(error_body(msg, "service_unavailable", 503), status_code=503,
+                            headers={"Retry-After": str(max(1, int(health_interval)))})
+
+    async def read_body(request: Request) -> bytes | Response:
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > max_body_bytes:
+            return JSONResponse(error_body(f"request body over {max_body_bytes} bytes", code=413), status_code=413)
+        data = bytearray()
+        try:
+            async for part in request.stream():
+                data += part
+                if len(data) > max_body_bytes:
+                    return JSONResponse(error_body(f"request body over {max_body_bytes} bytes", code=413),
+                                        status_code=413)
+        except ClientDisconnect:
+            return Response(status_code=400)
+        return bytes(data)
+
+    async def generate(request: Request) -> Response:
+        chat = request.url.path.endswith("/chat/completions")
+        raw = await read_body(request)
+        if isinstance(raw, Response):
+            return raw
+        try:
+            body = json.loads(raw or b"{}")
+        except ValueError:
+            return JSONResponse(error_body("request body is not valid JSON"), status_code=400)
+        if not isinstance(body, dict):
+            return JSONResponse(error_body("request body must be a JSON object"), status_code=400)
+        text = routing_text(body, chat)
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        tried: list[str] = []
+        last_error = ""
+        for attempt in range(2):  # the first choice, then once more elsewhere if it failed before answering
+            live = [u for u in pool.live() if u not in tried]
+            if not live:
+                break
+            pick = balancer.pick(text, pool.loads(), live)
+            url = pick.target
+            tried.append(url)
+            metrics.decisions.labels(reason=pick.reason).inc()
+            metrics.requests.labels(backend=url).inc()
+            if attempt:
+                metrics.retries.labels(backend=url).inc()
+            b = pool.backends[url]
+            b.inflight += 1
+            metrics.inflight.labels(backend=url).inc()
+            b.sent += 1
+            released = False
+
+            def release(b=b, url=url):
+                nonlocal released
+                if not released:
+                    released = True
+                    b.inflight -= 1
+                    metrics.inflight.labels(backend=url).dec()
+
+            try:
+                req = client.build_request("POST", url + request.url.path, content=raw, headers=headers)
+                resp = await client.send(req, stream=True)
+            except httpx.HTTPError as e:
+                release()
+                last_error = f"{url}: {type(e).__name__}"
+                pool.mark(b, False, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
+                continue
+            if resp.status_code in RETRY_STATUSES and attempt == 0 and len(pool.live()) > 1:
+                await resp.aclose()
+                release()
+                last_error = f"{url}: {resp.status_code}"
+                continue
+            return await relay(resp, release, url)
+        metrics.failed.labels(reason="no_backend").inc()
+        if last_error:
+            return JSONResponse(error_body(f"no backend could take the request (last: {last_error})",
+                                           "service_unavailable", 503), status_code=503,
+                                headers={"Retry-After": str(max(1, int(health_interval)))})
+        return unavailable("no healthy backend")
+
+    async def relay(resp, release, url: str) -> Response:
+        ctype = resp.headers.get("content-type", "application/json")
+        keep = {k: v for k, v in resp.headers.items() if k.lower() in ("retry-after", "x-request-id")}
+        if not ctype.startswith("text/event-stream"):
+            try:
+                data = await resp.aread()
+            except httpx.HTTPError as e:
+                metrics.failed.labels(reason="broken_answer").inc()
+                return JSONResponse(error_body(f"backend {url} broke off its answer ({type(e).__name__})",
+                                               "bad_gateway", 502), status_code=502)
+            finally:
+                await resp.aclose()
+                release()
+            return Response(data, status_code=resp.status_code, media_type=ctype, headers=keep)
+
+        async def chunks():
+            try:
+                async for part in resp.aiter_raw():
+                    yield part
+            except httpx.HTTPError as e:
+                metrics.failed.labels(reason="broken_stream").inc()
+                msg = f"backend {url} broke off the stream ({type(e).__name__})"
+                yield b"data: " + json.dumps(error_body(msg, "bad_gateway", 502)).encode() + b"\n\n"
+                yield b"data: [DONE]\n\n"
+            finally:
+                await resp.aclose()
+                release()
+
+        return StreamingResponse(chunks(), status_code=resp.status_code, media_type=ctype, headers=keep)
+
+    async def models(request: Request) -> Response:
+        seen, data = set(), []
+        for url in pool.live():
+            try:
+                r = await client.get(url + "/v1/models", headers={k: v for k, v in request.headers.items()
+                                                                  if k.lower() == "authorization"})
+                items = r.json().get("data", []) if r.status_code == 200 else []
+            except (httpx.HTTPError, ValueError, AttributeError):
+                continue
+            for m in items:
+                if isinstance(m, dict) and m.get("id") not in seen:
+                    seen.add(m.get("id"))
+                    data.append(m)
+        if not data and not pool.live():
+            return unavailable("no healthy backend")
+        return JSONResponse({"object": "list", "data": data})
+
+    async def health(request: Request) -> Response:
+        live = pool.live()
+        body = {"status": "ok" if live else "error", "backends_up": len(live), "backends": len(pool.backends)}
+        return JSONResponse(body, status_code=200 if live else 503,
+                            headers=None if live else {"Retry-After": str(max(1, int(health_interval)))})
+
+    async def prom(request: Request) -> Response:
+        return Response(generate_latest(metrics.registry), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def not_found(request: Request, exc) -> Response:
+        code = getattr(exc, "status_code", 404)
+        kind = "not_found_error" if code == 404 else "invalid_request_error"
+        return JSONResponse(error_body("no such route" if code == 404 else "method not allowed", kind, code),
+                            status_code=code)
+
+    routes = [Route("/v1/completions", generate, methods=["POST"]),
+              Route("/v1/chat/completions", generate, methods=["POST"]),
+              Route("/v1/models", models, methods=["GET"]),
+              Route("/health", health, methods=["GET"]),
+              Route("/metrics", prom, methods=["GET"])]
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found, 405: not_found})
+    app.state.pool, app.state.balancer, app.state.metrics = pool, balancer, metrics
+    return app

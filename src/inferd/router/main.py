@@ -1,0 +1,62 @@
+"""`inferd router`: check the arguments, then serve the front with uvicorn."""
+from __future__ import annotations
+
+import logging
+import sys
+
+from inferd.errors import InferdError
+
+log = logging.getLogger("inferd")
+
+
+def add_router_args(p):
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--backend", action="append", default=None, metavar="URL",
+                   help="an OpenAI-compatible server (repeat): inferd, vLLM, llama-server, SGLang, ...")
+    p.add_argument("--backends-file", default=None, help="YAML: a list of backend URLs (or of {url: ...})")
+    p.add_argument("--policy", default="prefix", choices=["prefix", "least_loaded", "round_robin"])
+    p.add_argument("--health-interval", type=float, default=2.0, help="seconds between health/metrics checks")
+    p.add_argument("--require-all-backends", action="store_true",
+                   help="exit (2) at start if any backend does not answer /health with 200")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a backend may take between reads")
+    p.add_argument("--max-request-body-bytes", type=int, default=4 << 20)
+    p.add_argument("--prefix-chunk-chars", type=int, default=64,
+                   help="prefix policy: characters per hashed chunk (the match granularity)")
+    p.add_argument("--prefix-cache-chunks", type=int, default=1 << 16,
+                   help="prefix policy: chunks remembered per backend (LRU)")
+    p.add_argument("--cache-threshold", type=float, default=0.5,
+                   help="prefix policy: follow a backend's cache when it has at least this share of the prompt")
+    p.add_argument("--balance-abs-threshold", type=float, default=4,
+                   help="prefix policy: loads further apart than this (and the rel. threshold) go to the least loaded")
+    p.add_argument("--balance-rel-threshold", type=float, default=1.5)
+    p.add_argument("--log-level", default="info")
+
+
+def run(args) -> int:
+    import httpx
+    import uvicorn
+
+    from inferd.router.app import create_router_app
+    from inferd.router.backends import parse_backends
+
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s (router): %(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per proxied request
+    urls = parse_backends(args.backend, args.backends_file)
+    if args.health_interval <= 0:
+        raise InferdError("--health-interval must be > 0")
+    if args.require_all_backends:
+        for u in urls:
+            try:
+                r = httpx.get(u + "/health", timeout=5)
+                if r.status_code != 200:
+                    raise InferdError(f"backend {u}: /health answered {r.status_code} (--require-all-backends)")
+            except httpx.HTTPError as e:
+                raise InferdError(f"backend {u} is unreachable ({type(e).__name__}; --require-all-backends)") from None
+    app = create_router_app(urls, args.policy, args.health_interval, args.request_timeout,
+                            args.max_request_body_bytes, args.prefix_chunk_chars, args.prefix_cache_chunks,
+                            args.balance_abs_threshold, args.balance_rel_threshold, args.cache_threshold)
+    log.info("routing (%s) over %s on http://%s:%d", args.policy, ", ".join(urls), args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    return 0
