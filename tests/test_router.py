@@ -258,7 +258,7 @@ def test_no_healthy_backend_is_a_503_with_retry_after():
 
 # -- processes: inferd backends, what prefix routing buys -----------------------------------------
 
-FAMILIES, SYSTEM_TOKENS, REQUESTS = 8, 256, 160
+FAMILIES, SYSTEM_TOKENS, REQUESTS = 8, 256, 128
 
 
 @pytest.fixture(scope="module")
@@ -280,7 +280,8 @@ def test_prefix_routing_finds_what_round_robin_evicts(tiny_chat_gguf):
     from inferd.tokenizer import Tokenizer
 
     # each family's system prompt is 16 blocks: 8 families need 128; each pool holds 72 (56 %)
-    common = ["--model", tiny_chat_gguf, "--threads", "1", "--num-kv-blocks", "72", "--max-num-seqs", "4"]
+    common = ["--model", tiny_chat_gguf, "--threads", "1", "--num-kv-blocks", "72", "--max-num-seqs", "4",
+              "--max-model-len", "2048"]
     backends = {p: [ServerProc(common), ServerProc(common)] for p in ("round_robin", "prefix")}
     routers = {p: router([b.base for b in bs], "--policy", p) for p, bs in backends.items()}
     try:
@@ -312,6 +313,33 @@ def test_prefix_routing_finds_what_round_robin_evicts(tiny_chat_gguf):
               f"({rates['prefix'] / rates['round_robin']:.2f}x); largest backend share {shares}")
         assert rates["prefix"] >= 1.8 * rates["round_robin"]
         assert shares["prefix"] <= 0.6
+
+        # a client leaving a routed stream aborts it at the backend: its KV blocks come back, and
+        # the backend generated far fewer than the 700 tokens asked for
+        rt = routers["prefix"]
+
+        def generated():
+            return sum(v for b in backends["prefix"] for k, v in prom(b.base).items()
+                       if k.startswith("inferd:generation_tokens_total"))
+
+        def finished():
+            return sum(v for b in backends["prefix"] for k, v in prom(b.base).items()
+                       if k.startswith("inferd:request_success_total"))
+        gen0, fin0 = generated(), finished()
+        with httpx.stream("POST", rt.base + "/v1/completions", timeout=60,
+                          json={"prompt": prompts[0].prompt, "max_tokens": 700, "ignore_eos": True,
+                                "stream": True}) as r:
+            for i, _ in enumerate(r.iter_lines()):
+                if i >= 6:
+                    break
+
+        def idle():
+            ms = [prom(b.base) for b in backends["prefix"]]
+            return all(v == 0 for m in ms for k, v in m.items()
+                       if k.startswith(("inferd:num_requests_running", "inferd:kv_cache_usage_perc")))
+        wait_for(idle, "the backend to abort the abandoned stream")
+        assert generated() - gen0 < 700 and finished() == fin0  # cut short, never finished
+        assert prom(rt.base)[f'inferd:router_requests_in_flight{{backend="{backends["prefix"][0].base}"}}'] == 0
     finally:
         for p in [*routers.values(), *(b for bs in backends.values() for b in bs)]:
             p.stop()

@@ -214,11 +214,13 @@ def test_penalties_bias_and_stops_see_the_right_history(tiny_model):
                                         frequency_penalty=0.2, logit_bias={7: 2.0, 11: -1.0},
                                         min_tokens=min(n, 3), stop_token_ids=stops[i])
 
-    want, wfin = [], []
-    for i, (p, n) in enumerate(reqs):
-        o, f, _ = run_spec(tiny_model, [(p, n)], params=params_for(i))
-        want.append(o[0])
-        wfin.append(f[0])
+    # the plain engine, all 16 at once with their own parameters (batching is lossless: test_engine)
+    eng = LLMEngine(loaded=tiny_model, dtype="float32")
+    rids = [eng.add_request(p, params_for(i)(n)) for i, (p, n) in enumerate(reqs)]
+    live = {r: eng.requests[r] for r in rids}
+    while eng.has_unfinished():
+        eng.step()
+    want, wfin = [live[r].output_ids for r in rids], [live[r].finish_reason for r in rids]
     for opts in (dict(speculative_method="ngram", num_speculative_tokens=4),
                  dict(speculative_method="draft", draft_model="self:layers=1", num_speculative_tokens=3)):
         eng = LLMEngine(loaded=tiny_model, dtype="float32", **opts)

@@ -16,6 +16,7 @@ import contextlib
 import json
 import logging
 
+import anyio
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
@@ -189,6 +190,12 @@ def create_router_app(urls: list[str], policy: str = "prefix", health_interval: 
                                 headers={"Retry-After": str(max(1, int(health_interval)))})
         return unavailable("no healthy backend")
 
+    async def close(resp):
+        # shielded: a client that disconnected cancels this task, and an unshielded await in a
+        # cancelled anyio scope raises at once, leaving the backend's stream (and its KV) open
+        with anyio.CancelScope(shield=True):
+            await resp.aclose()
+
     async def relay(resp, release, url: str) -> Response:
         ctype = resp.headers.get("content-type", "application/json")
         keep = {k: v for k, v in resp.headers.items() if k.lower() in ("retry-after", "x-request-id")}
@@ -200,8 +207,8 @@ def create_router_app(urls: list[str], policy: str = "prefix", health_interval: 
                 return JSONResponse(error_body(f"backend {url} broke off its answer ({type(e).__name__})",
                                                "bad_gateway", 502), status_code=502)
             finally:
-                await resp.aclose()
                 release()
+                await close(resp)
             return Response(data, status_code=resp.status_code, media_type=ctype, headers=keep)
 
         async def chunks():
@@ -213,9 +220,9 @@ def create_router_app(urls: list[str], policy: str = "prefix", health_interval: 
                 msg = f"backend {url} broke off the stream ({type(e).__name__})"
                 yield b"data: " + json.dumps(error_body(msg, "bad_gateway", 502)).encode() + b"\n\n"
                 yield b"data: [DONE]\n\n"
-            finally:
-                await resp.aclose()
+            finally:  # also when the client left: closing the upstream stream aborts it at the backend
                 release()
+                await close(resp)
 
         return StreamingResponse(chunks(), status_code=resp.status_code, media_type=ctype, headers=keep)
 
