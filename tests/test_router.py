@@ -258,7 +258,7 @@ def test_no_healthy_backend_is_a_503_with_retry_after():
 
 # -- processes: inferd backends, what prefix routing buys -----------------------------------------
 
-FAMILIES, SYSTEM_TOKENS, REQUESTS = 8, 256, 128
+FAMILIES, SYSTEM_TOKENS, REQUESTS = 8, 256, 160
 
 
 @pytest.fixture(scope="module")
