@@ -343,3 +343,20 @@ def test_prefix_routing_finds_what_round_robin_evicts(tiny_chat_gguf):
     finally:
         for p in [*routers.values(), *(b for bs in backends.values() for b in bs)]:
             p.stop()
+
+
+def test_prefix_workloads_share_what_they_say():
+    from inferd.bench.datasets import build_prompts
+    from inferd.gguf_file import default_model_path
+    from inferd.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(default_model_path())
+    fam, _ = build_prompts("prefix-families", 24, tok, "64", "4", seed=1, families=3, question_len="8")
+    systems = {p.prompt.split("\n", 1)[0] for p in fam}
+    assert len(systems) == 3 and all(p.output_len == 4 for p in fam)
+    assert all(abs(p.prompt_len - (64 + 1 + 8)) <= 3 for p in fam)  # system + newline + question
+    conv, _ = build_prompts("multi-turn", 12, tok, "32", "6", seed=1, families=3, question_len="8")
+    for c in range(3):  # turn t+1 of a conversation extends turn t's prompt (and its answer)
+        turns = [p.prompt for p in conv[c::3]]
+        assert all(b.startswith(a) and len(b) > len(a) for a, b in zip(turns, turns[1:]))
+    assert conv[0].prompt_len < conv[9].prompt_len
