@@ -132,6 +132,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
            "The three primary colours are", "Water boils at a temperature of", "My favourite book is"]
 
 
+@pytest.mark.slow
 def test_dp2_greedy_fp32_equals_the_reference_loop():
     import torch
 

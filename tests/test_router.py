@@ -275,6 +275,7 @@ def hit_rate(backends: list[ServerProc]) -> float:
     return hits / queries
 
 
+@pytest.mark.slow
 def test_prefix_routing_finds_what_round_robin_evicts(tiny_chat_gguf):
     from inferd.bench.datasets import build_prompts
     from inferd.tokenizer import Tokenizer
