@@ -123,3 +123,35 @@ def test_other_types_dequantize(tmp_path, qt):
     want = np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(rows, cols)
     assert got.shape == (rows, cols)
     np.testing.assert_array_equal(np.nan_to_num(got), np.nan_to_num(want))
+
+
+def test_a_reused_reader_never_outlives_a_rewrite(tmp_path):
+    """open_gguf keeps the last reader; a file rewritten in place to the same size and mtime (one
+    coarse clock tick) must still be read anew."""
+    import os
+
+    import numpy as np
+    from gguf import GGUFWriter
+
+    from inferd.gguf_file import open_gguf, read_metadata
+
+    path = tmp_path / "m.gguf"
+
+    def write(name: str):
+        w = GGUFWriter(str(path), "llama")
+        w.add_name(name)
+        w.add_tensor("t", np.zeros(32, dtype=np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+
+    write("aaaa")
+    st = os.stat(path)
+    assert read_metadata(open_gguf(str(path)))["general.name"] == "aaaa"
+    assert open_gguf(str(path)) is open_gguf(str(path))  # unchanged: the same reader
+    write("bbbbbbbb")  # 4 bytes longer, absorbed by the tensor data's alignment: the same size
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(path).st_size == st.st_size and os.stat(path).st_ino == st.st_ino
+    # a stale reader's field views would still cut the name at its old length
+    assert read_metadata(open_gguf(str(path)))["general.name"] == "bbbbbbbb"

@@ -2,6 +2,7 @@
 key/value metadata (no tensors) -- what the tokenizer and the loader need first."""
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 from typing import Any
@@ -11,7 +12,8 @@ from inferd.errors import InferdError
 GGUF_MAGIC = b"GGUF"
 
 
-_READERS: dict[tuple, Any] = {}  # the last file opened: (path, inode, size, mtime) -> its reader
+HEAD_HASH_BYTES = 8 << 20
+_READERS: dict[tuple, Any] = {}  # the last file opened: (path, inode, size, mtime, head hash) -> its reader
 
 
 def open_gguf(path: str):
@@ -20,18 +22,23 @@ def open_gguf(path: str):
     The reader parses every metadata field into Python objects up front (4-5 s for the default
     model's 49,152-token vocabulary), and one load opens the file twice (tokenizer, then
     weights; `inferd eval` loads a model once per config), so the last file's reader is kept and
-    reused while the file is unchanged (same inode, size and mtime). It is read-only and mapped."""
+    reused while the file is unchanged (same inode, size, mtime and first bytes). It is read-only
+    and mapped."""
     try:
         st = os.stat(path)
     except OSError:
         raise InferdError(f"model file not found: {path}") from None
     if not os.path.isfile(path):
         raise InferdError(f"model file not found: {path}")
-    key = (os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns)
+    with open(path, "rb") as f:
+        head = f.read(HEAD_HASH_BYTES)
+    magic = head[:4]
+    # mtime ticks are coarse (a file rewritten in place within one tick keeps its mtime), so the
+    # first 8 MiB, which hold the whole metadata section of any model here, are part of the key
+    # too (~10 ms to hash)
+    key = (os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns, hashlib.blake2b(head).digest())
     if key in _READERS:
         return _READERS[key]
-    with open(path, "rb") as f:
-        magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise InferdError(f"not a GGUF file (bad magic {magic!r}): {path}")
     try:
