@@ -149,6 +149,17 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--data-parallel-routing", default="prefix", choices=["prefix", "least_loaded", "round_robin"],
                     help="how requests are spread over the engines (prefix: the engine holding the longest "
                          "prefix of the prompt, unless loads are uneven)")
+    sv.add_argument("--enable-prompt-tokens-details", action="store_true",
+                    help="usage.prompt_tokens_details.cached_tokens in answers: prompt tokens not computed "
+                         "for this request (prefix cache hits, KV pulled from a prefill worker)")
+    dg = sv.add_argument_group("disaggregated prefill/decode")
+    dg.add_argument("--kv-transfer-config", default=None,
+                    help='vLLM\'s JSON: {"kv_connector": "ZmqConnector"|"SharedMemoryConnector", "kv_role": '
+                         '"kv_producer"|"kv_consumer"|"kv_both", "kv_ip", "kv_port", "engine_id", '
+                         '"kv_connector_extra_config": {"lease_timeout_s", "transfer_timeout_s", "advertise_host"}}')
+    dg.add_argument("--role", default=None, choices=["prefill", "decode", "both"],
+                    help="shorthand: kv_role kv_producer / kv_consumer / kv_both with the ZmqConnector "
+                         "(merged with --kv-transfer-config when both are given)")
     sv.set_defaults(func=cmd_serve)
 
     ev = sub.add_parser("eval", help="quality of quantized configs vs the unaltered model (ppl, KL, top-1)")

@@ -60,6 +60,10 @@ class EngineConfig:
     ngram_min: int = 1
     ngram_max: int = 4
     ngram_backoff: int = 8  # after a verify that kept no guess, skip lookups for 1, 2, 4 .. this many steps; 0: never
+    # disaggregated prefill/decode: vLLM's --kv-transfer-config JSON, and --role as its shorthand
+    # (parsed by inferd.engine.kv_transfer.config, which this layer cannot import)
+    kv_transfer_config: str | dict | None = None
+    role: str | None = None  # prefill | decode | both
 
     def validate(self):
         if self.block_size < 1:

@@ -50,8 +50,9 @@ class AsyncLLM:
     def num_running(self) -> int:
         return len(self.engine.scheduler.running)
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams,
-                       request_id: str, arrival: float | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                       arrival: float | None = None,
+                       kv_transfer_params: dict | None = None) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs (all n samples) until every sample finished.
         Leaving the iterator early (client gone) aborts the request. `arrival` (time.monotonic())
         is when the request reached the server; its latencies count from there. Without it they
@@ -65,7 +66,7 @@ class AsyncLLM:
         fut = loop.create_future()
         self._pending_adds += 1
         self._streams[request_id] = (loop, q)
-        self._cmds.put(("add", (prompt_ids, params, request_id, arrival), (loop, fut)))
+        self._cmds.put(("add", (prompt_ids, params, request_id, arrival, kv_transfer_params), (loop, fut)))
         try:
             await fut  # raises the engine's validation error, if any
         except BaseException:
@@ -81,6 +82,7 @@ class AsyncLLM:
         self._stop = True
         self._cmds.put(("stop", None, None))
         self._thread.join(timeout=10)
+        self.engine.close()
 
     # -- engine thread --------------------------------------------------------------------------
     def _handle(self, cmd, arg, reply):
@@ -116,7 +118,8 @@ class AsyncLLM:
                         cmd, arg, reply = self._cmds.get_nowait()
                     except queue.Empty:
                         cmd = None
-                if handled and self.on_step:  # an abort on an idle engine must show in the gauges
+                handled = eng.housekeeping() or handled
+                if handled and self.on_step:  # an abort or a freed lease on an idle engine shows in the gauges
                     self.on_step(eng.snapshot())
                 if not eng.has_unfinished():
                     continue

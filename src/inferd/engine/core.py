@@ -38,6 +38,7 @@ class AddRequest:
     prompt_ids: list[int]
     params: object  # SamplingParams
     arrival: float | None
+    kv_transfer_params: dict | None = None
 
 
 @dataclass
@@ -123,7 +124,10 @@ def run_core(cfg, to_core: str, from_core: str, threads: int | None, log_level: 
         tok_path = src.path if src.kind != "builtin" else (default_model_path() if engine.tokenizer else None)
         send(Ready(os.getpid(), src.name, tok_path if engine.tokenizer else None, engine.max_model_len,
                    engine.model_config.vocab_size, engine.spec is not None, engine.cache_info()))
-        _serve(engine, pull, send, os.getppid())
+        try:
+            _serve(engine, pull, send, os.getppid())
+        finally:
+            engine.close()
     except Exception as e:  # the engine cannot go on: say why, then exit non-zero
         log.exception("engine core died")
         try:
@@ -156,7 +160,8 @@ def _serve(engine, pull, send, parent: int):
             if isinstance(msg, AddRequest):
                 adds += 1
                 try:
-                    engine.add_request(msg.prompt_ids, msg.params, msg.request_id, msg.arrival)
+                    engine.add_request(msg.prompt_ids, msg.params, msg.request_id, msg.arrival,
+                                       msg.kv_transfer_params)
                 except Exception as e:  # InferdError: the client's 400
                     send(AddFailed(msg.request_id, e))
             elif isinstance(msg, Abort):
@@ -165,7 +170,7 @@ def _serve(engine, pull, send, parent: int):
             timeout = 0
         if engine.has_unfinished():
             send(StepOutputs([_slim(o) for o in engine.step()], engine.snapshot(), adds))
-        elif handled:  # an abort on an idle engine must show in the gauges
+        elif engine.housekeeping() or handled:  # an abort or a freed lease on an idle engine shows in the gauges
             send(StepOutputs([], engine.snapshot(), adds))
 
 
@@ -276,7 +281,12 @@ class EngineCoreClient:
     def num_running(self) -> int:
         return self._running
 
-    async def generate(self, prompt_ids: list[int], params, request_id: str, arrival: float | None = None):
+    def open_requests(self) -> int:
+        """Requests whose streams are open (sent, not finished or aborted yet)."""
+        return len(self._streams)
+
+    async def generate(self, prompt_ids: list[int], params, request_id: str, arrival: float | None = None,
+                       kv_transfer_params: dict | None = None):
         from inferd.engine.async_engine import EngineDead, Overloaded, outputs_until_done
 
         if self.dead:
@@ -287,7 +297,7 @@ class EngineCoreClient:
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (q, {})
         self._adds_sent += 1
-        self._send(AddRequest(request_id, prompt_ids, params, arrival))
+        self._send(AddRequest(request_id, prompt_ids, params, arrival, kv_transfer_params))
         async for out in outputs_until_done(self, q, request_id, params):
             yield out
 

@@ -75,6 +75,8 @@ class EngineSnapshot:
     preemptions: int = 0
     spec: dict | None = None  # SpecStats counters and rates, with speculation
     steps: int = 0
+    kv: dict | None = None  # KVTransfer counters, with --kv-transfer-config
+    prefill_tokens: int = 0  # prompt tokens this engine computed (not cached, not received)
 
 
 class LLMEngine:
@@ -106,8 +108,12 @@ class LLMEngine:
         per_block = KVPool.bytes_per_block(mcfg.num_hidden_layers, cfg.block_size, mcfg.num_key_value_heads,
                                            mcfg.head_dim, kv_dtype)
         num_blocks = cfg.num_kv_blocks or max(1, self._kv_bytes() // per_block)
+        from inferd.engine.kv_transfer import KVTransfer, parse_kv_transfer_config
+
+        kv_cfg = parse_kv_transfer_config(cfg.kv_transfer_config, cfg.role)
+        shared = kv_cfg is not None and kv_cfg.producer and kv_cfg.kv_connector == "SharedMemoryConnector"
         self.pool = KVPool(mcfg.num_hidden_layers, num_blocks, cfg.block_size, mcfg.num_key_value_heads,
-                           mcfg.head_dim, kv_dtype, self.model.device)
+                           mcfg.head_dim, kv_dtype, self.model.device, shared=shared)
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.scheduling)
@@ -126,6 +132,12 @@ class LLMEngine:
         log.info("KV cache: %d blocks of %d tokens (%s, %.1f MiB): up to %d tokens in flight",
                  num_blocks, cfg.block_size, str(kv_dtype).replace("torch.", ""),
                  num_blocks * per_block / 2**20, num_blocks * cfg.block_size)
+        self.kv = None  # KVTransfer: this engine's end of disaggregated prefill/decode
+        if kv_cfg is not None:
+            if cfg.speculative_method == "draft" and kv_cfg.consumer:
+                raise InferdError("a KV consumer cannot run a draft model (the draft has no KV of a pulled prompt): "
+                                  "use --speculative-method ngram")
+            self.kv = KVTransfer(self, kv_cfg)
         self.spec = None
         if cfg.speculative_method is not None:
             from inferd.engine.spec.decoder import SpecDecoder
@@ -164,20 +176,40 @@ class LLMEngine:
         return self.block_manager.num_blocks
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival: float | None = None) -> str:
+                    request_id: str | None = None, arrival: float | None = None,
+                    kv_transfer_params: dict | None = None) -> str:
         params = params or SamplingParams()
         prompt_ids = check_request(prompt, params, self.tokenizer, self.model_config.vocab_size, self.max_model_len,
                                    self.config.block_size, self.num_kv_blocks)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.groups:
             raise InferdError(f"duplicate request id {rid!r}")
+        kind, remote = None, None
+        if kv_transfer_params is not None:
+            if self.kv is None:
+                raise InferdError("kv_transfer_params need a server started with --kv-transfer-config or --role")
+            kind, remote = self.kv.parse(kv_transfer_params, prompt_ids, params)
         req = Request(rid, prompt_ids, params, arrival)
         k = params.best_of or params.n
         if k > 1:
             req.fork_into = k
         self._attach(req)
-        self.scheduler.add(req)
+        if kind == "import":
+            req.remote = remote
+            self.kv.start_import(req)
+        else:
+            req.kv_export = kind == "export"
+            self.scheduler.add(req)
         return rid
+
+    def housekeeping(self) -> bool:
+        """Work outside steps (KV leases to free, pulled KV to admit); the serving loops call it
+        when idle too. True if anything changed."""
+        return self.kv.housekeeping() if self.kv is not None else False
+
+    def close(self):
+        if self.kv is not None:
+            self.kv.close()
 
     def _attach(self, req: Request):
         self.requests[req.request_id] = req
@@ -205,7 +237,8 @@ class LLMEngine:
         now = time.monotonic()
         for rid in ids:
             req = self.requests[rid]
-            self.scheduler.remove(req)
+            if self.kv is None or not self.kv.abort(req):
+                self.scheduler.remove(req)
             req.status = Status.FINISHED
             req.finish_reason = "abort"
             req.timings.finished = now
@@ -222,15 +255,21 @@ class LLMEngine:
             spec = {k: getattr(st, k) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens",
                                                 "num_emitted_tokens", "draft_time", "verify_time")}
             spec.update(acceptance_rate=st.acceptance_rate, mean_accepted_length=st.mean_accepted_length)
-        return EngineSnapshot(len(self.scheduler.running), len(self.scheduler.waiting), bm.num_used, bm.num_blocks,
-                              bm.queries, bm.hits, self.stats.preemptions, spec, self.stats.steps)
+        kv = self.kv.snapshot() if self.kv is not None else None
+        waiting = len(self.scheduler.waiting) + (len(self.kv.blocked) + len(self.kv.pending) if self.kv is not None
+                                                 and self.kv.connector is not None else 0)
+        return EngineSnapshot(len(self.scheduler.running), waiting, bm.num_used, bm.num_blocks,
+                              bm.queries, bm.hits, self.stats.preemptions, spec, self.stats.steps, kv,
+                              self.stats.prefill_tokens)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or (self.kv is not None and self.kv.busy())
 
     # -- the loop -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.monotonic()
+        if self.kv is not None:
+            self.kv.housekeeping()
         spec = self.spec
         if spec is not None:
             spec.propose(self.scheduler.running)
@@ -238,6 +277,9 @@ class LLMEngine:
         if spec is not None:
             spec.after_schedule(batch)
         if not batch.requests:
+            if self.kv is not None and self.kv.busy():
+                self.kv.wait(0.005)  # KV on its way and nothing else to run
+                return []
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("scheduler cannot admit any request (KV cache too small?)")
             return []
@@ -386,6 +428,7 @@ class LLMEngine:
             bm.fork(parent, child, keep_blocks)
             child.max_computed = parent.max_computed
             child.prefix_hit_tokens = parent.prefix_hit_tokens
+            child.remote_tokens = parent.remote_tokens
             child.status = Status.RUNNING
             child.num_prefill_chunks = parent.num_prefill_chunks
             self._attach(child)
@@ -406,17 +449,22 @@ class LLMEngine:
             delta = detokenize(req, tok)
         else:
             delta = ""
+        kv_params = None
         if req.finish_reason is not None:
             req.status = Status.FINISHED
             req.timings.finished = now
-            self.scheduler.remove(req)
+            if req.kv_export:
+                kv_params = self.kv.export(req)  # its prompt blocks stay, leased to a consumer
+            else:
+                self.scheduler.remove(req)
             self._detach(req)
         first = len(req.output_ids) == 1
         return RequestOutput(req.group, [tok], req.output_ids, req.finished, req.finish_reason,
                              req.stop_reason, req.num_prompt, req.timings, index=req.index, text_delta=delta,
                              text=req.text, logprobs=[lp] if lp is not None else None,
                              prompt_logprobs=req.prompt_logprobs if first else None,
-                             prompt_ids=req.prompt_ids if first else None)
+                             prompt_ids=req.prompt_ids if first else None, kv_transfer_params=kv_params,
+                             num_cached_tokens=req.prefix_hit_tokens + req.remote_tokens if req.finished else 0)
 
     def _record(self, batch: ScheduledBatch, dt: float):
         s = self.stats

@@ -1,7 +1,8 @@
 """Test-only fault injection: make the Nth forward pass, sampling or detokenizing call raise.
 
 Set INFERD_INJECT_FAULT to a comma-separated list of `point@n` (the n-th call at that point raises,
-counting from 1) or `point@n+` (every call from the n-th on). Points: forward, sample, detokenize.
+counting from 1) or `point@n+` (every call from the n-th on). Points: forward, sample, detokenize, kv_fetch (a
+producer's KV server: that fetch gets no reply).
 The variable is read once, when an engine is built, so the engine process of `inferd serve` sees
 what its server was started with. Unset (always, outside tests) it costs one dict lookup per call.
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-POINTS = ("forward", "sample", "detokenize")
+POINTS = ("forward", "sample", "detokenize", "kv_fetch")
 
 
 class InjectedFault(RuntimeError):

@@ -8,6 +8,9 @@ hold a key stay findable, in least-recently-freed order, until a new allocation 
 """
 from __future__ import annotations
 
+import mmap
+import os
+import tempfile
 from collections import OrderedDict, deque
 
 import torch
@@ -19,12 +22,35 @@ class KVPool:
     """K and V for every layer as [layers, num_blocks * block_size, n_kv, head_dim] (slot-major)."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, n_kv: int, head_dim: int,
-                 dtype: torch.dtype, device):
+                 dtype: torch.dtype, device, shared: bool = False):
         self.num_blocks, self.block_size = num_blocks, block_size
         shape = (num_layers, num_blocks * block_size, n_kv, head_dim)
+        self.shm: dict | None = None  # {"path", "size"} of the shared mapping, when shared
+        if shared:
+            self.k, self.v = self._shared(shape, dtype)
+            return
         # zeros, not empty: padded gathers read unused slots, and 0 * NaN garbage would poison them
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    def _shared(self, shape, dtype):
+        """K and V in one shared-memory file, so that a consumer engine on this host copies KV
+        straight out of it (the shared-memory KV connector). The file is unlinked as soon as it is
+        open: its memory goes back when this process exits, however it exits, and other processes
+        open it as /proc/PID/fd/FD."""
+        n = 1
+        for d in shape:
+            n *= d
+        size = 2 * n * torch.empty((), dtype=dtype).element_size()
+        where = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        fd, path = tempfile.mkstemp(prefix="inferd-kv-", dir=where)
+        os.unlink(path)
+        os.ftruncate(fd, size)  # a new file reads as zeros
+        self._map = mmap.mmap(fd, size)
+        self._fd = fd
+        flat = torch.frombuffer(self._map, dtype=dtype, count=2 * n)
+        self.shm = {"path": f"/proc/{os.getpid()}/fd/{fd}", "size": size}
+        return flat[:n].view(shape), flat[n:].view(shape)
 
     @staticmethod
     def bytes_per_block(num_layers, block_size, n_kv, head_dim, dtype) -> int:
@@ -86,6 +112,10 @@ class BlockManager:
         for _ in range(need):
             req.block_table.append(self._take())
         return True
+
+    def release_blocks(self, blocks: list[int]):
+        """Drop one reference to each of these blocks (a producer's expired or confirmed lease)."""
+        self._release(blocks)
 
     def _release(self, blocks: list[int]):
         # reverse order: a sequence's tail blocks become the first to be evicted

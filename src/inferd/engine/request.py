@@ -142,6 +142,11 @@ class Request:
         self.num_preemptions = 0
         self.num_prefill_chunks = 0
         self.prefix_hit_tokens = 0  # on first admission only
+        # disaggregated prefill/decode (inferd.engine.kv_transfer): a producer's request leases its
+        # prompt KV when it finishes; a consumer's pulls it (RemoteKV) before it is scheduled
+        self.kv_export = False
+        self.remote = None
+        self.remote_tokens = 0  # prompt tokens whose KV came from the producer
         # speculative decoding: this step's guesses, the distributions they were drawn from
         # ([k, vocab], None for greedy or prompt lookup), and the draft's own sampling stream
         self.spec_tokens: list[int] = []
@@ -197,3 +202,5 @@ class RequestOutput:
     logprobs: list | None = None  # for new_token_ids
     prompt_logprobs: list | None = None  # once, with the first output
     prompt_ids: list[int] | None = None
+    kv_transfer_params: dict | None = None  # a KV producer's finished request: where its prompt KV is
+    num_cached_tokens: int = 0  # prompt tokens not computed here (prefix cache, remote KV), when finished

@@ -70,6 +70,12 @@ class Scheduler:
         self.bm.free_request(req)
         self.static_batch.discard(req.request_id)
 
+    def detach(self, req: Request):
+        """Take a finished request out, keeping its blocks (a KV producer leases them)."""
+        if req in self.running:
+            self.running.remove(req)
+        self.static_batch.discard(req.request_id)
+
     def _preempt(self, req: Request, batch: ScheduledBatch):
         if req in batch.requests:
             i = batch.requests.index(req)
@@ -118,13 +124,17 @@ class Scheduler:
             req = self.waiting[0]
             if self.mode == "static" and req.request_id not in self.static_batch:
                 break
-            hit = self.bm.match_prefix(req)
+            # a request that arrives with blocks has its prompt KV from another engine (kv_transfer)
+            prefilled = bool(req.block_table)
+            hit = 0 if prefilled else self.bm.match_prefix(req)
             n = min(req.num_tokens - req.num_computed, budget)
             if not self.bm.allocate(req, n):
-                self.bm.free_request(req)  # give the matched blocks back; try again next step
-                req.num_computed = 0
+                if not prefilled:
+                    self.bm.free_request(req)  # give the matched blocks back; try again next step
+                    req.num_computed = 0
                 break
-            self.bm.count_admission(req, hit)
+            if not prefilled:
+                self.bm.count_admission(req, hit)
             self.waiting.popleft()
             req.status = Status.RUNNING
             if req.timings.first_scheduled is None:

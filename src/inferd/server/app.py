@@ -25,11 +25,12 @@ from inferd.server.protocol import (COMMON_ERRORS, ApiError, DetokenizeRequest, 
 
 def create_app(llm: AsyncLLM, served_name: str, api_key: str | None = None,
                metrics: Metrics | None = None, aliases: set[str] | None = None, limits: Limits | None = None,
-               allowed_origins: list[str] | None = None) -> FastAPI:
+               allowed_origins: list[str] | None = None, prompt_tokens_details: bool = False) -> FastAPI:
     app = FastAPI(title="inferd", docs_url=None, redoc_url=None)
     app.state.draining = False  # set on SIGTERM: new requests get 503 while the open ones finish
     limits = limits or Limits()
     srv = Served(llm, served_name, aliases, limits)
+    srv.prompt_details = prompt_tokens_details
 
     # -- errors ---------------------------------------------------------------------------------
     @app.exception_handler(ApiError)

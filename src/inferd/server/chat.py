@@ -7,7 +7,7 @@ import uuid
 from fastapi import APIRouter
 
 from inferd.errors import InferdError
-from inferd.server.generation import Served, logprob_sum, respond, usage
+from inferd.server.generation import Served, logprob_sum, respond
 from inferd.server.protocol import (COMMON_ERRORS, ApiError, ChatCompletionRequest, ChatCompletionResponse,
                                     error_responses)
 
@@ -49,7 +49,11 @@ async def chat_chunks(srv: Served, req: ChatCompletionRequest, ids, params, cid,
     completion_tokens = 0
     started: set[int] = set()
     cum: dict[int, float] = {}
-    async for _, out in srv.merged([ids], lambda i: params, cid):
+    cached, kvp = 0, None
+    async for _, out in srv.merged([ids], lambda i: params, cid, req.kv_transfer_params):
+        if out.finished:
+            cached = out.num_cached_tokens  # the n samples share one prompt
+            kvp = out.kv_transfer_params or kvp
         if out.index not in started:
             started.add(out.index)
             yield {**base, "choices": [{"index": out.index, "delta": {"role": "assistant", "content": ""},
@@ -63,11 +67,14 @@ async def chat_chunks(srv: Served, req: ChatCompletionRequest, ids, params, cid,
             choice.update(_stop_reason=out.stop_reason, _cum=cum[out.index])
         chunk = {**base, "choices": [choice]}
         if continuous_usage:
-            chunk["usage"] = usage(len(ids), completion_tokens)
+            chunk["usage"] = srv.usage(len(ids), completion_tokens, cached)
         if out.text_delta or out.finished or req.logprobs:
             yield chunk
     if include_usage:
-        yield {**base, "choices": [], "usage": usage(len(ids), completion_tokens)}
+        last = {**base, "choices": [], "usage": srv.usage(len(ids), completion_tokens, cached)}
+        if kvp is not None:
+            last["kv_transfer_params"] = kvp
+        yield last
 
 
 def chat_logprobs(srv: Served, entries, ids) -> dict:

@@ -6,7 +6,7 @@ import uuid
 
 from fastapi import APIRouter
 
-from inferd.server.generation import Served, logprob_sum, respond, usage
+from inferd.server.generation import Served, logprob_sum, respond
 from inferd.server.protocol import COMMON_ERRORS, ApiError, CompletionRequest, CompletionResponse, error_responses
 
 
@@ -70,7 +70,11 @@ async def completion_chunks(srv: Served, req: CompletionRequest, prompts, params
     echoed: set[int] = set()
     prompt_lps: dict[int, list] = {}  # the engine sends them with one sample's first output only
     cum: dict[int, float] = {}
-    async for i, out in srv.merged(prompts, params_for, cid):
+    cached, kvp = {}, None
+    async for i, out in srv.merged(prompts, params_for, cid, req.kv_transfer_params):
+        if out.finished:
+            cached[i] = out.num_cached_tokens
+            kvp = out.kv_transfer_params or kvp
         ci = i * k + out.index
         if out.prompt_logprobs is not None:
             prompt_lps[i] = out.prompt_logprobs
@@ -92,11 +96,14 @@ async def completion_chunks(srv: Served, req: CompletionRequest, prompts, params
                           stop_reason=out.stop_reason, _cum=cum[ci])
         chunk = {**base, "choices": [choice]}
         if continuous_usage:
-            chunk["usage"] = usage(prompt_tokens, completion_tokens)
+            chunk["usage"] = srv.usage(prompt_tokens, completion_tokens, sum(cached.values()))
         if text or out.finished or choice["logprobs"]:
             yield chunk
     if include_usage:
-        yield {**base, "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+        last = {**base, "choices": [], "usage": srv.usage(prompt_tokens, completion_tokens, sum(cached.values()))}
+        if kvp is not None:
+            last["kv_transfer_params"] = kvp
+        yield last
 
 
 def completion_logprobs(srv: Served, entries, ids) -> dict:

@@ -96,7 +96,7 @@ class EngineGroup:
         return sum(c.num_running for c in self.clients)
 
     def loads(self) -> dict[int, int]:
-        return {i: len(c._streams) for i, c in enumerate(self.clients)}
+        return {i: c.open_requests() for i, c in enumerate(self.clients)}
 
     async def generate(self, prompt_ids: list[int], params, request_id: str, arrival: float | None = None):
         from inferd.engine.async_engine import EngineDead
@@ -117,7 +117,7 @@ class EngineGroup:
             t.join()
 
     def open_requests(self) -> int:
-        return sum(len(c._streams) for c in self.clients if c is not None)
+        return sum(c.open_requests() for c in self.clients if c is not None)
 
     def _fault(self, i: int, reason: str):
         if self.dead:

@@ -43,6 +43,13 @@ class Served:
         self.names = {name} | set(aliases or ())
         self.max_len = self.engine.max_model_len
         self.stall_timeout = limits.stall_timeout_s if limits is not None else None
+        self.prompt_details = False  # usage.prompt_tokens_details (--enable-prompt-tokens-details)
+
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict:
+        u = usage(prompt_tokens, completion_tokens)
+        if self.prompt_details:
+            u["prompt_tokens_details"] = {"cached_tokens": cached}
+        return u
 
     def check_model(self, name: str | None):
         if name is not None and name not in self.names:
@@ -70,10 +77,11 @@ class Served:
             return max(1, default_max_tokens(n_prompt, self.max_len))
         return req_max
 
-    async def run_one(self, prompt_ids, params, rid):
+    async def run_one(self, prompt_ids, params, rid, kv_transfer_params=None):
         """All outputs of one engine request, mapped to 503 / 400 as needed."""
+        kw = {} if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
         try:
-            async for out in self.llm.generate(prompt_ids, params, rid, arrival=ARRIVAL.get()):
+            async for out in self.llm.generate(prompt_ids, params, rid, arrival=ARRIVAL.get(), **kw):
                 if out.error:  # its step failed in the engine (which went on): a 500 of this request only
                     raise ApiError(f"the engine failed on this request: {out.error}", status=500,
                                    type_="server_error", code="internal_error")
@@ -86,12 +94,14 @@ class Served:
         except EngineDead as e:
             raise ApiError(str(e), status=503, type_="server_error", code="engine_dead") from None
 
-    async def merged(self, prompts, params_for, base_id):
+    async def merged(self, prompts, params_for, base_id, kv_transfer_params=None):
         """Outputs of several prompts' requests, as they come: (prompt index, output)."""
         if len(prompts) == 1:
-            async for out in self.run_one(prompts[0], params_for(0), f"{base_id}-0"):
+            async for out in self.run_one(prompts[0], params_for(0), f"{base_id}-0", kv_transfer_params):
                 yield 0, out
             return
+        if kv_transfer_params is not None:
+            raise ApiError("kv_transfer_params apply to a request with one prompt", param="kv_transfer_params")
         q: asyncio.Queue = asyncio.Queue()
         DONE = object()
 
@@ -159,16 +169,20 @@ async def fold(chunks: AsyncIterator[Chunk], obj: str, merge: Callable[[dict | N
                n: int, k: int) -> dict:
     """The non-streaming body: every choice's chunks merged (merge(acc or None, choice) -> acc), the
     usage of the closing chunk, then the n best of best_of."""
-    head, total, acc = None, None, {}
+    head, total, acc, kvp = None, None, {}, None
     async for c in chunks:
         head = head or c
         for ch in c["choices"]:
             acc[ch["index"]] = merge(acc.get(ch["index"]), ch)
         if "usage" in c:
             total = c["usage"]
+        kvp = c.get("kv_transfer_params", kvp)
     choices = keep_best([acc[i] for i in sorted(acc)], n, k)
-    return {"id": head["id"], "object": obj, "created": head["created"], "model": head["model"],
+    body = {"id": head["id"], "object": obj, "created": head["created"], "model": head["model"],
             "choices": [_public(c) for c in choices], "usage": total}
+    if kvp is not None:
+        body["kv_transfer_params"] = kvp
+    return body
 
 
 async def respond(req, chunks: Callable[[bool, bool], AsyncIterator[Chunk]], obj: str,

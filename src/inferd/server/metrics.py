@@ -49,7 +49,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.
 
 
 class Metrics:
-    def __init__(self, model_name: str, speculative: bool = False, engines: int = 1):
+    def __init__(self, model_name: str, speculative: bool = False, engines: int = 1, kv_transfer: bool = False):
         self.registry = r = CollectorRegistry()
         L = ["model_name", "engine"]
         self.model_name = model_name
@@ -79,7 +79,33 @@ class Metrics:
         self.cache_config = Gauge("inferd:cache_config_info", "KV cache configuration (value 1).",
                                   L + ["block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching"],
                                   registry=r)
-        keys = ["queries", "hits", "preempt", "steps"]
+        self.computed = Counter("inferd:prompt_tokens_computed", "Prompt tokens this engine computed (not found in "
+                                "the prefix cache, not pulled from a prefill worker).", L, registry=r)
+        keys = ["queries", "hits", "preempt", "steps", "computed"]
+        self.kv = None
+        if kv_transfer:
+            LC = L + ["connector"]
+            self.kv = {
+                "bytes": Counter("inferd:kv_transfer_bytes", "KV bytes pulled into this engine's pool.", LC,
+                                 registry=r),
+                "tokens": Counter("inferd:kv_transfer_tokens", "Prompt tokens whose KV was pulled.", LC, registry=r),
+                "transfers": Counter("inferd:kv_transfers", "Completed KV pulls.", LC, registry=r),
+                "failures": Counter("inferd:kv_transfer_failures", "KV pulls that failed (no answer, lease gone, "
+                                    "wrong form).", LC, registry=r),
+                "recomputes": Counter("inferd:kv_transfer_recomputes", "Requests whose prompt was recomputed here "
+                                      "because their KV could not be pulled.", LC, registry=r),
+                "bytes_sent": Counter("inferd:kv_transfer_bytes_sent", "KV bytes this producer sent over the "
+                                      "network.", LC, registry=r),
+                "leases": Counter("inferd:kv_leases", "Prompt KV leases this producer made.", LC, registry=r),
+                "lease_confirmed": Counter("inferd:kv_lease_confirmed", "Leases freed on a consumer's "
+                                           "confirmation.", LC, registry=r),
+                "lease_expired": Counter("inferd:kv_lease_expiries", "Leases freed because no consumer confirmed "
+                                         "them in time.", LC, registry=r),
+            }
+            self.kv_seconds = Histogram("inferd:kv_transfer_seconds", "Time of one KV pull (request to confirmed).",
+                                        LC, buckets=LATENCY_BUCKETS, registry=r)
+            self.kv_leased = Gauge("inferd:kv_leased_blocks", "KV blocks held under leases.", LC, registry=r)
+            keys += ["kv_" + k for k in self.kv]
         self.spec = None
         if speculative:
             self.spec = {
@@ -108,7 +134,7 @@ class Metrics:
             lab = self.labels(e)
             for g in (self.running, self.waiting, self.kv_usage):
                 g.labels(**lab).set(0)
-            for c in (self.steps, self.prompt_tokens, self.gen_tokens, self.pc_queries, self.pc_hits):
+            for c in (self.steps, self.prompt_tokens, self.gen_tokens, self.pc_queries, self.pc_hits, self.computed):
                 c.labels(**lab)
 
     def labels(self, engine: int = 0) -> dict:
@@ -127,10 +153,23 @@ class Metrics:
         for key, now, counter in (("queries", snap.prefix_queries, self.pc_queries),
                                   ("hits", snap.prefix_hits, self.pc_hits),
                                   ("preempt", snap.preemptions, self.preemptions),
-                                  ("steps", snap.steps, self.steps)):
+                                  ("steps", snap.steps, self.steps),
+                                  ("computed", snap.prefill_tokens, self.computed)):
             if now > last[key]:
                 counter.labels(**lab).inc(now - last[key])
             last[key] = now
+        if self.kv is not None and snap.kv is not None:
+            kl = {**lab, "connector": snap.kv["connector"]}
+            for key, counter in self.kv.items():
+                now = snap.kv.get(key, 0)
+                if now > last["kv_" + key]:
+                    counter.labels(**kl).inc(now - last["kv_" + key])
+                else:
+                    counter.labels(**kl)
+                last["kv_" + key] = now
+            for secs in snap.kv["seconds"]:
+                self.kv_seconds.labels(**kl).observe(secs)
+            self.kv_leased.labels(**kl).set(snap.kv.get("leased_blocks", 0))
         if self.spec is not None and snap.spec is not None:
             for key, counter in self.spec.items():
                 now = snap.spec[key]

@@ -83,6 +83,9 @@ class _Sampling(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256)
+    # disaggregated prefill/decode (vLLM's field): {"do_remote_decode": true} asks a KV producer to
+    # lease the prompt's KV; a producer's answer's kv_transfer_params, sent to a KV consumer, bring it
+    kv_transfer_params: dict[str, Any] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -190,6 +193,7 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: dict[str, int] | None = None  # {"cached_tokens"}, with --enable-prompt-tokens-details
 
 
 class _Open(BaseModel):
@@ -221,6 +225,7 @@ class _Completion(_Open):
     created: int
     model: str
     usage: Usage | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a KV producer's answer: where the prompt's KV waits
 
 
 class CompletionResponse(_Completion):

@@ -72,6 +72,12 @@ def serve(args) -> int:
     dp = args.data_parallel_size
     if dp < 1:
         raise InferdError("--data-parallel-size must be >= 1")
+    from inferd.engine.kv_transfer import parse_kv_transfer_config
+
+    kv_cfg = parse_kv_transfer_config(cfg.kv_transfer_config, cfg.role)  # a bad config fails before the model loads
+    if kv_cfg is not None and dp > 1:
+        raise InferdError("--kv-transfer-config / --role run one engine per server: start one server per "
+                          "prefill or decode worker instead of --data-parallel-size")
     if dp > 1 and args.engine_in_process:
         raise InferdError("--data-parallel-size > 1 runs each engine in its own process: drop --engine-in-process")
     if dp > 1:
@@ -101,13 +107,14 @@ def serve(args) -> int:
         raise InferdError("the server needs a model with a tokenizer")
     name = args.served_model_name or model_name
     aliases = {n for n in (args.model, model_name) if n}
-    metrics = Metrics(name, speculative=speculative, engines=dp)
+    metrics = Metrics(name, speculative=speculative, engines=dp, kv_transfer=kv_cfg is not None)
     for i, c in enumerate(caches):
         metrics.cache_info(i, c["block_size"], c["num_blocks"], c["dtype"], c["prefix_caching"])
     metrics_box["m"] = metrics
     limits = Limits.from_args(args)
     app = create_app(llm, name, api_key=api_key, metrics=metrics, aliases=aliases, limits=limits,
-                     allowed_origins=parse_origins(args.allowed_origins))
+                     allowed_origins=parse_origins(args.allowed_origins),
+                     prompt_tokens_details=args.enable_prompt_tokens_details)
     scheme = "https" if args.ssl_certfile else "http"
     log.info("serving %s on %s://%s:%d (OpenAI API under /v1)", name, scheme, args.host, args.port)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
