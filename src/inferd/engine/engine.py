@@ -277,8 +277,10 @@ class LLMEngine:
         if spec is not None:
             spec.after_schedule(batch)
         if not batch.requests:
-            if self.kv is not None and self.kv.busy():
-                self.kv.wait(0.005)  # KV on its way and nothing else to run
+            if self.kv is not None and (self.kv.busy() or self.kv.leased_blocks()):
+                # KV on its way, or blocks held by leases a consumer will confirm (or that will
+                # expire): nothing can run now, but something will
+                self.kv.wait(0.005)
                 return []
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("scheduler cannot admit any request (KV cache too small?)")

@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from inferd.router.backends import Pool
+from inferd.router.disagg import kv_params_of, prefill_body, route
 from inferd.router.policy import Balancer
 
 log = logging.getLogger("inferd")
@@ -71,6 +72,12 @@ class RouterMetrics:
         self.backends_up = Gauge("inferd:router_backends_up", "Backends passing their health check.", registry=r)
         self.inflight = Gauge("inferd:router_requests_in_flight", "Requests open at each backend.", ["backend"],
                               registry=r)
+        self.disagg = Counter("inferd:router_disagg_requests", "Requests by path with prefill workers (disagg: "
+                              "prefilled then decoded; short, ineligible: straight to a decode worker; fallback: "
+                              "no prefill worker could take it).", ["path"], registry=r)
+        self.prefill_failed = Counter("inferd:router_prefill_failures", "Prefill requests that got no "
+                                      "kv_transfer_params (transport error, 5xx, not a producer).", ["backend"],
+                                      registry=r)
         self.decisions = Counter("inferd:router_decisions", "Routing decisions by reason (prefix: followed the "
                                  "cache; balance: load overrode it; new: no backend had the prefix).",
                                  ["reason"], registry=r)
@@ -83,23 +90,33 @@ class RouterMetrics:
 def create_router_app(urls: list[str], policy: str = "prefix", health_interval: float = 2.0,
                       request_timeout: float = 600.0, max_body_bytes: int = 4 << 20, chunk_chars: int = 64,
                       cache_chunks: int = 1 << 16, balance_abs: float = 4, balance_rel: float = 1.5,
-                      cache_threshold: float = 0.5) -> Starlette:
+                      cache_threshold: float = 0.5, prefill_urls: list[str] | None = None,
+                      disagg_min_chars: int = 0) -> Starlette:
+    """`urls` are the backends requests are answered by (with prefill_urls: the decode workers)."""
     import httpx
 
-    metrics = RouterMetrics(urls)
-    balancer = Balancer(urls, policy, chunk=chunk_chars, capacity=cache_chunks, cache_threshold=cache_threshold,
+    prefill_urls = list(prefill_urls or [])
+    metrics = RouterMetrics(prefill_urls + urls)
+
+    def balancer_for(targets):
+        return Balancer(targets, policy, chunk=chunk_chars, capacity=cache_chunks, cache_threshold=cache_threshold,
                         balance_abs=balance_abs, balance_rel=balance_rel)
+
+    balancer = balancer_for(urls)
+    pbalancer = balancer_for(prefill_urls) if prefill_urls else None
     state: dict = {}
 
     def on_change(b, up: bool):
         metrics.up.labels(backend=b.url).set(1 if up else 0)
         metrics.backends_up.set(len(pool.live()))
-        balancer.forget(b.url)  # down: whatever it cached may be gone when it is back
+        for bal in (balancer, pbalancer):
+            if bal is not None and b.url in bal.targets:
+                bal.forget(b.url)  # down: whatever it cached may be gone when it is back
 
     timeout = httpx.Timeout(connect=5.0, read=request_timeout, write=30.0, pool=30.0)
     client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=4096,
                                                                      max_keepalive_connections=256))
-    pool = Pool(urls, client, health_interval, on_change)
+    pool = Pool(prefill_urls + urls, client, health_interval, on_change)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -143,10 +160,21 @@ def create_router_app(urls: list[str], policy: str = "prefix", health_interval: 
             return JSONResponse(error_body("request body must be a JSON object"), status_code=400)
         text = routing_text(body, chat)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        if pbalancer is not None:
+            path = route(body, chat, text, disagg_min_chars)
+            if path == "disagg":
+                got = await prefill(request.url.path, body, chat, text, headers)
+                if isinstance(got, Response):
+                    return got  # the prefill worker's 4xx: the client's answer
+                if got is None:
+                    path = "fallback"
+                else:
+                    raw = json.dumps({**body, "kv_transfer_params": got}).encode()
+            metrics.disagg.labels(path=path).inc()
         tried: list[str] = []
         last_error = ""
         for attempt in range(2):  # the first choice, then once more elsewhere if it failed before answering
-            live = [u for u in pool.live() if u not in tried]
+            live = [u for u in pool.live() if u not in tried and u in balancer.targets]
             if not live:
                 break
             pick = balancer.pick(text, pool.loads(), live)
@@ -189,6 +217,45 @@ def create_router_app(urls: list[str], policy: str = "prefix", health_interval: 
                                            "service_unavailable", 503), status_code=503,
                                 headers={"Retry-After": str(max(1, int(health_interval)))})
         return unavailable("no healthy backend")
+
+    async def prefill(path: str, body: dict, chat: bool, text: str, headers: dict):
+        """Phase 1 on a prefill worker: its kv_transfer_params, None if no worker could give them,
+        or the worker's 4xx answer."""
+        pbody = json.dumps(prefill_body(body, chat)).encode()
+        tried: list[str] = []
+        for _ in range(2):
+            live = [u for u in pool.live() if u in pbalancer.targets and u not in tried]
+            if not live:
+                break
+            url = pbalancer.pick(text, pool.loads(), live).target
+            tried.append(url)
+            b = pool.backends[url]
+            b.inflight += 1
+            b.sent += 1
+            metrics.requests.labels(backend=url).inc()
+            metrics.inflight.labels(backend=url).inc()
+            try:
+                resp = await client.post(url + path, content=pbody, headers=headers)
+            except httpx.HTTPError as e:
+                pool.mark(b, False, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
+                metrics.prefill_failed.labels(backend=url).inc()
+                continue
+            finally:
+                b.inflight -= 1
+                metrics.inflight.labels(backend=url).dec()
+            if 400 <= resp.status_code < 500:
+                keep = {k: v for k, v in resp.headers.items() if k.lower() == "retry-after"}
+                return Response(resp.content, status_code=resp.status_code,
+                                media_type=resp.headers.get("content-type", "application/json"), headers=keep)
+            try:
+                kvp = kv_params_of(resp.json()) if resp.status_code == 200 else None
+            except ValueError:
+                kvp = None
+            if kvp is not None:
+                return kvp
+            metrics.prefill_failed.labels(backend=url).inc()
+            log.warning("prefill worker %s answered %d without kv_transfer_params", url, resp.status_code)
+        return None
 
     async def close(resp):
         # shielded: a client that disconnected cancels this task, and an unshielded await in a

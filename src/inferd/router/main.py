@@ -15,6 +15,13 @@ def add_router_args(p):
     p.add_argument("--backend", action="append", default=None, metavar="URL",
                    help="an OpenAI-compatible server (repeat): inferd, vLLM, llama-server, SGLang, ...")
     p.add_argument("--backends-file", default=None, help="YAML: a list of backend URLs (or of {url: ...})")
+    p.add_argument("--prefill", action="append", default=None, metavar="URL",
+                   help="a prefill worker (inferd serve --role prefill; repeat): requests are prefilled there, then "
+                        "decoded by a --decode worker that pulls their KV")
+    p.add_argument("--decode", action="append", default=None, metavar="URL",
+                   help="a decode worker (inferd serve --role decode; repeat), with --prefill")
+    p.add_argument("--disagg-min-prompt-chars", type=int, default=0,
+                   help="with --prefill: prompts shorter than this many characters go straight to a decode worker")
     p.add_argument("--policy", default="prefix", choices=["prefix", "least_loaded", "round_robin"])
     p.add_argument("--health-interval", type=float, default=2.0, help="seconds between health/metrics checks")
     p.add_argument("--require-all-backends", action="store_true",
@@ -43,11 +50,25 @@ def run(args) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s (router): %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per proxied request
-    urls = parse_backends(args.backend, args.backends_file)
+    prefill = None
+    if args.prefill or args.decode:
+        if not (args.prefill and args.decode):
+            raise InferdError("--prefill and --decode go together (at least one of each)")
+        if args.backend or args.backends_file:
+            raise InferdError("with --prefill/--decode the decode workers are the backends: drop --backend")
+        prefill = parse_backends(args.prefill, None)
+        urls = parse_backends(args.decode, None)
+        if set(prefill) & set(urls):
+            raise InferdError("a URL is both a --prefill and a --decode worker (for one worker doing both, start it "
+                              "with --role both and give it as --backend)")
+    else:
+        urls = parse_backends(args.backend, args.backends_file)
+    if args.disagg_min_prompt_chars < 0:
+        raise InferdError("--disagg-min-prompt-chars must be >= 0")
     if args.health_interval <= 0:
         raise InferdError("--health-interval must be > 0")
     if args.require_all_backends:
-        for u in urls:
+        for u in (prefill or []) + urls:
             try:
                 r = httpx.get(u + "/health", timeout=5)
                 if r.status_code != 200:
@@ -56,7 +77,12 @@ def run(args) -> int:
                 raise InferdError(f"backend {u} is unreachable ({type(e).__name__}; --require-all-backends)") from None
     app = create_router_app(urls, args.policy, args.health_interval, args.request_timeout,
                             args.max_request_body_bytes, args.prefix_chunk_chars, args.prefix_cache_chunks,
-                            args.balance_abs_threshold, args.balance_rel_threshold, args.cache_threshold)
-    log.info("routing (%s) over %s on http://%s:%d", args.policy, ", ".join(urls), args.host, args.port)
+                            args.balance_abs_threshold, args.balance_rel_threshold, args.cache_threshold,
+                            prefill_urls=prefill, disagg_min_chars=args.disagg_min_prompt_chars)
+    if prefill:
+        log.info("routing (%s) prefill on %s, decode on %s, on http://%s:%d", args.policy, ", ".join(prefill),
+                 ", ".join(urls), args.host, args.port)
+    else:
+        log.info("routing (%s) over %s on http://%s:%d", args.policy, ", ".join(urls), args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     return 0

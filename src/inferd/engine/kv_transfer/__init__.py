@@ -224,11 +224,17 @@ class KVTransfer:
     def busy(self) -> bool:
         return self.connector is not None and bool(self.pending or self.blocked)
 
+    def leased_blocks(self) -> int:
+        return self.leases.num_blocks if self.leases is not None else 0
+
     def wait(self, timeout: float):
-        """Nothing to step but KV on its way: sleep until a pull ends (not spinning a core)."""
-        if self.connector is not None and self.done.empty():
-            self.wake.wait(timeout)
+        """Nothing to step until a pull ends or a lease goes: sleep, not spinning a core."""
+        if self.connector is not None and self.pending:
+            if self.done.empty():
+                self.wake.wait(timeout)
             self.wake.clear()
+        else:
+            time.sleep(timeout)
 
     def abort(self, req) -> bool:
         """True if this request is the connector's (queued or pulling): it is dropped here, and a

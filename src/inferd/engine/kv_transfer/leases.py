@@ -32,7 +32,7 @@ class LeaseTable:
 
     def add(self, lease_id: str, blocks: list[int], num_tokens: int, now: float | None = None):
         with self.lock:
-            self.leases[lease_id] = Lease(list(blocks), num_tokens, (now or time.monotonic()) + self.timeout)
+            self.leases[lease_id] = Lease(list(blocks), num_tokens, (time.monotonic() if now is None else now) + self.timeout)
             self.created += 1
 
     def confirm(self, lease_id: str) -> bool:
@@ -47,7 +47,7 @@ class LeaseTable:
             return True
 
     def expire(self, now: float | None = None) -> int:
-        now = now or time.monotonic()
+        now = time.monotonic() if now is None else now
         with self.lock:
             gone = [k for k, v in self.leases.items() if v.expires <= now]
             for k in gone:
