@@ -84,7 +84,8 @@ def test_sweep_html_renders_every_plot_in_chromium(sweep_run, tmp_path):
     assert r.returncode == 0, r.stderr
     html = d / "s.html"
     n_plots = html.read_text().count('<svg class="plot"')
-    assert n_plots == 7  # throughput, output tokens, p99 TTFT/TPOT/E2EL vs load, TTFT and E2EL CDFs
+    # throughput, output tokens, p99 TTFT/TPOT/E2EL and SLO attainment (--goodput) vs load, TTFT and E2EL CDFs
+    assert n_plots == 8
     dom = _chrome(exe, tmp_path, "--dump-dom", html.as_uri())
     assert dom.returncode == 0, dom.stderr[-2000:]
     assert f'<div id="plot-check">plots-ok {n_plots}</div>' in dom.stdout, dom.stdout[-3000:]

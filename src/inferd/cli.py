@@ -222,19 +222,31 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
     b.add_argument("--api-key", default=None, help="Bearer token (default: $OPENAI_API_KEY if set)")
     b.add_argument("--dataset", default="random",
-                   choices=["random", "wikitext", "jsonl", "sharegpt", "prefix-families", "multi-turn"])
+                   choices=["random", "wikitext", "jsonl", "sharegpt", "prefix-families", "multi-turn", "mixed",
+                            "mooncake-trace", "azure-trace"],
+                   help="mixed: request classes from --mix; mooncake-trace / azure-trace: replay a trace at its "
+                        "own arrival times (default: a small synthetic one shipped with inferd)")
+    b.add_argument("--mix", default=None, help="mixed: NAME:FRACTION:INPUT_LEN:OUTPUT_LEN,... (lengths as "
+                   "--input-len; fractions add up to 1; default chat:0.8:128:128,rag:0.2:2048:16)")
+    b.add_argument("--trace-speedup", default="1", help="trace datasets: divide the trace's inter-arrival times "
+                   "by this (2 = twice the load)")
+    b.add_argument("--trace-block-size", type=int, default=512, help="mooncake-trace: tokens per hash id "
+                   "(Mooncake's 512); equal hash ids get equal tokens, so shared prefixes hit the prefix cache")
     b.add_argument("--prefix-families", type=int, default=8,
                    help="prefix-families / multi-turn: shared system prompts (conversations)")
     b.add_argument("--question-len", default="32", help="prefix-families / multi-turn: tokens of each question")
     b.add_argument("--dataset-path", default=None, help="wikitext: a text file; jsonl: {\"prompt\", "
-                   "\"output_len\"} lines; sharegpt: JSON conversations")
+                   "\"output_len\"} lines; sharegpt: JSON conversations; mooncake-trace: Mooncake JSONL; "
+                   "azure-trace: TIMESTAMP,ContextTokens,GeneratedTokens CSV")
     b.add_argument("--tokenizer", default=None, help="tokenizer.json | HF folder | .gguf | server "
                    "(default: the default model's)")
-    b.add_argument("--num-prompts", type=int, default=100)
+    b.add_argument("--num-prompts", type=int, default=100, help="requests to send (trace datasets: at most "
+                   "this many rows, the first)")
     b.add_argument("--input-len", default="1024", help="prompt tokens: N, MIN-MAX or normal:MEAN,STD")
     b.add_argument("--output-len", default=None, help="output tokens asked for (max_tokens + ignore_eos): N, "
                    "MIN-MAX or normal:MEAN,STD (default: 128; jsonl/sharegpt: from the file)")
-    b.add_argument("--request-rate", default="inf", help="requests/s, or inf to send all at once")
+    b.add_argument("--request-rate", default="inf", help="requests/s, or inf to send all at once (trace "
+                   "datasets: ignored, the trace sets the times)")
     b.add_argument("--burstiness", default="1", help="gamma shape of the gaps: 1 = Poisson, inf = constant rate")
     b.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
     b.add_argument("--seed", type=int, default=0)
@@ -242,7 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     b.add_argument("--extra-body", default=None, help="JSON merged into every request body (null removes a key)")
     b.add_argument("--percentiles", default="50,90,95,99")
-    b.add_argument("--goodput", nargs="+", default=None, help="SLOs in ms, e.g. ttft:500 tpot:50 e2el:5000")
+    b.add_argument("--goodput", nargs="+", default=None, help="SLOs in ms, e.g. ttft:500 tpot:50 e2el:5000; "
+                   "also gives slo_attainment (share of requests meeting all), and a rate sweep's goodput_rate")
     b.add_argument("--sla", default=None, help="e.g. \"p99_ttft_ms<500,p99_tpot_ms<50\": violated -> exit 3")
     b.add_argument("--result-json", default=None)
     b.add_argument("--csv", default=None, help="one row per request")

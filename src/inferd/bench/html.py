@@ -12,6 +12,7 @@ from html import escape
 
 from inferd.bench.metrics import pct_name, request_metrics
 from inferd.bench.svgplot import cdf, histogram, plot
+from inferd.bench.sweep import SLO_TARGET
 from inferd.errors import InferdError
 
 _CSS = """
@@ -87,7 +88,9 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 def _load_desc(res: dict) -> str:
     conc = res.get("max_concurrency")
-    return f"rate {_v(res.get('request_rate'))}/s, max concurrency {conc if conc else 'unlimited'}"
+    rate = res.get("request_rate")
+    load = "arrivals from the trace" if rate == "trace" else f"rate {_v(rate)}/s"
+    return f"{load}, max concurrency {conc if conc else 'unlimited'}"
 
 
 def crosscheck_html(cc: dict | None) -> str:
@@ -117,6 +120,7 @@ def run_page(res: dict, requests: list[dict], title: str | None = None) -> str:
             ["Duration (s)", _v(res.get("duration"))],
             ["Request throughput (req/s)", _v(res.get("request_throughput"))],
             ["Request goodput (req/s)", _v(res.get("request_goodput"))],
+            ["SLO attainment (%)", _v(None if res.get("slo_attainment") is None else 100 * res["slo_attainment"], 1)],
             ["Output token throughput (tok/s)", _v(res.get("output_throughput"))],
             ["Total token throughput (tok/s)", _v(res.get("total_token_throughput"))],
             ["Peak concurrent requests", _v(res.get("max_concurrent_requests"))]]
@@ -127,6 +131,16 @@ def run_page(res: dict, requests: list[dict], title: str | None = None) -> str:
                    + [_v(res.get(f"{pct_name(p)}_{name}_ms")) for p in pcts if p != 50])
     body.append(_table(["latency (ms)", "mean", "median", "std"] + [f"P{pct_name(p)[1:]}" for p in pcts if p != 50],
                        lat))
+    if res.get("classes"):
+        hi = pct_name(99 if 99 in pcts else pcts[-1])
+        crow = []
+        for name, c in res["classes"].items():
+            att = c.get("slo_attainment")
+            crow.append([escape(name), f"{c['completed']} / {c['failed']}", _v(None if att is None else 100 * att, 1)]
+                        + [_v(c.get(f"{s}_{m}_ms")) for m in ("ttft", "tpot", "itl") for s in ("median", hi)])
+        body.append("<h2>Per request class</h2>" + _table(
+            ["class", "ok / failed", "SLO attainment %"]
+            + [f"{lab} {s} ms" for lab in ("TTFT", "TPOT", "ITL") for s in ("p50", hi)], crow))
     body.append(crosscheck_html(res.get("crosscheck")))
     for w in res.get("warnings") or []:
         body.append(f"<p class=\"warn\">warning: {escape(w)}</p>")
@@ -191,6 +205,11 @@ def sweep_page(sweep: dict, title: str | None = None) -> str:
                         f"({_v(cap.get('request_throughput'))} req/s, {_v(cap.get('output_throughput'))} output tok/s)</p>")
         else:
             body.append("<p class=\"bad\">No point met the SLA.</p>")
+    att = any(p["result"].get("slo_attainment") is not None for p in pts)
+    if att and sweep.get("mode") in ("rate", "auto"):
+        g = sweep.get("goodput_rate")
+        body.append(f"<p class=\"{'ok' if g is not None else 'bad'}\">Goodput (DistServe: the highest request rate "
+                    f"with SLO attainment &ge; {100 * SLO_TARGET:.0f} %): {f'{g:g} req/s' if g is not None else 'none'}</p>")
     rows = []
     for p in pts:
         r = p["result"]
@@ -198,9 +217,12 @@ def sweep_page(sweep: dict, title: str | None = None) -> str:
                                                       else f"<span class=bad>no</span> {escape('; '.join(p.get('violations') or []))}")
         rows.append([escape(p["label"]), f"{r['completed']}/{r['failed']}", _v(r.get("request_throughput")),
                      _v(r.get("request_goodput")), _v(r.get("output_throughput")), _v(r.get("p99_ttft_ms")),
-                     _v(r.get("p99_tpot_ms")), _v(r.get("p99_e2el_ms")), verdict])
+                     _v(r.get("p99_tpot_ms")), _v(r.get("p99_e2el_ms"))]
+                    + ([_v(None if r.get("slo_attainment") is None else 100 * r["slo_attainment"], 1)] if att else [])
+                    + [verdict])
     body.append("<h2>Points</h2>" + _table(["load", "ok/failed", "req/s", "goodput req/s", "output tok/s",
-                                            "P99 TTFT ms", "P99 TPOT ms", "P99 E2EL ms", "meets SLA"], rows))
+                                            "P99 TTFT ms", "P99 TPOT ms", "P99 E2EL ms"]
+                                           + (["SLO attainment %"] if att else []) + ["meets SLA"], rows))
     cc_rows = []
     for p in pts:
         cc = p["result"].get("crosscheck") or {}
@@ -240,6 +262,11 @@ def sweep_page(sweep: dict, title: str | None = None) -> str:
         figs.append(plot(f"{top.upper()} {name.upper()} vs load", xlabel, "ms",
                          [series(field, f"{top} {name}"), series(f"median_{name}_ms", f"median {name}")],
                          hlines=limits.get(field, []), **kw))
+    if att:  # DistServe's view: how much of the traffic meets its SLOs as the rate grows
+        ys = [None if p["result"].get("slo_attainment") is None else 100 * p["result"]["slo_attainment"] for p in pts]
+        figs.append(plot("SLO attainment vs load", xlabel, "requests meeting the SLOs (%)",
+                         [{"label": "SLO attainment", "x": xs, "y": ys, "kind": "linepoints"}],
+                         hlines=[(100 * SLO_TARGET, f"{100 * SLO_TARGET:.0f} %")], **kw))
     body.append("<h2>Against load</h2><div class=\"grid\">" + "\n".join(figs) + "</div>")
     dist = []
     for name in ("ttft", "e2el"):

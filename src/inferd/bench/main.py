@@ -116,7 +116,7 @@ def _suffixed(path: str | None, tag: str) -> str | None:
 
 def cmd_run(args) -> int:
     from inferd.bench.arrivals import arrival_offsets_ns
-    from inferd.bench.datasets import build_prompts
+    from inferd.bench.datasets import TRACE_DATASETS, build_prompts, default_trace_path
     from inferd.bench.report import parse_goodput, parse_percentiles, parse_sla
 
     if args.action:
@@ -136,6 +136,19 @@ def cmd_run(args) -> int:
         check_writable(args.html)
     rate = _rate(args.request_rate, "--request-rate")
     burst = _rate(args.burstiness, "--burstiness")
+    speedup = _rate(args.trace_speedup, "--trace-speedup", allow_inf=False)
+    replay = args.dataset in TRACE_DATASETS
+    if args.trace_block_size < 1:
+        raise InferdError("--trace-block-size must be at least 1")
+    if args.mix is not None and args.dataset != "mixed":
+        raise InferdError("--mix needs --dataset mixed")
+    if args.dataset == "mixed":
+        from inferd.bench.datasets import DEFAULT_MIX, parse_mix
+
+        parse_mix(args.mix or DEFAULT_MIX)  # a bad spec fails before the server is reached
+    if replay and sweep is not None and sweep[0] != "concurrency":
+        raise InferdError(f"--sweep {args.sweep} sets request rates, but --dataset {args.dataset} sends at the "
+                          f"trace's own times: use --trace-speedup, or --sweep concurrency:...")
     if args.num_prompts < 1:
         raise InferdError("--num-prompts must be at least 1")
     if args.max_concurrency is not None and args.max_concurrency < 1:
@@ -166,21 +179,36 @@ def cmd_run(args) -> int:
     model = args.model or (models[0] if models else None)
     tok, tok_id = resolve_tokenizer(args.tokenizer, args.base_url, model, api_key)
     prompts, warnings = build_prompts(args.dataset, args.num_prompts, tok, args.input_len, args.output_len,
-                                      args.seed, args.dataset_path, args.prefix_families, args.question_len)
+                                      args.seed, args.dataset_path, args.prefix_families, args.question_len,
+                                      mix=args.mix, block_size=args.trace_block_size, speedup=speedup)
+    if replay and args.request_rate.strip().lower() != "inf":
+        warnings.append(f"--request-rate {args.request_rate} is ignored: --dataset {args.dataset} sends each "
+                        f"request at its time in the trace (scale them with --trace-speedup)")
     cfg = {"base_url": args.base_url, "endpoint": args.endpoint,
            "endpoint_type": "chat" if "chat" in args.endpoint else "completions", "model": model,
            "tokenizer": tok_id, "dataset": args.dataset, "dataset_path": args.dataset_path,
            "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
            **({"prefix_families": args.prefix_families, "question_len": args.question_len}
               if args.dataset in ("prefix-families", "multi-turn") else {}),
+           **({"mix": args.mix} if args.dataset == "mixed" else {}),
+           **({"dataset_path": args.dataset_path or default_trace_path(args.dataset), "arrivals": "trace",
+               "trace_speedup": speedup} if replay else {}),
+           **({"trace_block_size": args.trace_block_size} if args.dataset == "mooncake-trace" else {}),
            "request_rate": _safe(rate), "burstiness": _safe(burst), "max_concurrency": args.max_concurrency,
            "seed": args.seed, "warmup": args.warmup, "percentiles": percentiles, "goodput": goodput,
            "timeout": args.timeout, "extra_body": extra, "api_key": api_key}
-    runner = _Runner(args, cfg, prompts, tok, warnings, lambda r: arrival_offsets_ns(len(prompts), r, burst, args.seed))
+    trace_offsets = [p.arrival_ns for p in prompts] if replay else None
+
+    def offsets_for(r: float) -> list[int]:  # a trace's own arrival times, whatever the rate
+        return trace_offsets if trace_offsets is not None else arrival_offsets_ns(len(prompts), r, burst, args.seed)
+
+    runner = _Runner(args, cfg, prompts, tok, warnings, offsets_for)
     if sweep is not None:
         return _sweep(args, runner, sweep, rate, clauses, percentiles)
+    load = (f"arrivals from the trace ({prompts[-1].arrival_ns / 1e9:.1f} s, speedup {speedup:g})" if replay
+            else f"rate {_safe(rate)}/s, burstiness {_safe(burst)}")
     sys.stderr.write(f"inferd bench: {len(prompts)} requests to {args.base_url}{args.endpoint} (model {model}), "
-                     f"rate {_safe(rate)}/s, burstiness {_safe(burst)}, max concurrency {args.max_concurrency or 'unlimited'}\n")
+                     f"{load}, max concurrency {args.max_concurrency or 'unlimited'}\n")
     res, requests = runner.run(rate, args.max_concurrency, trace=args.trace)
     return _emit(res, requests, args, clauses)
 
@@ -200,7 +228,8 @@ class _Runner:
         from inferd.bench.report import result_from_lines, trace_lines, write_trace
         from inferd.bench.runner import run_benchmark
 
-        cfg = dict(self.cfg, request_rate=_safe(rate), max_concurrency=conc)
+        trace_arrivals = self.cfg.get("arrivals") == "trace"
+        cfg = dict(self.cfg, request_rate="trace" if trace_arrivals else _safe(rate), max_concurrency=conc)
         if warmup is not None:
             cfg["warmup"] = warmup
         base, key = cfg["base_url"], cfg.get("api_key")
@@ -230,7 +259,8 @@ class _Runner:
 def _sweep(args, runner: "_Runner", sweep, rate: float, clauses, percentiles) -> int:
     from inferd.bench.crosscheck import sweep_lines
     from inferd.bench.report import check_sla, write_csv, write_json
-    from inferd.bench.sweep import (SWEEP_FORMAT, auto_rates, capacity, point_label, points_table, samples)
+    from inferd.bench.sweep import (SWEEP_FORMAT, auto_rates, capacity, goodput_rate, point_label, points_table,
+                                    samples)
 
     kind, values = sweep
     points = []
@@ -244,12 +274,14 @@ def _sweep(args, runner: "_Runner", sweep, rate: float, clauses, percentiles) ->
         if res["completed"] == 0:
             bad = bad or ["no request succeeded"]
         p = {"label": label, "kind": pkind, "value": _safe(value), "x": x, "sla_ok": (not bad) if clauses else None,
-             "violations": bad, "result": res, "samples": samples(requests)}
+             "violations": bad, "slo_attainment": res.get("slo_attainment"), "result": res,
+             "samples": samples(requests)}
         points.append(p)
-        r99 = res.get("p99_ttft_ms")
+        r99, att = res.get("p99_ttft_ms"), res.get("slo_attainment")
         sys.stderr.write(f"inferd bench: {label}: {res['completed']} ok, {res['failed']} failed, "
                          f"{res['request_throughput'] or 0:.2f} req/s, p99 TTFT "
                          f"{'-' if r99 is None else f'{r99:.1f}'} ms"
+                         + ("" if att is None else f", SLO attainment {100 * att:.1f}%")
                          + ("" if not clauses else (", meets the SLA" if not bad else ", misses the SLA: " + "; ".join(bad)))
                          + "\n")
         return p
@@ -284,7 +316,8 @@ def _sweep(args, runner: "_Runner", sweep, rate: float, clauses, percentiles) ->
            "date": first.get("date"), "base_url": first.get("base_url"), "endpoint": first.get("endpoint"),
            "model_id": first.get("model_id"), "dataset": first.get("dataset"), "num_prompts": len(runner.prompts),
            "percentiles": percentiles, "sla": args.sla, "sla_clauses": [list(c) for c in clauses],
-           "goodput_slos_ms": first.get("goodput_slos_ms"), "points": points, "capacity": capacity(points)}
+           "goodput_slos_ms": first.get("goodput_slos_ms"), "points": points, "capacity": capacity(points),
+           "goodput_rate": goodput_rate(points)}
     print("\n".join([points_table(doc)] + sweep_lines(points)), flush=True)
     if args.result_json:
         write_json(args.result_json, doc)

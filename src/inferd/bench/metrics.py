@@ -21,6 +21,10 @@ Definitions (vLLM's):
           per token: a chunk of k tokens arriving g after the previous one contributes k gaps of g/k,
           and the first chunk's extra tokens contribute gaps of 0 -- so a request's per-token ITLs
           number output_tokens - 1 and average to its TPOT. Both sum to E2EL - TTFT.
+
+SLO attainment (DistServe's): the fraction of the sent requests that meet every --goodput SLO
+(DistServe sets a TTFT and a TPOT one); failed requests miss. Given per request class too, when the
+records carry one (`"class"`, from --dataset mixed).
 """
 from __future__ import annotations
 
@@ -132,6 +136,41 @@ def meets_slos(m: dict, slos: dict[str, float]) -> bool:
     return True
 
 
+def slo_attainment(per: list[dict], slos: dict[str, float]) -> float | None:
+    """Fraction of requests (their request_metrics, failed ones included) meeting every SLO."""
+    if not slos or not per:
+        return None
+    return sum(meets_slos(m, slos) for m in per) / len(per)
+
+
+def latency_summaries(ok: list[dict], percentiles: Iterable[float]) -> dict:
+    """TTFT, TPOT, ITL (per chunk) and E2EL summaries over successful requests' request_metrics."""
+    out: dict = {}
+    for name in LATENCY_METRICS:
+        if name == "itl":
+            vals = [x for m in ok for x in m["itl"]]
+        else:
+            vals = [m[name] for m in ok if m.get(name) is not None]
+        out.update(summarize(name, vals, percentiles))
+    return out
+
+
+def class_results(recs: list[dict], per: list[dict], percentiles: Iterable[float],
+                  slos: dict[str, float]) -> dict[str, dict]:
+    """Per request class (records' "class"; records without one are left out), sorted by name."""
+    groups: dict[str, list[dict]] = {}
+    for r, m in zip(recs, per):
+        if r.get("class") is not None:
+            groups.setdefault(str(r["class"]), []).append(m)
+    out = {}
+    for name in sorted(groups):
+        ms = groups[name]
+        ok = [m for m in ms if m["ok"]]
+        out[name] = {"num_prompts": len(ms), "completed": len(ok), "failed": len(ms) - len(ok),
+                     **latency_summaries(ok, percentiles), "slo_attainment": slo_attainment(ms, slos)}
+    return out
+
+
 def peak_concurrency(intervals: Iterable[tuple[int, int]]) -> int:
     """Most requests in flight at once; an interval is [start, end) so back-to-back ones do not overlap."""
     edges = []
@@ -208,6 +247,7 @@ def compute_result(header: dict, records: list[dict], footer: dict) -> dict:
         "total_output_tokens": total_out,
         "request_throughput": rate(len(ok)),
         "request_goodput": rate(sum(meets_slos(m, slos) for m in per)) if slos else None,
+        "slo_attainment": slo_attainment(per, slos),
         "output_throughput": rate(total_out),
         "total_token_throughput": rate(total_in + total_out),
         "max_concurrent_requests": peak_concurrency((r["send_ns"], r["end_ns"]) for r in recs),
@@ -237,10 +277,7 @@ def compute_result(header: dict, records: list[dict], footer: dict) -> dict:
     def col(key):
         return [m[key] for _, m in ok if m.get(key) is not None]
 
-    res.update(summarize("ttft", col("ttft"), percentiles))
-    res.update(summarize("tpot", col("tpot"), percentiles))
-    res.update(summarize("itl", [x for _, m in ok for x in m["itl"]], percentiles))
-    res.update(summarize("e2el", col("e2el"), percentiles))
+    res.update(latency_summaries([m for _, m in ok], percentiles))
     res.update(summarize("itl_per_token", [x for _, m in ok for x in (m["itl_per_token"] or ())]
                          if per_tok else [], percentiles))
     res.update(summarize("ttft_from_schedule", col("ttft_from_schedule"), percentiles))
@@ -250,6 +287,9 @@ def compute_result(header: dict, records: list[dict], footer: dict) -> dict:
     res.update(summarize("slot_wait", [m["slot_wait"] for m in per if "slot_wait" in m]
                          + [(r["slot_ns"] - r["dispatch_ns"]) / NS_PER_MS for r in failed], percentiles))
 
+    classes = class_results(recs, per, percentiles, slos)
+    if classes:
+        res["classes"] = classes
     lag = [x / NS_PER_MS for x in footer.get("loop_lag_ns", ())]
     res["client_loop_lag_p50_ms"] = percentile(lag, 50)
     res["client_loop_lag_p99_ms"] = percentile(lag, 99)

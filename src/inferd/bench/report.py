@@ -89,7 +89,7 @@ def parse_sla(s: str | None, percentiles: list[float]) -> list[tuple[str, str, f
     known = set(metric_field_names(percentiles)) | {
         "request_throughput", "request_goodput", "output_throughput", "total_token_throughput", "failed",
         "completed", "duration", "max_concurrent_requests", "client_loop_lag_p99_ms", "achieved_send_rate",
-        "total_output_tokens", "total_input_tokens"}
+        "total_output_tokens", "total_input_tokens", "slo_attainment"}
     out = []
     for part in s.split(","):
         if not part.strip():
@@ -150,6 +150,8 @@ def console_table(res: dict) -> str:
     row("Request throughput (req/s):", res["request_throughput"])
     if res.get("request_goodput") is not None:
         row("Request goodput (req/s):", res["request_goodput"])
+    if res.get("slo_attainment") is not None:
+        row("SLO attainment (%):", 100 * res["slo_attainment"], 1)
     row("Output token throughput (tok/s):", res["output_throughput"])
     row("Total token throughput (tok/s):", res["total_token_throughput"])
     row("Peak concurrent requests:", res["max_concurrent_requests"])
@@ -171,6 +173,8 @@ def console_table(res: dict) -> str:
         if name == "itl" and res.get("itl_per_token_available") and top:
             row("Mean ITL per token (ms):", res["mean_itl_per_token_ms"])
             row(f"P{top[1:]} ITL per token (ms):", res[f"{top}_itl_per_token_ms"])
+    if res.get("classes"):
+        lines.extend(class_lines(res["classes"], pcts, w))
     sect("Schedule and client")
     for name, label in (("ttft_from_schedule", "TTFT from scheduled send"), ("send_lag", "send lag behind schedule"),
                         ("slot_wait", "wait for a concurrency slot")):
@@ -187,6 +191,23 @@ def console_table(res: dict) -> str:
     return "\n".join(lines)
 
 
+def class_lines(classes: dict[str, dict], pcts: list[float], w: int = 56) -> list[str]:
+    """The console's per-class section: p50 and p99 (or the highest percentile asked for) of TTFT,
+    TPOT and ITL, one row each per class -- enough to see which class pays for the other."""
+    hi = 99 if 99 in pcts else (pcts[-1] if pcts else 99)
+    hi_name = pct_name(hi)
+    lines = [f" Per request class (p50 / {hi_name}, ms) ".center(w, "-")]
+    for name, c in classes.items():
+        head = f"{name}: {c['completed']} ok, {c['failed']} failed"
+        if c.get("slo_attainment") is not None:
+            head += f", SLO attainment {100 * c['slo_attainment']:.1f}%"
+        lines.append(head)
+        for metric in ("ttft", "tpot", "itl"):
+            v = f"{_f(c.get(f'median_{metric}_ms'))} / {_f(c.get(f'{hi_name}_{metric}_ms'))}"
+            lines.append(f"  {metric.upper() + ':':<{w - 24}}{v:>22}")
+    return lines
+
+
 def write_json(path: str, res: dict) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(res, f, indent=2, allow_nan=False)
@@ -195,7 +216,7 @@ def write_json(path: str, res: dict) -> None:
 
 CSV_FIELDS = ["index", "ok", "error_kind", "http_status", "prompt_len", "output_len", "output_tokens",
               "output_tokens_source", "sched_ms", "send_ms", "ttft_ms", "tpot_ms", "e2el_ms", "ttft_from_schedule_ms",
-              "e2el_from_schedule_ms", "send_lag_ms", "slot_wait_ms", "chunks", "mean_itl_ms", "max_itl_ms", "error"]
+              "e2el_from_schedule_ms", "send_lag_ms", "slot_wait_ms", "chunks", "mean_itl_ms", "max_itl_ms", "error", "class"]
 
 
 def write_csv(path: str, requests: list[dict]) -> None:
@@ -215,7 +236,8 @@ def write_csv(path: str, requests: list[dict]) -> None:
                         _c(m.get("e2el_from_schedule")), _c((r["dispatch_ns"] - r["sched_ns"]) / 1e6),
                         _c((r["slot_ns"] - r["dispatch_ns"]) / 1e6),
                         sum(1 for e in r.get("events", ()) if e[1] == "content"),
-                        _c(sum(itl) / len(itl) if itl else None), _c(max(itl) if itl else None), r.get("error") or ""])
+                        _c(sum(itl) / len(itl) if itl else None), _c(max(itl) if itl else None), r.get("error") or "",
+                        r.get("class") or ""])
 
 
 def _c(v):

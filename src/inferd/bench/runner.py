@@ -234,6 +234,8 @@ def build_record(i: int, item, t0: int, prompt, chat: bool, tokenizer) -> dict:
            "slot_ns": slot - t0, "send_ns": send - t0, "end_ns": end - t0, "ok": False,
            "error_kind": kind, "error": err, "http_status": None, "response_id": None, "prompt_tokens": None,
            "output_tokens": None, "output_tokens_source": None, "rx_delay_max_ns": None, "events": [], "text": ""}
+    if getattr(prompt, "klass", None) is not None:  # a request class (--dataset mixed): per-class metrics
+        rec["class"] = prompt.klass
     if resp is not None:
         rec["rx_delay_max_ns"] = resp.rx_delay_max
     if resp is not None and resp.status is not None and resp.status != 200 and kind is None:

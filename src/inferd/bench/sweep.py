@@ -7,6 +7,9 @@
 
 The capacity is the highest load whose run meets every --sla clause. Points are run in the order
 given (auto: sync, saturation, then ascending rates) and reported sorted by load.
+
+With --goodput, each point has its SLO attainment, and the sweep its DistServe goodput
+(`goodput_rate`): the highest swept (finite) request rate whose attainment is at least 90 %.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from inferd.errors import InferdError
 SWEEP_FORMAT = "inferd-bench-sweep"
 AUTO_POINTS = 4
 SAMPLE_FIELDS = ("ttft", "tpot", "e2el")
+SLO_TARGET = 0.9  # DistServe's attainment target for its goodput
 
 
 def parse_sweep(s: str) -> tuple[str, list[float]]:
@@ -93,6 +97,14 @@ def capacity(points: list[dict]) -> dict | None:
             "output_throughput": r.get("output_throughput")}
 
 
+def goodput_rate(points: list[dict], target: float = SLO_TARGET) -> float | None:
+    """DistServe's goodput: the highest swept request rate (rate points with a finite value) whose SLO
+    attainment reaches `target`; None when there is none (or no attainment: no --goodput)."""
+    ok = [p["value"] for p in points if p.get("kind") == "rate" and isinstance(p.get("value"), (int, float))
+          and math.isfinite(p["value"]) and (p.get("slo_attainment") or 0) >= target]
+    return max(ok) if ok else None
+
+
 def _f(v, nd=2):
     if v is None:
         return "-"
@@ -101,17 +113,24 @@ def _f(v, nd=2):
 
 def points_table(sweep: dict) -> str:
     top = "p" + str((sweep.get("percentiles") or [99])[-1]).removesuffix(".0")
+    att = any(p["result"].get("slo_attainment") is not None for p in sweep["points"])
     head = (f"{'load':<16}{'ok/fail':>9}{'req/s':>8}{'goodput':>9}{'tok/s':>9}{top + ' TTFT':>11}{top + ' TPOT':>11}"
-            f"{top + ' E2EL':>11}  SLA")
+            f"{top + ' E2EL':>11}" + (f"{'SLO %':>7}" if att else "") + "  SLA")
     lines = [" Sweep ".center(len(head), "="), head]
     for p in sweep["points"]:
         r = p["result"]
         sla = "" if p.get("sla_ok") is None else ("ok" if p["sla_ok"] else "no")
+        a = r.get("slo_attainment")
         lines.append(f"{p['label']:<16}{str(r['completed']) + '/' + str(r['failed']):>9}"
                      f"{_f(r.get('request_throughput')):>8}{_f(r.get('request_goodput')):>9}"
                      f"{_f(r.get('output_throughput'), 1):>9}{_f(r.get(top + '_ttft_ms'), 1):>11}"
-                     f"{_f(r.get(top + '_tpot_ms'), 1):>11}{_f(r.get(top + '_e2el_ms'), 1):>11}  {sla}")
+                     f"{_f(r.get(top + '_tpot_ms'), 1):>11}{_f(r.get(top + '_e2el_ms'), 1):>11}"
+                     + (f"{_f(None if a is None else 100 * a, 1):>7}" if att else "") + f"  {sla}")
     lines.append("=" * len(head))
+    if att and sweep.get("mode") in ("rate", "auto"):
+        g = sweep.get("goodput_rate")
+        lines.append(f"goodput (DistServe: highest rate with SLO attainment >= {100 * SLO_TARGET:.0f}%): "
+                     + (f"{g:g} req/s" if g is not None else "none (no swept rate reached it)"))
     cap = sweep.get("capacity")
     if not sweep.get("sla"):
         lines.append("no --sla given: no capacity computed")
