@@ -4,6 +4,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q, GGUFReader, GGUFWriter, quants
 
+from inferd.errors import InferdError
 from inferd.model.gguf import unpermute_qk
 from inferd.loader import load_model
 
@@ -155,3 +156,19 @@ def test_a_reused_reader_never_outlives_a_rewrite(tmp_path):
     assert os.stat(path).st_size == st.st_size and os.stat(path).st_ino == st.st_ino
     # a stale reader's field views would still cut the name at its old length
     assert read_metadata(open_gguf(str(path)))["general.name"] == "bbbbbbbb"
+
+
+def test_the_fast_metadata_reader_equals_the_gguf_package(tmp_path, default_gguf_path):
+    """read_gguf_metadata (the API process's tokenizer path) against the gguf package's reader on
+    the default model, and one clear error for truncated or lying files."""
+    from inferd.gguf_file import open_gguf, read_gguf_metadata, read_metadata
+
+    path = default_gguf_path
+    assert read_gguf_metadata(path) == read_metadata(open_gguf(path))
+    data = open(path, "rb").read(4 << 20)
+    for name, blob in [("cut.gguf", data[:300_000]), ("lying.gguf", data[:24] + b"\xff" * 8 + data[32:4096])]:
+        bad = tmp_path / name
+        bad.write_bytes(blob)
+        with pytest.raises(InferdError, match="cannot read GGUF file") as e:
+            read_gguf_metadata(str(bad))
+        assert "\n" not in str(e.value)

@@ -218,9 +218,9 @@ class Tokenizer:
             with open(path, "rb") as f:
                 magic = f.read(4)
             if magic == b"GGUF" or path.lower().endswith(".gguf"):
-                from inferd.gguf_file import open_gguf, read_metadata
+                from inferd.gguf_file import read_gguf_metadata
 
-                return cls.from_gguf_metadata(read_metadata(open_gguf(path)))
+                return cls.from_gguf_metadata(read_gguf_metadata(path))
             if os.path.basename(path) == "tokenizer.json":
                 return cls.from_hf_folder(os.path.dirname(path) or ".")
             raise InferdError(f"cannot load a tokenizer from {path}: expected a .gguf file or a model folder")
