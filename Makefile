@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.inferd-installed
 ARGS   ?=
 
-.PHONY: run test test-fast test-integration install clean chromium
+.PHONY: run test test-fast test-integration install clean chromium iproute2
 
 # torch first and pinned: a CPU build of 2.13.0 lies on local disk; an unpinned torch pulls CUDA (GBs).
 $(STAMP): pyproject.toml Makefile
@@ -27,8 +27,15 @@ chromium:
 	  (apt-get update -q && apt-get install -y -q chromium) || \
 	  echo "chromium not installed: the bench HTML screenshot test will skip"
 
+# `ip netns`: the disaggregation test puts its prefill and decode workers in two network
+# namespaces joined by a veth pair; without iproute2 (or root) it skips, saying why.
+iproute2:
+	@command -v ip >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1 || \
+	  (apt-get update -q && apt-get install -y -q iproute2) || \
+	  echo "iproute2 not installed: the network-namespace test will skip"
+
 # the layers of pyproject.toml's [tool.importlinter] first (seconds), then every test
-test: $(STAMP) chromium
+test: $(STAMP) chromium iproute2
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q --durations=15 $(ARGS)
 

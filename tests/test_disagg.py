@@ -18,7 +18,7 @@ from inferd.engine.engine import LLMEngine
 from inferd.engine.faults import Faults
 from inferd.engine.kv_transfer import parse_kv_transfer_config
 from inferd.engine.kv_transfer.leases import LeaseTable
-from inferd.engine.kv_transfer.wire import bytes_per_token, check_remote, prompt_digest, token_slots
+from inferd.engine.kv_transfer.wire import bytes_per_token, prompt_digest, token_slots
 from inferd.engine.request import SamplingParams
 from inferd.errors import InferdError
 

@@ -349,7 +349,11 @@ CLIENT = textwrap.dedent('''
     m["recomputes"] = prom(decode, "inferd:kv_transfer_recomputes_total")
     m["tokens"] = prom(decode, "inferd:kv_transfer_tokens_total")
     m["computed"] = prom(decode, "inferd:prompt_tokens_computed_total")
-    m["sent"] = prom(producer, "inferd:kv_transfer_bytes_sent_total")
+    for _ in range(100):  # an idle producer publishes its counters when it frees the confirmed leases
+        m["sent"] = prom(producer, "inferd:kv_transfer_bytes_sent_total")
+        if m["sent"] == m["ZmqConnector"] and prom(producer, "inferd:kv_leased_blocks") == 0:
+            break
+        time.sleep(0.1)
     want = run_all(decode, items)
     print(json.dumps({"got": [[g[0], g[1]] for g in got], "want": [[w[0], w[1]] for w in want],
                       "cached": [g[2].prompt_tokens_details.cached_tokens for g in got],

@@ -49,7 +49,7 @@ class KVPool:
         self._map = mmap.mmap(fd, size)
         self._fd = fd
         flat = torch.frombuffer(self._map, dtype=dtype, count=2 * n)
-        self.shm = {"path": f"/proc/{os.getpid()}/fd/{fd}", "size": size}
+        self.shm = {"path": f"/proc/{os.getpid()}/fd/{fd}", "size": size, "inode": os.fstat(fd).st_ino}
         return flat[:n].view(shape), flat[n:].view(shape)
 
     @staticmethod

@@ -98,7 +98,8 @@ class EngineGroup:
     def loads(self) -> dict[int, int]:
         return {i: c.open_requests() for i, c in enumerate(self.clients)}
 
-    async def generate(self, prompt_ids: list[int], params, request_id: str, arrival: float | None = None):
+    async def generate(self, prompt_ids: list[int], params, request_id: str, arrival: float | None = None,
+                       kv_transfer_params: dict | None = None):
         from inferd.engine.async_engine import EngineDead
 
         if self.dead:
@@ -106,7 +107,8 @@ class EngineGroup:
         live = [i for i, c in enumerate(self.clients) if not c.dead]
         pick = self.balancer.pick(prompt_ids, self.loads(), live)
         self.picks[pick.target] += 1
-        async for out in self.clients[pick.target].generate(prompt_ids, params, request_id, arrival):
+        async for out in self.clients[pick.target].generate(prompt_ids, params, request_id, arrival,
+                                                            kv_transfer_params):
             yield out
 
     def shutdown(self):

@@ -20,6 +20,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from collections import deque
 
 import torch
@@ -62,6 +63,7 @@ class KVTransfer:
                          "recomputes": 0, "bytes": 0, "tokens": 0, "bytes_sent": 0}
         self.seconds: list[float] = []  # transfer durations not yet reported in a snapshot
         self._ids = itertools.count()
+        self._run = uuid.uuid4().hex[:8]  # lease ids stay unique when a producer restarts under its engine id
         self.leases = self.server = None
         if cfg.producer:
             self.leases = LeaseTable(cfg.lease_timeout_s)
@@ -260,7 +262,7 @@ class KVTransfer:
         blocks = req.block_table[:keep]
         bm.release_blocks(req.block_table[keep:])
         req.block_table, req.block_hashes, req.num_cached_hashed = [], [], 0
-        lease = f"{cfg.engine_id}-{next(self._ids)}"
+        lease = f"{cfg.engine_id}-{self._run}-{next(self._ids)}"
         self.leases.add(lease, blocks, n)
         self.counters["leases"] += 1
         return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": cfg.engine_id,

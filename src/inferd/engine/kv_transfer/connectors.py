@@ -224,23 +224,28 @@ class SharedMemoryConnector(ZmqConnector):
 
     def __init__(self, control: _Control, dtype, layers, n_kv, head_dim):
         super().__init__(control, dtype, layers, n_kv, head_dim)
-        self.maps: dict[str, tuple] = {}  # producer engine id -> (mmap, k, v)
+        # (path, size, inode) of a producer's pool -> (mmap, k, v). Not keyed by engine id: a
+        # producer restarted under the same id has a new pool, and the old mapping would keep the
+        # dead one's memory readable
+        self.maps: dict[tuple, tuple] = {}
 
     def _map(self, remote: RemoteKV):
-        got = self.maps.get(remote.engine_id)
-        if got is not None:
-            return got[1], got[2]
         if remote.shm is None:
             raise TransferError("the producer does not share its KV pool (its connector is not SharedMemoryConnector)")
-        path, size = remote.shm["path"], remote.shm["size"]
+        path, size, inode = remote.shm["path"], remote.shm["size"], remote.shm.get("inode")
+        key = (path, size, inode)
+        got = self.maps.get(key)
+        if got is not None:
+            return got[1], got[2]
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError as e:
             raise TransferError(f"cannot open the producer's shared KV pool {path}: {e.strerror} "
                                 f"(another host? use ZmqConnector)") from None
         try:
-            if os.fstat(fd).st_size != size:
-                raise TransferError(f"the shared KV pool {path} has {os.fstat(fd).st_size} bytes, expected {size}")
+            st = os.fstat(fd)
+            if st.st_size != size or st.st_ino != inode:
+                raise TransferError(f"{path} is not the producer's shared KV pool any more (it restarted?)")
             m = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)  # private: nothing here can write the producer's
         finally:
             os.close(fd)
@@ -253,7 +258,9 @@ class SharedMemoryConnector(ZmqConnector):
         flat = torch.frombuffer(m, dtype=self.dtype, count=2 * per_half)
         k = flat[:per_half].view(L, slots, H, D)
         v = flat[per_half:].view(L, slots, H, D)
-        self.maps[remote.engine_id] = (m, k, v)
+        if len(self.maps) >= 8:  # producers come and go: keep the newest few mappings
+            self.maps.pop(next(iter(self.maps)))
+        self.maps[key] = (m, k, v)
         return k, v
 
     def pull(self, remote: RemoteKV, start: int, end: int):
@@ -262,9 +269,6 @@ class SharedMemoryConnector(ZmqConnector):
         if int(slots.max()) >= k.shape[1]:
             raise TransferError("the lease's blocks lie outside the producer's shared pool")
         return k.index_select(1, slots), v.index_select(1, slots)
-
-    def forget(self, engine_id: str):
-        self.maps.pop(engine_id, None)
 
 
 def make_connector(name: str, timeout_s: float, dtype, layers: int, n_kv: int, head_dim: int):

@@ -91,8 +91,9 @@ def check_remote(params: dict, prompt_ids: list[int], local_fp: dict) -> RemoteK
         raise InferdError("kv_transfer_params: the producer computed a different prompt")
     shm = params.get("remote_shm")
     if shm is not None and not (isinstance(shm, dict) and isinstance(shm.get("path"), str)
-                                and isinstance(shm.get("size"), int)):
-        raise InferdError("kv_transfer_params: remote_shm must be {path, size}")
+                                and shm["path"].startswith("/proc/") and isinstance(shm.get("size"), int)
+                                and isinstance(shm.get("inode"), int)):
+        raise InferdError("kv_transfer_params: remote_shm must be {path: /proc/PID/fd/N, size, inode}")
     return RemoteKV(eid, host, port, rid, list(blocks), bs, n, shm)
 
 
