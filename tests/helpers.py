@@ -3,6 +3,7 @@ folder). Test modules import from here or from conftest, never from each other."
 import json
 import os
 import random
+import time
 
 import torch
 from safetensors.torch import save_file
@@ -233,3 +234,13 @@ def write_tiny_chat_gguf(path, n_layers=2, hidden=64, seed=0):
     w.write_tensors_to_file()
     w.close()
     return str(path)
+
+
+def wait_for(cond, what: str = "condition", timeout: float = 20):
+    """Poll cond() every 0.1 s until it holds; a clear failure naming `what` after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")

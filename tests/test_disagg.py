@@ -30,17 +30,20 @@ def engine(model, role, conn="ZmqConnector", extra=None, **opts):
     return LLMEngine(loaded=model, dtype="float32", kv_transfer_config=cfg, **{"num_kv_blocks": 256, **opts})
 
 
-def prefill(P, reqs, tag="r"):
-    """Run each prompt on the producer as the router does (one token, KV leased): its params."""
+def prefill(P, reqs, tag="r", each_step=None):
+    """Run each prompt on the producer as the router does (one token, KV leased): its params
+    (None for a request aborted by `each_step`, called after every step)."""
     for i, (p, _) in enumerate(reqs):
         P.add_request(p, SamplingParams(max_tokens=1, temperature=0), f"{tag}{i}",
                       kv_transfer_params={"do_remote_decode": True})
     params = {}
     while P.has_unfinished():
         for o in P.step():
-            if o.finished:
+            if o.finished and o.finish_reason != "abort":
                 params[o.request_id] = o.kv_transfer_params
-    return [params[f"{tag}{i}"] for i in range(len(reqs))]
+        if each_step is not None:
+            each_step()
+    return [params.get(f"{tag}{i}") for i in range(len(reqs))]
 
 
 def decode(C, reqs, params, P=None, tag="r", abort=None):
@@ -238,19 +241,14 @@ def test_aborts_in_every_phase_leave_nothing_behind(tiny):
         for rnd in range(10):
             reqs = [(p, rng.randint(1, 6)) for p, _ in make_requests(seed=100 + rnd, n=50)]
             tag = f"x{rnd}-"
-            for i, (p, _) in enumerate(reqs):
-                P.add_request(p, SamplingParams(max_tokens=1, temperature=0), f"{tag}{i}",
-                              kv_transfer_params={"do_remote_decode": True})
-            params = {}
-            while P.has_unfinished():
-                for o in P.step():
-                    if o.finished and o.finish_reason != "abort":
-                        params[o.request_id] = o.kv_transfer_params
+
+            def abort_some():
                 for rid in list(P.requests):
                     if rng.random() < 0.01:
                         P.abort(rid)
-            for i, (p, n) in enumerate(reqs):
-                kvp = params.get(f"{tag}{i}")
+
+            params = prefill(P, reqs, tag, abort_some)
+            for i, ((p, n), kvp) in enumerate(zip(reqs, params)):
                 if kvp is not None and rng.random() < 0.9:  # some leases are never claimed
                     C.add_request(p, SamplingParams(max_tokens=n, temperature=0), f"{tag}{i}",
                                   kv_transfer_params=kvp)

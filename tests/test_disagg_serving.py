@@ -16,13 +16,12 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import httpx
 import pytest
 
 from conftest import ServerProc, free_port
-from helpers import write_tiny_chat_gguf
+from helpers import wait_for, write_tiny_chat_gguf
 
 openai = pytest.importorskip("openai")
 
@@ -43,13 +42,6 @@ def prom(base: str, name: str, **labels) -> float:
     return total
 
 
-def wait_for(cond, timeout=20.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def text(rng, n):

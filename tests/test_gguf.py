@@ -158,17 +158,25 @@ def test_a_reused_reader_never_outlives_a_rewrite(tmp_path):
     assert read_metadata(open_gguf(str(path)))["general.name"] == "bbbbbbbb"
 
 
-def test_the_fast_metadata_reader_equals_the_gguf_package(tmp_path, default_gguf_path):
-    """read_gguf_metadata (the API process's tokenizer path) against the gguf package's reader on
-    the default model, and one clear error for truncated or lying files."""
-    from inferd.gguf_file import open_gguf, read_gguf_metadata, read_metadata
+def test_the_fast_reader_equals_the_gguf_package(tmp_path, default_gguf_path):
+    """GGUFFile (what open_gguf gives: metadata, tensor table, mapped data) and read_gguf_metadata
+    against the gguf package's own reader on the default model, field for field and byte for byte;
+    one clear error for truncated or lying files."""
+    from inferd.gguf_file import GGUFFile, read_gguf_metadata, read_metadata
 
     path = default_gguf_path
-    assert read_gguf_metadata(path) == read_metadata(open_gguf(path))
+    ours, theirs = GGUFFile(path), GGUFReader(path)
+    assert read_metadata(ours) == read_metadata(theirs) == read_gguf_metadata(path)
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert (a.tensor_type, list(a.shape), a.n_elements, a.n_bytes, a.data_offset) == \
+            (b.tensor_type, list(b.shape), b.n_elements, b.n_bytes, b.data_offset), a.name
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape and np.array_equal(a.data, b.data)
     data = open(path, "rb").read(4 << 20)
     for name, blob in [("cut.gguf", data[:300_000]), ("lying.gguf", data[:24] + b"\xff" * 8 + data[32:4096])]:
         bad = tmp_path / name
         bad.write_bytes(blob)
-        with pytest.raises(InferdError, match="cannot read GGUF file") as e:
-            read_gguf_metadata(str(bad))
-        assert "\n" not in str(e.value)
+        for read in (read_gguf_metadata, GGUFFile):
+            with pytest.raises(InferdError, match="cannot read GGUF file") as e:
+                read(str(bad))
+            assert "\n" not in str(e.value)

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from conftest import ServerProc, free_port
-from helpers import write_tiny_chat_gguf
+from helpers import wait_for, write_tiny_chat_gguf
 from inferd.router.backends import parse_backends, parse_load
 from inferd.router.policy import Balancer, PrefixIndex, chunk_hashes
 
@@ -120,13 +120,6 @@ def stream_events(base: str, body: dict, timeout: float = 60) -> list:
     return events
 
 
-def wait_for(cond, what: str, timeout: float = 20):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture()

@@ -49,6 +49,13 @@ class KVTransferConfig:
         return self.advertise_host or self.kv_ip
 
 
+def _only(d: dict, known: set[str], where: str):
+    unknown = set(d) - known
+    if unknown:
+        raise InferdError(f"--kv-transfer-config: unknown {where}key(s) {', '.join(sorted(unknown))} "
+                          f"(known: {', '.join(sorted(known))})")
+
+
 def parse_kv_transfer_config(text: str | dict | None, role: str | None = None) -> KVTransferConfig | None:
     """The flag's JSON (or a dict), merged with --role; None when neither is given. Every bad key
     or value is one InferdError naming it."""
@@ -64,10 +71,7 @@ def parse_kv_transfer_config(text: str | dict | None, role: str | None = None) -
             raise InferdError(f"--kv-transfer-config is not valid JSON ({e})") from None
         if not isinstance(data, dict):
             raise InferdError("--kv-transfer-config must be a JSON object")
-    unknown = set(data) - KEYS
-    if unknown:
-        raise InferdError(f"--kv-transfer-config: unknown key(s) {', '.join(sorted(unknown))} "
-                          f"(known: {', '.join(sorted(KEYS))})")
+    _only(data, KEYS, "")
     cfg = KVTransferConfig()
     if role is not None:
         if role not in SHORTHAND:
@@ -101,10 +105,7 @@ def parse_kv_transfer_config(text: str | dict | None, role: str | None = None) -
     extra = data.get("kv_connector_extra_config") or {}
     if not isinstance(extra, dict):
         raise InferdError("--kv-transfer-config: kv_connector_extra_config must be an object")
-    bad = set(extra) - EXTRA_KEYS
-    if bad:
-        raise InferdError(f"--kv-transfer-config: unknown kv_connector_extra_config key(s) {', '.join(sorted(bad))} "
-                          f"(known: {', '.join(sorted(EXTRA_KEYS))})")
+    _only(extra, EXTRA_KEYS, "kv_connector_extra_config ")
     for k in ("lease_timeout_s", "transfer_timeout_s"):
         if k in extra:
             v = extra[k]
