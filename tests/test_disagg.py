@@ -314,6 +314,7 @@ def test_bad_kv_transfer_params_are_clear_errors_at_admission(tiny):
     C_other = engine(other, "kv_consumer")
     C_bf16 = engine(tiny, "kv_consumer", kv_cache_dtype="bfloat16")
     plain = LLMEngine(loaded=tiny, dtype="float32", num_kv_blocks=64)
+    C_shm = engine(tiny, "kv_consumer", "SharedMemoryConnector")  # its producer shares no pool
     try:
         good, = prefill(P, reqs)
         sp = SamplingParams(max_tokens=4, temperature=0)
@@ -329,6 +330,7 @@ def test_bad_kv_transfer_params_are_clear_errors_at_admission(tiny):
             (P, good, "not a KV consumer"),
             (C, {"do_remote_decode": True}, "not a KV producer"),
             (plain, good, "--kv-transfer-config"),
+            (C_shm, good, "does not share its KV pool"),
         ]
         for eng, kvp, words in cases:
             with pytest.raises(InferdError, match=words) as e:
@@ -341,7 +343,7 @@ def test_bad_kv_transfer_params_are_clear_errors_at_admission(tiny):
                           kv_transfer_params={"do_remote_decode": True})
         assert not C.requests and C.block_manager.num_used == 0
     finally:
-        for e in (P, C, C_other, C_bf16):
+        for e in (P, C, C_other, C_bf16, C_shm):
             e.close()
 
 

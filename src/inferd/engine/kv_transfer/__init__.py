@@ -106,7 +106,11 @@ class KVTransfer:
                                   "(--kv-transfer-config kv_role kv_consumer or kv_both)")
             if sampling.prompt_logprobs is not None:
                 raise InferdError("prompt logprobs need every prompt position computed here: not with remote KV")
-            return "import", check_remote(params, prompt_ids, self.fingerprint)
+            remote = check_remote(params, prompt_ids, self.fingerprint)
+            if isinstance(self.connector, SharedMemoryConnector) and remote.shm is None:
+                raise InferdError("the producer does not share its KV pool (its kv_connector is not "
+                                  "SharedMemoryConnector): give this decode worker the ZmqConnector")
+            return "import", remote
         return None, None
 
     def start_import(self, req):
