@@ -53,8 +53,9 @@ def decode(C, reqs, params, P=None, tag="r", abort=None):
     for i, ((p, n), kvp) in enumerate(zip(reqs, params)):
         C.add_request(p, SamplingParams(max_tokens=n, temperature=0), f"{tag}{i}", kv_transfer_params=kvp)
         outs[f"{tag}{i}"] = []
-    steps = 0
+    steps, deadline = 0, time.monotonic() + 120
     while C.has_unfinished():
+        assert time.monotonic() < deadline, f"the consumer made no progress: {C.kv.blocked} {C.scheduler.waiting}"
         if P is not None:
             P.housekeeping()
         for o in C.step():
@@ -253,7 +254,9 @@ def test_aborts_in_every_phase_leave_nothing_behind(tiny):
                     C.add_request(p, SamplingParams(max_tokens=n, temperature=0), f"{tag}{i}",
                                   kv_transfer_params=kvp)
                     total += 1
+            deadline = time.monotonic() + 120
             while C.has_unfinished():
+                assert time.monotonic() < deadline, "the consumer made no progress"
                 P.housekeeping()
                 C.step()
                 for rid in list(C.requests):
@@ -362,3 +365,20 @@ def test_a_shared_pool_is_released_with_its_process(tiny):
         assert not any(n.startswith("inferd-kv-") for n in os.listdir("/dev/shm"))  # unlinked at once
     finally:
         P.close()
+
+
+def test_pulled_requests_holding_blocks_never_block_the_queue(tiny):
+    """A consumer whose pool is mostly held by pulled (prefilled, waiting) requests, with a preempted
+    request at the head of its queue that needs blocks: the pulled ones run first, so it finishes."""
+    reqs = [(p, 40) for p, _ in make_requests(seed=11, n=12)]
+    P = engine(tiny, "kv_producer", num_kv_blocks=1024)
+    C = engine(tiny, "kv_consumer", num_kv_blocks=48, block_size=8, max_num_seqs=4)
+    try:
+        params = prefill(P, reqs)
+        got = decode(C, reqs, params, P)
+        assert compare(got, reference_outputs(tiny.model, reqs)) <= 1
+        assert C.kv.counters["recomputes"] == 0
+        assert_pool_empty(C)
+    finally:
+        P.close()
+        C.close()

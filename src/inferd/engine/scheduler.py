@@ -117,6 +117,11 @@ class Scheduler:
             budget -= n
         budget = self.budget - sum(batch.num_new)
 
+        if self.waiting and any(r.block_table for r in self.waiting):
+            # requests whose prompt KV came from another engine hold their blocks already and need
+            # none: they go first (stable: arrival order within each kind), or a request at the head
+            # waiting for blocks they hold would wait forever
+            self.waiting = deque(sorted(self.waiting, key=lambda r: not r.block_table))
         if self.mode == "static" and not self.static_batch:
             self.static_batch = {r.request_id for r in list(self.waiting)[: self.max_num_seqs]}
         # no new admissions in a step that had to preempt: memory is the bottleneck right now
