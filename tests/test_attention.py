@@ -7,16 +7,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inferd.kernels import cpu_attention
+from inferd.kernels import native
 from inferd.engine.attention import PagedAttention
 from inferd.engine.kv_cache import KVPool
 
 
 def test_kernel_builds():
     # a silent fallback would pass every equality test and lose the speed: demand the kernel
-    if os.environ.get("INFERD_NO_CPP_ATTENTION"):
-        pytest.skip("kernel disabled by INFERD_NO_CPP_ATTENTION")
-    assert cpu_attention.load() is not None
+    if os.environ.get("INFERD_NO_NATIVE"):
+        pytest.skip("native kernels disabled by INFERD_NO_NATIVE")
+    assert native.load() is not None
 
 
 def _setup(dtype, block_size, seed=0, n_seq=7, window=None, all_decode=False):
@@ -76,7 +76,7 @@ def _dense_reference(pool, tables, starts, lens, q, k, v, dims, window):
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("use_kernel", [True, False])
 def test_paged_attention_matches_dense(dtype, block_size, window, use_kernel):
-    if use_kernel and cpu_attention.load() is None:
+    if use_kernel and native.load() is None:
         pytest.skip("no kernel")
     pool, tables, starts, lens, q, k, v, dims = _setup(dtype, block_size, window=window)
     want = _dense_reference(pool, tables, starts, lens, q, k, v, dims, window)
@@ -92,7 +92,7 @@ def test_paged_attention_matches_dense(dtype, block_size, window, use_kernel):
 @pytest.mark.parametrize("use_kernel", [True, False])
 def test_decode_only_step_matches_dense(window, use_kernel):
     """Every sequence decoding one token: the kernel gets its own lean metadata (no gather indices)."""
-    if use_kernel and cpu_attention.load() is None:
+    if use_kernel and native.load() is None:
         pytest.skip("no kernel")
     pool, tables, starts, lens, q, k, v, dims = _setup(torch.float32, 4, seed=1, n_seq=9, window=window,
                                                        all_decode=True)

@@ -1,4 +1,4 @@
-"""The fused decode step (inferd.quant.fused_decode): the same kernels as the eager forward, called
+"""The fused decode step (inferd.model.fused_decode): the same kernels as the eager forward, called
 from one C++ loop, must give the eager forward's hidden states and KV writes bit for bit, and must
 really run where it applies (W4A8/W8A8 models, decode-only steps) and nowhere else."""
 import random
@@ -8,7 +8,7 @@ import torch
 
 from inferd.engine.attention import PagedAttention
 from inferd.engine.kv_cache import KVPool
-from inferd.quant.fused_decode import fuse_decode
+from inferd.model import fused_decode
 from inferd.quant import quantize
 from inferd.quant import w4a8
 
@@ -18,26 +18,22 @@ def _tiny_a8(method="int4", **over):
 
     lm = make_tiny_model(**over)
     quantize(lm.model, method, group_size=32, include_lm_head=True)
-    w4a8.quantize_activations(lm.model, fuse=False)
+    w4a8.quantize_activations(lm.model)
     return lm
 
 
-def _step(lm, pool, tables, ctx, ids, fused: bool):
-    """One decode step (one new token per sequence at position ctx-1) on a copy of the pool."""
+def _step(lm, pool, tables, ctx, ids, fused=None):
+    """One decode step (one new token per sequence at position ctx-1) on a copy of the pool, through
+    the fused step where given, else the eager forward."""
     pool2 = KVPool(lm.config.num_hidden_layers, pool.num_blocks, pool.block_size, lm.config.num_key_value_heads,
                    lm.config.head_dim, torch.float32, "cpu")
     pool2.k.copy_(pool.k)
     pool2.v.copy_(pool.v)
     attn = PagedAttention(pool2, lm.config.head_dim, sliding_window=lm.config.sliding_window)
-    saved = lm.model.fused_decode
-    if not fused:
-        lm.model.fused_decode = None
-    try:
-        positions = attn.prepare(tables, [c - 1 for c in ctx], [1] * len(ctx))
-        with torch.inference_mode():
-            h = lm.model(torch.tensor(ids), positions, attn)
-    finally:
-        lm.model.fused_decode = saved
+    positions = attn.prepare(tables, [c - 1 for c in ctx], [1] * len(ctx))
+    with torch.inference_mode():
+        h = fused(torch.tensor(ids), positions, attn) if fused else lm.model(torch.tensor(ids), positions, attn)
+    assert h is not None  # a decode-only step through the paged kernel: the fused step takes it
     return h, pool2, attn
 
 
@@ -50,7 +46,8 @@ def _step(lm, pool, tables, ctx, ids, fused: bool):
 ])
 def test_fused_step_equals_eager_bit_for_bit(method, n_seq, over):
     lm = _tiny_a8(method, **over)
-    assert fuse_decode(lm.model)
+    fused = fused_decode.build(lm.model)
+    assert fused is not None
     cfg = lm.config
     rng = random.Random(n_seq)
     bs = 4
@@ -64,10 +61,9 @@ def test_fused_step_equals_eager_bit_for_bit(method, n_seq, over):
     tables = [[free.pop() for _ in range(-(-c // bs))] for c in ctx]
     ids = [rng.randrange(cfg.vocab_size) for _ in range(n_seq)]
 
-    h_eager, pool_eager, attn_eager = _step(lm, pool, tables, ctx, ids, fused=False)
-    steps = lm.model.fused_decode.steps
-    h_fused, pool_fused, attn_fused = _step(lm, pool, tables, ctx, ids, fused=True)
-    assert lm.model.fused_decode.steps == steps + 1  # the fused path ran, not the eager one
+    h_eager, pool_eager, attn_eager = _step(lm, pool, tables, ctx, ids)
+    h_fused, pool_fused, attn_fused = _step(lm, pool, tables, ctx, ids, fused)
+    assert fused.steps == 1  # the fused path ran, not the eager one
     assert attn_fused.kernel_calls == attn_eager.kernel_calls == cfg.num_hidden_layers
     assert h_fused.shape == (n_seq, cfg.hidden_size)
     assert torch.equal(h_fused, h_eager)
@@ -81,13 +77,11 @@ def test_engine_with_fused_steps_gives_the_eager_engines_tokens():
 
     lm = _tiny_a8()
     reqs = make_requests(seed=3, n=24)
-    assert fuse_decode(lm.model)
-    fused = lm.model.fused_decode
     outs, eng = run_engine(lm, reqs, max_num_seqs=16, max_num_batched_tokens=128, num_kv_blocks=700)
-    assert fused.steps >= 10 and eng.stats.max_batch_seqs >= 8
-    eager, _ = run_engine(lm, reqs, max_num_seqs=16, max_num_batched_tokens=128, num_kv_blocks=700,
-                          enforce_eager=True)
-    assert lm.model.fused_decode is None  # the engine flag switched it off
+    assert eng.runner.fused.steps >= 10 and eng.stats.max_batch_seqs >= 8
+    eager, eager_eng = run_engine(lm, reqs, max_num_seqs=16, max_num_batched_tokens=128, num_kv_blocks=700,
+                                  enforce_eager=True)
+    assert eager_eng.runner.fused is None  # the engine flag, read by the runner alone
     assert outs == eager
 
 
@@ -96,14 +90,13 @@ def test_fuse_decode_applies_only_where_it_can():
 
     from inferd.loader import load_model
 
-    assert not fuse_decode(make_tiny_model().model)  # dense layers
+    assert fused_decode.build(make_tiny_model().model) is None  # dense layers
     lm = make_tiny_model()
     quantize(lm.model, "int4", group_size=32, include_lm_head=True)
-    assert not fuse_decode(lm.model)  # weight-only int4: the eager bf16 path
+    assert fused_decode.build(lm.model) is None  # weight-only int4: the eager bf16 path
     kw = dict(load_format="dummy", with_tokenizer=False, quantization="int4", quantize_activations=True)
-    assert load_model("smollm2-135m", **kw).model.fused_decode is not None  # on by default
-    assert load_model("smollm2-135m", enforce_eager=True, **kw).model.fused_decode is None
-    assert load_model("smollm2-135m", dtype="bfloat16", **kw).model.fused_decode is None  # fp32 glue only
+    assert fused_decode.build(load_model("smollm2-135m", **kw).model) is not None
+    assert fused_decode.build(load_model("smollm2-135m", dtype="bfloat16", **kw).model) is None  # fp32 glue only
 
 
 @pytest.mark.slow
@@ -114,12 +107,10 @@ def test_speculative_verify_rows_run_fused_and_change_nothing():
     from helpers import assert_speculated, mixed_requests, run_spec
 
     lm = _tiny_a8()
-    assert fuse_decode(lm.model)
     reqs = mixed_requests(n=6)
-    plain, _ = run_engine(lm, reqs, max_num_seqs=1)
-    fused = lm.model.fused_decode
-    assert fused.max_rows == 1
+    plain, plain_eng = run_engine(lm, reqs, max_num_seqs=1)
+    assert plain_eng.runner.fused.max_rows == 1
     got, _, eng = run_spec(lm, reqs, max_num_seqs=1, speculative_method="ngram", num_speculative_tokens=4)
     assert_speculated(eng)
-    assert fused.max_rows > 1  # one sequence at a time: rows > 1 are a verify chunk, served fused
+    assert eng.runner.fused.max_rows > 1  # one sequence at a time: rows > 1 are a verify chunk, served fused
     assert got == plain

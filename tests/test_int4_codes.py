@@ -18,6 +18,7 @@ import torch
 from gguf import GGMLQuantizationType as Q, GGUFWriter, quants
 
 from inferd.loader import load_model
+from inferd.model import fused_decode
 from inferd.quant import (Int4Linear, dequantize_int4, pack_nibbles, quantize_int4, quantize_int8,
                           unpack_nibbles)
 from inferd.quant.w4a8 import W4A8Linear, W8A8Linear
@@ -110,7 +111,7 @@ def test_int4_rtn_codes_survive_to_w4a8(gguf_files, group, no_torch_int4_pack):
     ref = dense_weights(load_model(gguf_files[Q.F32], dtype="float32", with_tokenizer=False).model, lm_head=True)
     lm = load_model(gguf_files[Q.F32], with_tokenizer=False, quantization="int4", quant_group_size=group,
                     quantize_lm_head=True, quantize_activations=True)
-    assert lm.model.dtype == torch.float32 and lm.model.fused_decode is not None  # auto: the fused fp32 path
+    assert lm.model.dtype == torch.float32 and fused_decode.build(lm.model) is not None  # auto: the fused fp32 path
     for k, lin in layer_linears(lm.model, lm_head=True):
         q, s, m = quantize_int4(ref[k], group)
         assert_w4a8_holds(lin, q, s, m, group, dequantize_int4(q, s, m, group))
@@ -208,16 +209,19 @@ def test_torch_kernel_gets_the_codes_only_at_hand_over(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("ATEN_CPU_CAPABILITY") == "avx2", reason="already the AVX2-held run")
 def test_the_same_under_pytorch_held_to_avx2():
-    """PyTorch's kernels at AVX2 on whatever CPU this is: the codes' path and the packed int4/int8
-    kernels (tests/test_quant.py) agree with the dequantized weights there too."""
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
-    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
+    """PyTorch's kernels and inferd's held to AVX2 on whatever CPU this is (ATEN_CPU_CAPABILITY,
+    ONEDNN_MAX_CPU_ISA, INFERD_ISA): the codes' path, the packed int4/int8 kernels (tests/test_quant.py),
+    W4A8 and the fused decode step agree with the dequantized weights and the eager forward there too."""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "INFERD_ISA": "avx2"}
+    probe = subprocess.run([sys.executable, "-c", "import torch; from inferd.kernels import native; native.load(); "
+                            "print(torch.backends.cpu.get_cpu_capability(), torch.ops.inferd.isa())"],
                            env=env, capture_output=True, text=True, timeout=120)
-    assert probe.stdout.strip() == "AVX2", probe.stdout + probe.stderr
+    assert probe.stdout.strip() == "AVX2 avx2", probe.stdout + probe.stderr
     here = os.path.dirname(__file__)
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                         os.path.join(here, "test_int4_codes.py"), os.path.join(here, "test_quant.py"),
-                        os.path.join(here, "test_w4a8.py"), "-k", "not default_model and not eval_rejects"],
+                        os.path.join(here, "test_w4a8.py"), os.path.join(here, "test_fused_decode.py"),
+                        "-k", "not default_model and not eval_rejects and not speculative"],
                        env=env, capture_output=True, text=True, timeout=900, cwd=os.path.dirname(here))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert " passed" in r.stdout and " failed" not in r.stdout
@@ -232,7 +236,7 @@ def test_auto_dtype_takes_each_methods_fast_path_on_every_cpu(gguf_files, has_bf
     monkeypatch.setattr(loader, "cpu_has_bf16", lambda: has_bf16)
     path = gguf_files[Q.Q4_1]
     a8 = load_model(path, with_tokenizer=False, quantization="gguf", quantize_activations=True)
-    assert a8.model.dtype == torch.float32 and a8.model.fused_decode is not None
+    assert a8.model.dtype == torch.float32 and fused_decode.build(a8.model) is not None
     packed = load_model(path, with_tokenizer=False, quantization="gguf")
     assert packed.model.dtype == torch.bfloat16
     dense = load_model(path, with_tokenizer=False)

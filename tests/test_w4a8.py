@@ -68,7 +68,7 @@ def _w4a8_tiny(**over):
 
     lm = make_tiny_model(**over)
     quantize(lm.model, "int4", group_size=32, include_lm_head=True)
-    n = w4a8.quantize_activations(lm.model, fuse=False)  # the eager path (tests/test_fused_decode.py: fused)
+    n = w4a8.quantize_activations(lm.model)  # run eagerly here (tests/test_fused_decode.py: fused)
     return lm, n
 
 

@@ -275,6 +275,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_router_args(rt)
     rt.set_defaults(func=cmd_router)
 
+    en = sub.add_parser("env", help="this machine and build: CPU features, the kernel variant chosen, torch, threads "
+                                    "(INFERD_ISA=generic|avx2|avx512|avx512_vnni forces a variant)")
+    en.add_argument("--json", action="store_true")
+    en.set_defaults(func=cmd_env)
+
     ms = sub.add_parser("mock-server", help="OpenAI-compatible server with an exact, known token schedule")
     ms.add_argument("--ttft-ms", type=float, default=200.0)
     ms.add_argument("--tpot-ms", type=float, default=20.0)
@@ -287,6 +292,12 @@ def build_parser() -> argparse.ArgumentParser:
     ms.add_argument("--log", default=None, help="JSONL log of every chunk's actual send time")
     ms.set_defaults(func=cmd_mock_server)
     return p
+
+
+def cmd_env(args) -> int:
+    from inferd.commands.env import run_env
+
+    return run_env(args)
 
 
 def cmd_generate(args) -> int:

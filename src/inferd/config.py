@@ -21,7 +21,6 @@ class LoadConfig:
     quant_group_size: int = 32
     quantize_lm_head: bool = False
     quantize_activations: bool = False  # int4/int8 weights x int8 activations (W4A8/W8A8)
-    enforce_eager: bool = False  # no fused C++ decode step
     dense_quant: bool = False  # quantized layers keep exact dequantized weights (fp32 evaluation)
     with_tokenizer: bool = True
 
@@ -40,7 +39,7 @@ class EngineConfig:
     quant_group_size: int = 32
     quantize_lm_head: bool = False
     quantize_activations: bool = False  # int4 weights x int8 activations (W4A8 kernel)
-    enforce_eager: bool = False  # no fused C++ decode step (inferd.quant.fused_decode) even where it applies
+    enforce_eager: bool = False  # no fused C++ decode step (inferd.model.fused_decode): read by the ModelRunner only
     threads: int | None = None
     max_model_len: int | None = None
     block_size: int = 16

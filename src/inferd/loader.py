@@ -294,7 +294,7 @@ def _load(lc: LoadConfig) -> LoadedModel:
         return calibration_ids(tok, n_samples, seqlen)
 
     ctx = quant.QuantContext(name, lc.quant_group_size, lc.quantize_lm_head, lc.dense_quant, lc.quantize_activations,
-                             lc.enforce_eager, cfg, reader, checkpoint, calibration if tok is not None else None,
+                             cfg, reader, checkpoint, calibration if tok is not None else None,
                              fp32_copy, (src.kind, src.path or src.name))
     for line in quant.apply(net, ctx):
         log.info("%s", line)

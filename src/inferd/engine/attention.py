@@ -2,7 +2,7 @@
 
 `PagedAttention.prepare` turns the step's block tables into index tensors once; the per-layer
 call then writes the new keys/values into their slots with one `index_copy_` and attends per
-group: decodes (one query each) through the compiled kernel in `cpu_attention` (reads K/V in
+group: decodes (one query each) through the compiled kernel (csrc/cpu/paged_attention_impl.h) (reads K/V in
 place), prefill chunks through one batched SDPA over gathered K/V (queries padded to the longest
 chunk). Mixing the two groups would pad every decode to the longest prompt chunk. Without a
 compiler the decode group takes the SDPA path too.
@@ -39,9 +39,9 @@ class PagedAttention:
         self.pool = pool
         self.kernel = None
         if use_kernel and pool.k.device.type == "cpu":
-            from inferd.kernels import cpu_attention
+            from inferd.kernels import native
 
-            self.kernel = cpu_attention.load()
+            self.kernel = native.ops()
         self.kernel_calls = 0  # decode groups served by the compiled kernel (tests check it ran)
         self.scale = head_dim ** -0.5
         self.window = sliding_window
@@ -94,7 +94,7 @@ class PagedAttention:
         return pos
 
     def decode_args(self):
-        """What the fused decode step (inferd.quant.fused_decode) needs when every row of this step
+        """What the fused decode step (inferd.model.fused_decode) needs when every row of this step
         decodes one token through the compiled kernel: (k cache, v cache, slot_mapping, block_tables,
         ctx_lens, block_size, scale, window); else None."""
         if self.kernel is None or len(self.groups) != 1 or self.groups[0].out_sel is not None:

@@ -27,6 +27,8 @@ import threading
 import uuid
 from dataclasses import dataclass, field
 
+from inferd.errors import InferdError
+
 log = logging.getLogger("inferd")
 
 
@@ -129,9 +131,10 @@ def run_core(cfg, to_core: str, from_core: str, threads: int | None, log_level: 
         finally:
             engine.close()
     except Exception as e:  # the engine cannot go on: say why, then exit non-zero
-        log.exception("engine core died")
+        if not isinstance(e, InferdError):  # a user-facing error is the API process's one line
+            log.exception("engine core died")
         try:
-            send(Fault(f"{type(e).__name__}: {e}"))
+            send(Fault(str(e) if isinstance(e, InferdError) else f"{type(e).__name__}: {e}"))
         except Exception:
             pass
         raise SystemExit(1)

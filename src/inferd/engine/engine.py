@@ -93,8 +93,6 @@ class LLMEngine:
             from inferd.loader import load_model
 
             loaded = load_model(cfg.load_config())
-        elif cfg.enforce_eager:
-            loaded.model.fused_decode = None
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -120,7 +118,7 @@ class LLMEngine:
         window = mcfg.sliding_window if mcfg.sliding_window and mcfg.sliding_window < self.max_model_len else None
         # with speculation, verify chunks (k + 1 query rows) go through the decode kernel as single rows
         attention = SpecPagedAttention if cfg.speculative_method is not None else PagedAttention
-        self.runner = ModelRunner(self.model, attention(self.pool, mcfg.head_dim, window))
+        self.runner = ModelRunner(self.model, attention(self.pool, mcfg.head_dim, window), cfg.enforce_eager)
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, set[str]] = {}  # client request id -> live sequence ids
         self.stats = EngineStats()

@@ -3,16 +3,33 @@ from __future__ import annotations
 
 import torch
 
+import logging
+
 from inferd.engine.attention import PagedAttention
 from inferd.engine.request import Request
+from inferd.model import fused_decode
 from inferd.model.llama import LlamaModel
+
+log = logging.getLogger("inferd")
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, attention: PagedAttention):
+    def __init__(self, model: LlamaModel, attention: PagedAttention, enforce_eager: bool = False):
         self.model = model
         self.attn = attention
         self.device = model.device
+        # The one place that decides fused vs eager (as nano-vllm's runner owns eager vs CUDA graph):
+        # a qualifying model runs its decode-only steps as one C++ call, every other step eagerly.
+        self.fused = None if enforce_eager else fused_decode.build(model)
+        if self.fused is not None:
+            log.info("decode-only steps: one fused C++ call (--enforce-eager: eager)")
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            hidden = self.fused(input_ids, positions, self.attn)
+            if hidden is not None:
+                return hidden
+        return self.model(input_ids, positions, self.attn)
 
     @torch.inference_mode()
     def execute(self, requests: list[Request], num_new: list[int]):
@@ -48,8 +65,7 @@ class ModelRunner:
                 sample_rows.extend(range(row - 1 - len(spec), row))
                 sample_idx.append(i)
         positions = self.attn.prepare([r.block_table for r in requests], starts, num_new)
-        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=self.device),
-                            positions.to(self.device), self.attn)
+        hidden = self.forward(torch.tensor(ids, dtype=torch.long, device=self.device), positions.to(self.device))
         prompt_rows = {i: (c, self.model.compute_logits(hidden[a:b])) for i, (c, a, b) in prompt_spans.items()}
         if not sample_rows:
             return hidden.new_zeros(0, self.model.cfg.vocab_size, dtype=torch.float32), [], prompt_rows

@@ -1,1 +1,1 @@
-"""Compiled CPU kernels and the loader that builds them (C++ compiled on first use, cached)."""
+"""The native CPU kernels (csrc/cpu) and the one module that builds, loads and dispatches them."""

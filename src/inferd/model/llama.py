@@ -86,9 +86,9 @@ def _fused_ops(x: torch.Tensor):
     """The compiled CPU kernels when they apply (CPU, no autograd, fp32/bf16), else None."""
     if x.device.type != "cpu" or x.requires_grad or x.dtype not in (torch.float32, torch.bfloat16):
         return None
-    from inferd.kernels import cpu_ops
+    from inferd.kernels import native
 
-    return cpu_ops.load()
+    return native.ops()
 
 
 def add_norm(x: torch.Tensor, delta: torch.Tensor, norm: RMSNorm, ops) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,7 +167,6 @@ class LlamaModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = Rope(cfg)
-        self.fused_decode = None  # inferd.quant.fused_decode: one C++ call per decode step, when it applies
 
     @property
     def dtype(self) -> torch.dtype:
@@ -181,10 +180,6 @@ class LlamaModel(nn.Module):
         """input_ids, positions: [T] -> final hidden states [T, hidden] (normed)."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope.cos_sin(positions)
-        if self.fused_decode is not None:
-            h = self.fused_decode(x, cos, sin, attn)
-            if h is not None:
-                return h
         ops = _fused_ops(x)
         first = self.layers[0].input_layernorm if len(self.layers) else self.norm
         h = ops.rms_norm(x, first.weight, first.eps) if ops is not None else first(x)

@@ -75,7 +75,6 @@ class QuantContext:
     lm_head: bool = False
     dense: bool = False  # keep exact dequantized weights (fp32-activation evaluation), no packing
     activations: bool = False  # --quantize-activations: W4A8/W8A8
-    enforce_eager: bool = False
     config: object = None  # the model's ModelConfig
     reader: object = None  # a GGUF reader, for "gguf"
     checkpoint: dict = field(default_factory=dict)  # {"parts": ..., "group_size": ...}, for "checkpoint"
@@ -106,8 +105,7 @@ def apply(model, ctx: QuantContext) -> list[str]:
     if not ctx.activations:
         hand_over(model)  # int4 codes to PyTorch's kernel now: final weights from the start
         return lines
-    n = w4a8.quantize_activations(model, fuse=not ctx.enforce_eager)
+    n = w4a8.quantize_activations(model)
     lines.append(f"W4A8/W8A8: {n} packed linears take int8 activations (per 32-block); {str(model.dtype)[6:]} glue; "
-                 f"weights {weight_bytes(model) / 2**20:.1f} MiB; decode-only steps "
-                 + ("fused into one C++ call" if model.fused_decode is not None else "eager"))
+                 f"weights {weight_bytes(model) / 2**20:.1f} MiB")
     return lines

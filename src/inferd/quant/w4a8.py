@@ -30,7 +30,8 @@ from torch import nn
 
 from inferd.errors import InferdError
 
-from inferd.kernels.w4a8 import BLOCK, MAX_KERNEL_ROWS, load  # noqa: F401  (load: re-exported)
+from inferd.kernels.native import BLOCK, MAX_KERNEL_ROWS
+from inferd.kernels.native import ops as load  # torch.ops.inferd, or None without native code
 
 # -- pure functions ---------------------------------------------------------------------------
 
@@ -77,15 +78,15 @@ class W4A8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and self.bias is None:  # the model's own calls: skip the reshapes (~120 calls a token)
-            return self.kernel.linear(x, self.qweight, self.qscale, self.qmin, MAX_KERNEL_ROWS)
+            return self.kernel.w4a8_linear(x, self.qweight, self.qscale, self.qmin, MAX_KERNEL_ROWS)
         shape = x.shape
-        y = self.kernel.linear(x.reshape(-1, shape[-1]), self.qweight, self.qscale, self.qmin, MAX_KERNEL_ROWS)
+        y = self.kernel.w4a8_linear(x.reshape(-1, shape[-1]), self.qweight, self.qscale, self.qmin, MAX_KERNEL_ROWS)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*shape[:-1], self.out_features)
 
     def kernel_weights(self):
-        """The tensors the fused decode step (inferd.quant.fused_decode) passes to the kernel."""
+        """The tensors the fused decode step (inferd.model.fused_decode) passes to the kernel."""
         return self.qweight, self.qscale, self.qmin
 
     def codes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -95,7 +96,7 @@ class W4A8Linear(nn.Module):
         return unpack_nibbles(self.qweight), self.qscale, self.qmin
 
     def dequantized(self) -> torch.Tensor:
-        return self.kernel.dequantize(self.qweight, self.qscale, self.qmin)
+        return self.kernel.w4a8_dequantize(self.qweight, self.qscale, self.qmin)
 
 
 class W8A8Linear(nn.Module):
@@ -117,17 +118,16 @@ class W8A8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = self.kernel.linear8(x.reshape(-1, shape[-1]), self.qweight, self.qscale, MAX_KERNEL_ROWS)
+        y = self.kernel.w8a8_linear(x.reshape(-1, shape[-1]), self.qweight, self.qscale, MAX_KERNEL_ROWS)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*shape[:-1], self.out_features)
 
 
-def quantize_activations(model: nn.Module, fuse: bool = True) -> int:
+def quantize_activations(model: nn.Module) -> int:
     """Rewrite every packed linear of the model to take int8 activations: int4 ones into W4A8, and
-    int8 ones (the gguf path's lm_head, the int8 methods) into W8A8, same weights; with `fuse`, the
-    model's decode-only steps then run as one C++ call (inferd.quant.fused_decode) where they can.
-    Returns how many linears were rewritten; a model without packed layers is a clear error."""
+    int8 ones (the gguf path's lm_head, the int8 methods) into W8A8, same weights (the engine then
+    runs decode-only steps as one C++ call where it can: inferd.model.fused_decode). Returns how many linears were rewritten; a model without packed layers is a clear error."""
     from inferd.quant.linear import Int4Linear, Int8Linear
 
     if load() is None:
@@ -147,8 +147,4 @@ def quantize_activations(model: nn.Module, fuse: bool = True) -> int:
                 n += 1
     if n == 0:
         raise InferdError("--quantize-activations applies to packed int4/int8 weights: this model has none")
-    if fuse:
-        from inferd.quant.fused_decode import fuse_decode
-
-        fuse_decode(model)
     return n

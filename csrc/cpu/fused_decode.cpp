@@ -1,25 +1,13 @@
-"""The decode step of a W4A8 model as one C++ call: the layer loop without Python between kernels.
-
-Why: with int4 weights and int8 activations a batch-1 token reads ~110 MB of weights, ~6 ms on the
-2-core AVX2 machine, and the eager forward spent another ~2.5 ms on the ~13 Python-level calls per
-layer around those matmuls (norms, rope, KV write, attention, views, module calls). llama.cpp runs
-its whole graph from C++; this does the same for inferd's own kernels.
-
-What runs is exactly what the eager forward runs: the kernels are registered as torch ops by their
-own extensions (`inferd::w4a8_linear`, `rms_norm`, `rope_`, `write_kv`, `paged_decode`, ...), and
-`DecodeStack` calls them through the dispatcher in the eager order, so its hidden states equal the
-eager model's bit for bit (tests/test_fused_decode.py checks it). It applies to a CPU float32 model
-whose every layer linear is W4A8/W8A8 (`--quantize-activations`), on steps where every sequence
-decodes one token through the paged kernel (speculative verify chunks qualify: SpecPagedAttention
-hands their k+1 rows to the kernel as single-query rows); prefill chunks and any other model run
-eagerly. `--enforce-eager` (vLLM's flag for the same trade on GPUs, where the fused step
-is a CUDA graph) turns it off.
-"""
-from __future__ import annotations
-
-import torch
-
-_SRC = r"""
+// The decode step of a W4A8/W8A8 model as one C++ call: the layer loop without Python between kernels.
+//
+// Why: with int4 weights and int8 activations a batch-1 token reads ~110 MB of weights, ~6 ms on the
+// 2-core AVX2 machine, and the eager forward spent another ~2.5 ms on the ~13 Python-level calls per
+// layer around those matmuls (norms, rope, KV write, attention, views, module calls). llama.cpp runs
+// its whole graph from C++; this does the same for inferd's own kernels.
+//
+// It calls the very ops the eager forward calls (torch.ops.inferd.*, ops.cpp) through the dispatcher,
+// in the eager order, so its hidden states equal the eager model's bit for bit, whichever kernel
+// variant is active. This file also holds the extension's Python module (one per extension).
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <vector>
@@ -109,68 +97,3 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<std::vector<Tensor>, int64_t, int64_t, int64_t, int64_t, double, int64_t>())
       .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
-"""
-
-
-def load():
-    """The compiled extension, or None (no compiler, or INFERD_NO_CPP_OPS=1)."""
-    from inferd.kernels.cpu_ops import compiled
-
-    return compiled("inferd_fused_decode_v1", _SRC, None, ["-O3"], "INFERD_NO_CPP_OPS",
-                    "decode steps run eagerly")
-
-
-class FusedDecode:
-    """model.fused_decode: called by LlamaModel.forward, returns None where the step must run eagerly."""
-
-    def __init__(self, stack, n_layers: int):
-        self.stack = stack
-        self.n_layers = n_layers
-        self.steps = 0  # steps served (tests check the fused path ran)
-        self.max_rows = 0  # most rows in one fused step (speculative verify rows count one each)
-
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor | None:
-        decode_args = getattr(attn, "decode_args", None)
-        args = decode_args() if decode_args is not None else None
-        if args is None or args[0].dtype != x.dtype:
-            return None
-        h = self.stack.forward(x, cos, sin, *args)
-        attn.kernel_calls += self.n_layers
-        self.steps += 1
-        self.max_rows = max(self.max_rows, x.shape[0])
-        return h
-
-
-def fuse_decode(model) -> bool:
-    """Give the model a fused decode step if it qualifies (CPU, float32, every layer linear W4A8 or
-    W8A8, the kernels built); returns whether it did. The model itself is unchanged otherwise."""
-    from inferd.kernels import cpu_attention, cpu_ops, w4a8
-    from inferd.model.llama import LlamaModel
-
-    if not isinstance(model, LlamaModel):
-        return False
-    model.fused_decode = None
-    if model.device.type != "cpu" or model.dtype != torch.float32 or not len(model.layers):
-        return False
-    none = torch.empty(0)
-    flat = []
-    for layer in model.layers:
-        flat += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
-        for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
-            # W4A8Linear / W8A8Linear (inferd.quant.w4a8) hand over what the kernel reads; anything else
-            # has no C++ path
-            weights = getattr(lin, "kernel_weights", None)
-            if weights is None:
-                return False
-            q, s, m = weights()
-            flat += [q, s, none if m is None else m]
-            flat.append(none if lin.bias is None else lin.bias)
-    flat.append(model.norm.weight.detach())
-    # each extension registers its ops when it loads: all of them must be there before the stack
-    if any(ext is None for ext in (cpu_ops.load(), cpu_attention.load(), w4a8.load())) or load() is None:
-        return False
-    cfg = model.cfg
-    stack = load().DecodeStack(flat, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
-                               cfg.head_dim, float(cfg.rms_norm_eps), w4a8.MAX_KERNEL_ROWS)
-    model.fused_decode = FusedDecode(stack, cfg.num_hidden_layers)
-    return True

@@ -1,0 +1,209 @@
+// The torch ops (torch.ops.inferd.*): shape and dtype checks, then the active kernel variant.
+// The fused decode step (fused_decode.cpp) calls the same ops through the dispatcher, so eager and
+// fused forwards run the same code.
+#include "kernels.h"
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <vector>
+
+namespace inferd {
+namespace {
+
+using at::Tensor;
+
+void check_norm(const Tensor& x, const Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.is_contiguous() && x.dtype() == w.dtype());
+  TORCH_CHECK(x.size(1) == w.size(0));
+  TORCH_CHECK(x.dtype() == at::kFloat || x.dtype() == at::kBFloat16, "float32 or bfloat16 only");
+}
+
+Tensor norm(const Tensor& x, const Tensor* d, const Tensor& w, double eps) {
+  check_norm(x, w);
+  auto out = at::empty_like(x);
+  const auto& k = active();
+  if (x.dtype() == at::kFloat)
+    k.norm_f32(x.data_ptr<float>(), d ? d->data_ptr<float>() : nullptr, out.data_ptr<float>(), w.data_ptr<float>(),
+               x.size(0), x.size(1), eps);
+  else
+    k.norm_bf16(x.data_ptr<bf16>(), d ? d->data_ptr<bf16>() : nullptr, out.data_ptr<bf16>(), w.data_ptr<bf16>(),
+                x.size(0), x.size(1), eps);
+  return out;
+}
+
+Tensor rms_norm(Tensor x, Tensor w, double eps) { return norm(x, nullptr, w, eps); }
+
+// x is updated in place (x += d); returns rms_norm(x).
+Tensor add_rms_norm(Tensor x, Tensor d, Tensor w, double eps) {
+  TORCH_CHECK(d.is_contiguous() && d.sizes() == x.sizes() && d.dtype() == x.dtype());
+  return norm(x, &d, w, eps);
+}
+
+// x: [T, H_total, D] view whose first `heads` heads are rotated in place; cos/sin [T, D] float32.
+void rope_(Tensor x, int64_t heads, Tensor cos, Tensor sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "x must be [T, H, D] with dense rows");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dtype() == at::kFloat);
+  const int64_t T = x.size(0), D = x.size(2);
+  const auto& k = active();
+  if (x.dtype() == at::kFloat)
+    k.rope_f32(x.data_ptr<float>(), T, heads, x.stride(0), D, cos.data_ptr<float>(), sin.data_ptr<float>());
+  else {
+    TORCH_CHECK(x.dtype() == at::kBFloat16, "float32 or bfloat16 only");
+    k.rope_bf16(x.data_ptr<bf16>(), T, heads, x.stride(0), D, cos.data_ptr<float>(), sin.data_ptr<float>());
+  }
+}
+
+Tensor silu_mul(Tensor gu) {
+  TORCH_CHECK(gu.dim() == 2 && gu.is_contiguous() && gu.size(1) % 2 == 0);
+  const int64_t rows = gu.size(0), F = gu.size(1) / 2;
+  auto out = at::empty({rows, F}, gu.options());
+  const auto& k = active();
+  if (gu.dtype() == at::kFloat)
+    k.silu_mul_f32(gu.data_ptr<float>(), out.data_ptr<float>(), rows, F);
+  else {
+    TORCH_CHECK(gu.dtype() == at::kBFloat16, "float32 or bfloat16 only");
+    k.silu_mul_bf16(gu.data_ptr<bf16>(), out.data_ptr<bf16>(), rows, F);
+  }
+  return out;
+}
+
+// Store this step's keys and values at their cache slots: k_new/v_new [T, Hkv, D] (rows may be
+// strided views of the fused qkv output), slots [T] int64, caches [slots, Hkv, D] of the same dtype.
+// One call instead of two index_copy_ dispatches per layer.
+void write_kv(Tensor k_new, Tensor v_new, Tensor slots, Tensor kc, Tensor vc) {
+  TORCH_CHECK(k_new.dim() == 3 && v_new.sizes() == k_new.sizes() && kc.is_contiguous() && vc.is_contiguous());
+  TORCH_CHECK(k_new.dtype() == kc.dtype() && v_new.dtype() == kc.dtype() && vc.dtype() == kc.dtype());
+  const int64_t T = k_new.size(0), Hkv = k_new.size(1), D = k_new.size(2);
+  TORCH_CHECK(kc.size(1) == Hkv && kc.size(2) == D && slots.numel() == T && slots.is_contiguous());
+  TORCH_CHECK(k_new.stride(2) == 1 && k_new.stride(1) == D && v_new.stride(2) == 1 && v_new.stride(1) == D,
+              "k/v rows must be dense [Hkv, D]");
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const int64_t n = kc.size(0), row = Hkv * D * kc.element_size();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sl[t] >= 0 && sl[t] < n, "slot out of range");
+  const char* ks = static_cast<const char*>(k_new.data_ptr());
+  const char* vs = static_cast<const char*>(v_new.data_ptr());
+  char* kd = static_cast<char*>(kc.data_ptr());
+  char* vd = static_cast<char*>(vc.data_ptr());
+  const int64_t ksb = k_new.stride(0) * k_new.element_size(), vsb = v_new.stride(0) * v_new.element_size();
+  for (int64_t t = 0; t < T; ++t) {
+    std::memcpy(kd + sl[t] * row, ks + t * ksb, row);
+    std::memcpy(vd + sl[t] * row, vs + t * vsb, row);
+  }
+}
+
+// q [B, H, D] float32; k/v caches [slots, Hkv, D] float32 or bfloat16; block_tables [B, max_blocks]
+// int64; ctx_lens [B] int64 (keys 0..ctx-1 are attended; the query is the last of them).
+Tensor paged_decode(Tensor q, Tensor k, Tensor v, Tensor block_tables, Tensor ctx_lens, int64_t block_size,
+                    double scale, int64_t window) {
+  TORCH_CHECK(q.dtype() == at::kFloat && q.is_contiguous(), "q must be contiguous float32");
+  TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && block_tables.is_contiguous() && ctx_lens.is_contiguous());
+  TORCH_CHECK(k.dtype() == v.dtype(), "K and V caches must share a dtype");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(1);
+  TORCH_CHECK(H % Hkv == 0 && k.size(2) == D);
+  auto out = at::empty({B, H, D}, q.options());
+  const auto& kn = active();
+  if (k.dtype() == at::kFloat) {
+    kn.decode_f32(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), block_tables.data_ptr<int64_t>(),
+                  ctx_lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, Hkv, D, block_tables.size(1),
+                  block_size, static_cast<float>(scale), window);
+  } else {
+    TORCH_CHECK(k.dtype() == at::kBFloat16, "KV cache must be float32 or bfloat16");
+    kn.decode_bf16(q.data_ptr<float>(), k.data_ptr<bf16>(), v.data_ptr<bf16>(), block_tables.data_ptr<int64_t>(),
+                   ctx_lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, Hkv, D, block_tables.size(1),
+                   block_size, static_cast<float>(scale), window);
+  }
+  return out;
+}
+
+// x rounded once per call into scratch owned by the calling thread (a decode step makes ~120
+// calls); the pointers are taken here because parallel workers have thread_locals of their own.
+struct Rounded { const int8_t* xq; const float* dx; const float* xs; };
+Rounded round_input(const Tensor& x, int64_t M, int64_t K) {
+  const int64_t nb = K / 32;
+  auto xf = x.scalar_type() == at::kFloat && x.is_contiguous() ? x : x.to(at::kFloat).contiguous();
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> dxs;
+  xq.resize(M * K);
+  dxs.resize(2 * M * nb);
+  active().quantize_rows(xf.data_ptr<float>(), M, K, xq.data(), dxs.data(), dxs.data() + M * nb);
+  return {xq.data(), dxs.data(), dxs.data() + M * nb};
+}
+
+Tensor w4a8_dequantize(Tensor qw, Tensor s, Tensor m) {
+  TORCH_CHECK(qw.scalar_type() == at::kByte && qw.is_contiguous() && s.is_contiguous() && m.is_contiguous());
+  const int64_t N = qw.size(0), K = qw.size(1) * 2;
+  auto w = at::empty({N, K}, at::kFloat);
+  active().dequantize4(qw.data_ptr<uint8_t>(), s.data_ptr<float>(), m.data_ptr<float>(), N, K, w.data_ptr<float>());
+  return w;
+}
+
+// What the kernels do to x, as floats: each 32-block rounded to 255 levels of its largest magnitude.
+Tensor fake_quant(Tensor x) {
+  auto xf = x.to(at::kFloat).contiguous();
+  const int64_t M = xf.numel() / xf.size(-1), K = xf.size(-1), nb = K / 32;
+  TORCH_CHECK(K % 32 == 0, "the input size must be a multiple of 32");
+  auto xq = at::empty({M, K}, at::kChar);
+  auto dx = at::empty({M, nb}, at::kFloat);
+  auto xs = at::empty({M, nb}, at::kFloat);
+  active().quantize_rows(xf.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), dx.data_ptr<float>(),
+                         xs.data_ptr<float>());
+  return (xq.to(at::kFloat).view({M, nb, 32}) * dx.unsqueeze(-1)).view(xf.sizes());
+}
+
+// x [M, K] float32 or bfloat16; qw [N, K/2] uint8; s, m [N, K/32] float32 -> [M, N] in x's dtype.
+// Above max_rows (prefill chunks) one fp32 GEMM on the dequantized layer is faster.
+Tensor w4a8_linear(Tensor x, Tensor qw, Tensor s, Tensor m, int64_t max_rows) {
+  TORCH_CHECK(x.dim() == 2 && qw.dim() == 2 && qw.scalar_type() == at::kByte && qw.is_contiguous());
+  TORCH_CHECK(s.scalar_type() == at::kFloat && m.scalar_type() == at::kFloat && s.is_contiguous() &&
+              m.is_contiguous());
+  const int64_t M = x.size(0), K = x.size(1), N = qw.size(0), nb = K / 32;
+  TORCH_CHECK(K % 32 == 0 && qw.size(1) * 2 == K && s.size(0) == N && s.size(1) == nb && m.sizes() == s.sizes());
+  if (M > max_rows) return at::mm(fake_quant(x), w4a8_dequantize(qw, s, m).t()).to(x.scalar_type());
+  const Rounded r = round_input(x, M, K);
+  auto y = at::empty({M, N}, at::kFloat);
+  active().w4a8_gemm(qw.data_ptr<uint8_t>(), s.data_ptr<float>(), m.data_ptr<float>(), r.xq, r.dx, r.xs, M, K, N,
+                     y.data_ptr<float>());
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+// x [M, K] float32 or bfloat16; qw [N, K] int8; ws [N] float32 -> [M, N] in x's dtype
+Tensor w8a8_linear(Tensor x, Tensor qw, Tensor ws, int64_t max_rows) {
+  TORCH_CHECK(x.dim() == 2 && qw.dim() == 2 && qw.scalar_type() == at::kChar && qw.is_contiguous());
+  TORCH_CHECK(ws.scalar_type() == at::kFloat && ws.is_contiguous() && ws.numel() == qw.size(0));
+  const int64_t M = x.size(0), K = x.size(1), N = qw.size(0);
+  TORCH_CHECK(K % 32 == 0 && qw.size(1) == K);
+  if (M > max_rows) return at::mm(fake_quant(x), (qw.to(at::kFloat) * ws.unsqueeze(1)).t()).to(x.scalar_type());
+  const Rounded r = round_input(x, M, K);
+  auto y = at::empty({M, N}, at::kFloat);
+  active().w8a8_gemm(qw.data_ptr<int8_t>(), ws.data_ptr<float>(), r.xq, r.dx, M, K, N, y.data_ptr<float>());
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+std::string op_isa() { return active().name; }
+std::string op_select_isa(std::string name) { return select_isa(name); }
+std::vector<std::string> op_cpu_features() { return cpu_features(); }
+std::vector<std::string> op_runnable_isas() { return runnable_isas(); }
+
+}  // namespace
+}  // namespace inferd
+
+TORCH_LIBRARY(inferd, m) {
+  using namespace inferd;
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &rms_norm);
+  m.def("add_rms_norm(Tensor(a!) x, Tensor d, Tensor w, float eps) -> Tensor", &add_rms_norm);
+  m.def("rope_(Tensor(a!) x, int heads, Tensor cos, Tensor sin) -> ()", &rope_);
+  m.def("silu_mul(Tensor gu) -> Tensor", &silu_mul);
+  m.def("write_kv(Tensor k_new, Tensor v_new, Tensor slots, Tensor(a!) kc, Tensor(b!) vc) -> ()", &write_kv);
+  m.def("paged_decode(Tensor q, Tensor k, Tensor v, Tensor block_tables, Tensor ctx_lens, int block_size, "
+        "float scale, int window) -> Tensor", &paged_decode);
+  m.def("w4a8_linear(Tensor x, Tensor qw, Tensor s, Tensor m, int max_rows) -> Tensor", &w4a8_linear);
+  m.def("w8a8_linear(Tensor x, Tensor qw, Tensor ws, int max_rows) -> Tensor", &w8a8_linear);
+  m.def("w4a8_dequantize(Tensor qw, Tensor s, Tensor m) -> Tensor", &w4a8_dequantize);
+  m.def("fake_quant(Tensor x) -> Tensor", &fake_quant);
+  // the kernel variant: which one runs, which this CPU could run, and the features that decide it
+  m.def("isa() -> str", &op_isa);
+  m.def("select_isa(str name) -> str", &op_select_isa);
+  m.def("cpu_features() -> str[]", &op_cpu_features);
+  m.def("runnable_isas() -> str[]", &op_runnable_isas);
+}

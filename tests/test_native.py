@@ -1,0 +1,210 @@
+"""The native kernels (csrc/cpu, inferd.kernels.native): every ISA variant this CPU executes is
+tested here, in one process, against the same oracles; the variants are shown to be different code;
+and a variant the CPU lacks is refused with one line, never run.
+
+On an AVX-512 machine this covers generic, avx2, avx512 and (with VNNI) avx512_vnni; an AVX2-only
+machine runs the first two and says why it skips the others. PyTorch's own dispatch held to AVX2
+alongside INFERD_ISA=avx2 is tests/test_int4_codes.py::test_the_same_under_pytorch_held_to_avx2.
+"""
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections import Counter, defaultdict
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from inferd.kernels import native
+from inferd.quant import dequantize_int4, quantize_int4, quantize_int8
+from inferd.quant import w4a8
+
+pytestmark = pytest.mark.skipif(bool(os.environ.get("INFERD_NO_NATIVE")), reason="INFERD_NO_NATIVE is set")
+
+
+def runnable() -> list[str]:
+    assert native.load() is not None  # the project installs a compiler: no silent fallback
+    return list(torch.ops.inferd.runnable_isas())
+
+
+@pytest.fixture(params=native.ISAS)
+def variant(request):
+    if request.param not in runnable():
+        pytest.skip(f"this CPU cannot run the {request.param} variant ({', '.join(runnable())} only)")
+    before = torch.ops.inferd.isa()
+    assert native.use_isa(request.param) == request.param
+    yield request.param
+    native.use_isa(before)
+
+
+def test_the_best_variant_is_chosen_and_the_generic_one_always_runs():
+    r = runnable()
+    assert r[0] == "generic"
+    if not os.environ.get("INFERD_ISA"):
+        assert torch.ops.inferd.isa() == r[-1]
+    feats = set(torch.ops.inferd.cpu_features())
+    assert ("avx2" in r) == ({"avx2", "fma", "f16c"} <= feats)
+    assert ("avx512_vnni" in r) == ("avx512" in r and "avx512vnni" in feats)
+
+
+@pytest.mark.parametrize("K", [96, 160, 192])  # 3 and 5 blocks: the AVX-512 loops' odd block left over
+@pytest.mark.parametrize("rows", [1, 2, 3, 16, 17])  # 17: above the kernel's rows, the GEMM fallback
+def test_int8_activation_kernels_in_each_variant(variant, K, rows):
+    torch.manual_seed(rows * K)
+    q, s, z = quantize_int4(torch.randn(40, K), 32)
+    lin = w4a8.W4A8Linear(q, s, z, 32, None, torch.float32)
+    x = torch.randn(rows, K) * 3
+    xr = w4a8.fake_quant_activations(x)
+    assert torch.equal(torch.ops.inferd.fake_quant(x), xr)  # the rounding is torch's, bit for bit
+    torch.testing.assert_close(lin(x), xr @ dequantize_int4(q, s, z, 32).t(), atol=1e-4, rtol=1e-5)
+    q8, sc = quantize_int8(torch.randn(36, K))
+    q8[0, :5] = -128  # the kernels take |w| with w's sign: the one int8 whose magnitude is not an int8
+    lin8 = w4a8.W8A8Linear(q8, sc, None, torch.float32)
+    torch.testing.assert_close(lin8(x), xr @ (q8.float() * sc[:, None]).t(), atol=1e-4, rtol=1e-5)
+
+
+def test_vnni_computes_the_same_integers_as_avx512():
+    r = runnable()
+    if "avx512_vnni" not in r:
+        pytest.skip("needs a CPU with AVX-512 VNNI")
+    torch.manual_seed(0)
+    q, s, z = quantize_int4(torch.randn(64, 160), 32)
+    q8, sc = quantize_int8(torch.randn(64, 160))
+    lin, lin8 = w4a8.W4A8Linear(q, s, z, 32, None, torch.float32), w4a8.W8A8Linear(q8, sc, None, torch.float32)
+    x = torch.randn(3, 160) * 3
+    got = {}
+    for v in ("avx512", "avx512_vnni"):
+        native.use_isa(v)
+        got[v] = (lin(x), lin8(x))
+    native.use_isa("auto")
+    # vpdpbusd and vpmaddubsw + vpmaddwd sum the same products (no saturation here): same floats
+    assert all(torch.equal(a, b) for a, b in zip(got["avx512"], got["avx512_vnni"]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_rope_silu_in_each_variant(variant, dtype):
+    torch.manual_seed(1)
+    x, w, d = torch.randn(5, 64, dtype=dtype), torch.randn(64, dtype=dtype), torch.randn(5, 64, dtype=dtype)
+    want = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype) * w
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(torch.ops.inferd.rms_norm(x, w, 1e-5), want, **tol)
+    x2 = x.clone()
+    got = torch.ops.inferd.add_rms_norm(x2, d, w, 1e-5)
+    assert torch.equal(x2, x + d)  # the residual, updated in place with torch's rounding
+    torch.testing.assert_close(got, torch.ops.inferd.rms_norm(x + d, w, 1e-5), atol=0, rtol=0)
+    gu = torch.randn(4, 2 * 48, dtype=dtype)
+    torch.testing.assert_close(torch.ops.inferd.silu_mul(gu), F.silu(gu[:, :48]) * gu[:, 48:], **tol)
+    T, H, D = 3, 4, 16
+    qk = torch.randn(T, H, D, dtype=dtype)
+    ang = torch.randn(T, D // 2)
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([-ang.sin(), ang.sin()], -1)
+    swap = torch.cat([qk[..., D // 2:], qk[..., :D // 2]], -1)
+    want_r = qk * cos.to(dtype)[:, None] + swap * sin.to(dtype)[:, None]
+    got_r = qk.clone()
+    torch.ops.inferd.rope_(got_r, H, cos.contiguous(), sin.contiguous())
+    torch.testing.assert_close(got_r, want_r, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_in_each_variant(variant, dtype):
+    torch.manual_seed(2)
+    B, H, Hkv, D, bs = 3, 6, 2, 16, 4
+    ctx = [5, 1, 11]
+    tables = [[7, 2], [0], [3, 9, 4]]
+    kc, vc = torch.randn(40, Hkv, D).to(dtype), torch.randn(40, Hkv, D).to(dtype)
+    q = torch.randn(B, H, D)
+    bt = torch.tensor([t + [0] * (3 - len(t)) for t in tables])
+    out = torch.ops.inferd.paged_decode(q, kc, vc, bt, torch.tensor(ctx), bs, D ** -0.5, 0)
+    for b in range(B):
+        slots = torch.tensor([tables[b][t // bs] * bs + t % bs for t in range(ctx[b])])
+        k = kc[slots].float().repeat_interleave(H // Hkv, 1).transpose(0, 1)  # [H, n, D]
+        v = vc[slots].float().repeat_interleave(H // Hkv, 1).transpose(0, 1)
+        p = torch.softmax(q[b][:, None] @ k.transpose(1, 2) * D ** -0.5, -1)
+        torch.testing.assert_close(out[b], (p @ v)[:, 0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("method,over", [("int4", {}), ("int8", {"attention_bias": True, "architecture": "qwen2"})])
+def test_fused_step_equals_eager_in_each_variant(variant, method, over):
+    from test_fused_decode import _step, _tiny_a8
+
+    from inferd.engine.kv_cache import KVPool
+    from inferd.model import fused_decode
+
+    lm = _tiny_a8(method, **over)
+    fused = fused_decode.build(lm.model)
+    cfg = lm.config
+    pool = KVPool(cfg.num_hidden_layers, 64, 4, cfg.num_key_value_heads, cfg.head_dim, torch.float32, "cpu")
+    g = torch.Generator().manual_seed(3)
+    pool.k.copy_(torch.randn(pool.k.shape, generator=g))
+    pool.v.copy_(torch.randn(pool.v.shape, generator=g))
+    ctx, tables, ids = [3, 9, 14], [[5], [1, 8, 2], [0, 3, 6, 7]], [4, 17, 30]
+    h_eager, pool_eager, _ = _step(lm, pool, tables, ctx, ids)
+    h_fused, pool_fused, _ = _step(lm, pool, tables, ctx, ids, fused)
+    assert fused.steps == 1 and torch.ops.inferd.isa() == variant
+    assert torch.equal(h_fused, h_eager)
+    assert torch.equal(pool_fused.k, pool_eager.k) and torch.equal(pool_fused.v, pool_eager.v)
+
+
+def _instructions_by_variant() -> dict[str, Counter]:
+    lib = native.library_path()
+    assert lib is not None and lib.exists()
+    dis = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", str(lib)], capture_output=True, text=True,
+                         check=True).stdout
+    stats: dict[str, Counter] = defaultdict(Counter)
+    where = None
+    for line in dis.splitlines():
+        m = re.match(r"^[0-9a-f]+ <(.*)>:$", line)
+        if m:
+            # the innermost inferd::<variant>:: namespace of the function (lambdas included)
+            found = re.findall(r"inferd::(generic|avx2|avx512|avx512_vnni)::", m.group(1))
+            where = found[0] if found else None
+            continue
+        if where and "\t" in line:
+            stats[where]["insn"] += 1
+            for what in ("zmm", "ymm", "vpdpbusd", "vpmaddubsw"):
+                stats[where][what] += what in line
+    return stats
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump (binutils) not installed")
+def test_the_variants_are_different_code():
+    s = _instructions_by_variant()
+    assert set(s) == set(native.ISAS) and all(c["insn"] > 1000 for c in s.values())
+    assert s["generic"]["ymm"] == s["generic"]["zmm"] == 0  # baseline x86-64: SSE only
+    assert s["avx2"]["ymm"] > 0 and s["avx2"]["vpmaddubsw"] > 0 and s["avx2"]["zmm"] == 0
+    assert s["avx512"]["zmm"] > 0 and s["avx512"]["vpdpbusd"] == 0
+    assert s["avx512_vnni"]["zmm"] > 0 and s["avx512_vnni"]["vpdpbusd"] > 0
+    assert s["avx2"]["vpdpbusd"] == 0
+
+
+def _inferd_env(**env):
+    return subprocess.run([sys.executable, "-m", "inferd", "env"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **env})
+
+
+def test_inferd_env_names_the_variant_and_forcing_one_the_cpu_lacks_is_exit_2():
+    r = _inferd_env(INFERD_ISA="avx2", INFERD_CPU_HIDE="")
+    if r.returncode == 2 and "lacks" in r.stderr:
+        pytest.skip("this CPU has no AVX2: " + r.stderr.strip())
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"^kernel variant\s+avx2$", r.stdout, re.M) and "cpu features" in r.stdout
+    # what an AVX2-only machine says when told to run AVX-512 (the features hidden from CPUID here)
+    r = _inferd_env(INFERD_ISA="avx512", INFERD_CPU_HIDE="avx512f,avx512bw")
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "inferd: error: INFERD_ISA=avx512: this CPU lacks avx512f, avx512bw (it runs: generic, avx2)"]
+    assert r.stdout == ""
+    r = _inferd_env(INFERD_ISA="sse9")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "not a kernel variant" in r.stderr
+
+
+def test_the_build_is_named_by_its_content(tmp_path, monkeypatch):
+    name = native.build_name()
+    copy = tmp_path / "cpu"
+    shutil.copytree(native.CSRC, copy)
+    monkeypatch.setattr(native, "CSRC", copy)
+    assert native.build_name() == name  # the same sources elsewhere: the same library, no rebuild
+    (copy / "ops.cpp").write_text((copy / "ops.cpp").read_text() + "\n// an edit\n")
+    assert native.build_name() != name  # any edit: a new library, no version to bump by hand
