@@ -15,7 +15,12 @@ llama.cpp comes from llama-cpp-python, built and installed by benchmarks/llamacp
 both OpenMP wait policies, passive and active, and compared at the faster (its random 64-token prompt
 has the same length as ours).
 
+With --isa-sweep, the W4A8 rows run again under every kernel variant this CPU executes (INFERD_ISA:
+generic, avx2, avx512, avx512_vnni; inferd.kernels.native), batch 1 and batch 16 (the kernel's most
+rows), in alternating rounds: what each variant is worth on this machine.
+
 Usage: .venv/bin/python benchmarks/quant_decode.py [--tokens 128] [--rounds 3] [--json F]
+       [--only SUBSTRING] [--isa-sweep]
 """
 from __future__ import annotations
 
@@ -76,6 +81,23 @@ def fp32_kernel_penalty(reps: int = 50) -> dict:
     return out
 
 
+def isa_sweep(models, prompt, a) -> dict:
+    """{(variant, label, batch): tok/s} for the W4A8 configs, variants alternating within each round."""
+    from inferd.kernels import native
+
+    variants = list(torch.ops.inferd.runnable_isas())
+    labels = [k for k in models if "W4A8" in k]
+    runs = {(v, lab, b): [] for v in variants for lab in labels for b in (1, 16)}
+    for _ in range(a.rounds):
+        for v in variants:
+            native.use_isa(v)
+            for lab in labels:
+                runs[(v, lab, 1)].append(engine_rate(models[lab], prompt, a.tokens))
+                runs[(v, lab, 16)].append(engine_rate(models[lab], prompt, 32, batch=16))
+    native.use_isa("auto")
+    return {k: statistics.median(r) for k, r in runs.items()}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=128)
@@ -85,12 +107,14 @@ def main():
     ap.add_argument("--skip-llamacpp", action="store_true")
     ap.add_argument("--skip-batch32", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--only", default=None, help="run only the inferd configs whose label contains this")
+    ap.add_argument("--isa-sweep", action="store_true", help="the W4A8 rows under every runnable kernel variant")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     path = default_model_path()
     models = {label: load_model(path, dtype=dt, quantization=q, quant_group_size=g, quantize_lm_head=lm,
                                 quantize_activations=a8)
-              for label, q, g, lm, dt, a8 in CONFIGS}
+              for label, q, g, lm, dt, a8 in CONFIGS if label in ("inferd bf16", "inferd fp32") or not a.only or a.only in label}
     tok = models["inferd bf16"].tokenizer
     prompt = tok.encode("The history of the printing press begins in the fifteenth century, when " * 8)[:64]
     runners = {label: (lambda m=m: engine_rate(m, prompt, a.tokens)) for label, m in models.items()}
@@ -135,17 +159,21 @@ def main():
         for k, fn in runners.items():
             rates[k].append(fn())
     med = {k: statistics.median(v) for k, v in rates.items()}
+    sweep = isa_sweep(models, prompt, a) if a.isa_sweep else {}
 
     b32 = {}
     if not a.skip_batch32:
         for k in ("inferd bf16", "inferd fp32", "inferd gguf (Q4_1 blocks)", "inferd gguf +lm_head int8",
                   "inferd gguf +lm_head W4A8/W8A8", "inferd int4 g32 +lm_head W4A8"):
+            if k not in models:
+                continue
             b32[k] = engine_rate(models[k], prompt, 64, batch=32)
     pen = fp32_kernel_penalty()
 
     four_bit = [k for k in med if k.startswith("inferd") and ("int4" in k or "gguf" in k)]
     best = max(four_bit, key=med.get)
     print(f"\n{cpu_features()}")
+    print(f"inferd kernels: {torch.ops.inferd.isa()} variant (runnable: {', '.join(torch.ops.inferd.runnable_isas())})")
     print(f"PyTorch CPU kernels: {torch.backends.cpu.get_cpu_capability()}, {a.threads} threads "
           "(bf16 GEMMs are fast only with AVX512-BF16/AMX; elsewhere fp32 is the fast dense dtype)")
     print(f"batch-1 decode, {a.tokens} tokens after a 64-token prompt, {a.threads} threads, bf16 activations "
@@ -176,6 +204,9 @@ def main():
         for k, v in b32.items():
             print(f"  {k:<38} {v:>8.1f} tok/s")
         g = "inferd gguf (Q4_1 blocks)"
+        if g not in b32:
+            b32.clear()
+    if b32:
         # the rule for making gguf the default on CPU: beat the dequantized model at batch 1 and 32;
         # both dense dtypes are checked, since on CPUs without AVX512-BF16 fp32 wins large batches
         for dense in ("inferd bf16", "inferd fp32"):
@@ -185,9 +216,15 @@ def main():
     print("\npacked kernels, one 576->3072 layer, batch 1: fp32 vs bf16 activations")
     for k, v in pen.items():
         print(f"  {k}: bf16 {v['bf16_us']:.0f} us, fp32 {v['fp32_us']:.0f} us ({v['fp32_slowdown']:.1f}x slower)")
+    if sweep:
+        print(f"\nW4A8 decode tok/s per kernel variant (median of {a.rounds} alternating rounds; "
+              f"batch 16: 32 tokens each)")
+        print(f"{'variant':<13} {'contender':<34} {'batch 1':>8} {'batch 16':>9}")
+        for v, lab in dict.fromkeys(k[:2] for k in sweep):
+            print(f"{v:<13} {lab:<34} {sweep[(v, lab, 1)]:>8.1f} {sweep[(v, lab, 16)]:>9.1f}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"cpu": cpu_features(), "cpu_capability": torch.backends.cpu.get_cpu_capability(), "batch1_tok_s": med, "rounds": rates, "fastest_4bit": best, "batch32_tok_s": b32,
+            json.dump({"isa_sweep": {f"{v}|{lab}|b{b}": r for (v, lab, b), r in sweep.items()},"cpu": cpu_features(), "cpu_capability": torch.backends.cpu.get_cpu_capability(), "batch1_tok_s": med, "rounds": rates, "fastest_4bit": best, "batch32_tok_s": b32,
                        "fp32_kernel_penalty": pen, "llamacpp_note": llama_note}, f, indent=2)
 
 
