@@ -17,7 +17,7 @@ from conftest import free_port
 from inferd.bench.calibrate import _boost, compare, spawn_mock, wait_for_log
 from inferd.bench.report import read_trace
 
-TTFT, TPOT, N = 200.0, 20.0, 128
+TTFT, TPOT, N = 200.0, 20.0, 64
 
 
 def bench(*args, boost=True, timeout=300):

@@ -11,10 +11,12 @@ import asyncio
 import logging
 import queue
 import threading
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
-from inferd.engine.engine import LLMEngine
 from inferd.engine.request import RequestOutput, SamplingParams
+
+if TYPE_CHECKING:  # the API process never loads torch: the engine runs in its own process
+    from inferd.engine.engine import LLMEngine
 
 log = logging.getLogger("inferd")
 

@@ -10,7 +10,6 @@ import copy
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -25,58 +24,13 @@ from inferd.engine.runner import ModelRunner
 from inferd.engine.sampler import build_batch, sample, top_logprobs
 from inferd.engine.scheduler import ScheduledBatch, Scheduler
 from inferd.engine.spec.attention import SpecPagedAttention
+from inferd.engine.stats import EngineSnapshot, EngineStats, StepStats  # noqa: F401  (re-exported)
 from inferd.errors import InferdError
 
 log = logging.getLogger("inferd")
 
 CPU_KV_DEFAULT_FRACTION = 0.2
 CPU_KV_DEFAULT_CAP = 2 * 1024**3
-
-
-@dataclass
-class StepStats:
-    num_seqs: int
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    num_recompute_tokens: int
-    num_preempted: int
-    kv_blocks_used: int
-    duration: float
-
-
-@dataclass
-class EngineStats:
-    steps: int = 0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    recompute_tokens: int = 0
-    generated_tokens: int = 0
-    preemptions: int = 0
-    max_batch_seqs: int = 0
-    max_mixed_batch_seqs: int = 0  # largest step that held both prefill and decode work
-    peak_kv_blocks: int = 0
-    max_prefill_chunks: int = 0  # most steps any one prompt was split over
-    forks: int = 0  # n > 1 requests split into samples
-    failed: int = 0  # sequences ended by an error in their step (the engine went on)
-    sample_events: int = 0  # (sequence, step) pairs that gained tokens: target forwards per sequence
-    history: list[StepStats] = field(default_factory=list)
-
-
-@dataclass
-class EngineSnapshot:
-    """The engine's gauges and running counters after a step: what /metrics shows, and what crosses
-    the process boundary when the engine runs in its own process (inferd.engine.core)."""
-    running: int = 0
-    waiting: int = 0
-    kv_used: int = 0
-    kv_total: int = 1
-    prefix_queries: int = 0
-    prefix_hits: int = 0
-    preemptions: int = 0
-    spec: dict | None = None  # SpecStats counters and rates, with speculation
-    steps: int = 0
-    kv: dict | None = None  # KVTransfer counters, with --kv-transfer-config
-    prefill_tokens: int = 0  # prompt tokens this engine computed (not cached, not received)
 
 
 class LLMEngine:
@@ -106,7 +60,8 @@ class LLMEngine:
         per_block = KVPool.bytes_per_block(mcfg.num_hidden_layers, cfg.block_size, mcfg.num_key_value_heads,
                                            mcfg.head_dim, kv_dtype)
         num_blocks = cfg.num_kv_blocks or max(1, self._kv_bytes() // per_block)
-        from inferd.engine.kv_transfer import KVTransfer, parse_kv_transfer_config
+        from inferd.engine.kv_transfer import parse_kv_transfer_config
+        from inferd.engine.kv_transfer.transfer import KVTransfer
 
         kv_cfg = parse_kv_transfer_config(cfg.kv_transfer_config, cfg.role)
         shared = kv_cfg is not None and kv_cfg.producer and kv_cfg.kv_connector == "SharedMemoryConnector"

@@ -4,10 +4,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from inferd.errors import InferdError
+
+if TYPE_CHECKING:  # a Request lives in the engine process; SamplingParams in the API process too (no torch)
+    import torch
 
 
 @dataclass
@@ -157,6 +159,8 @@ class Request:
         self.timings = Timings(arrived=time.monotonic() if arrival is None else arrival)
         self.generator: torch.Generator | None = None
         if not params.greedy:
+            import torch
+
             self.generator = torch.Generator()
             if params.seed is not None:
                 self.generator.manual_seed(params.seed + index)  # sample i of n: its own stream

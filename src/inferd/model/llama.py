@@ -19,7 +19,9 @@ from inferd.model.config import ModelConfig
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse frequencies, with Llama 3 / linear scaling applied where the config asks for it."""
     dim = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    # on the CPU whatever device context builds the model (a meta arange runs torch's Python reference
+    # implementation, which imports torch._dynamo: 1.4 s); callers move the result
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
     rs = cfg.rope_scaling or {}
     kind = rs.get("rope_type", rs.get("type"))
     if kind == "linear":

@@ -48,7 +48,6 @@ def serve(args) -> int:
 
     from inferd.config import EngineConfig
     from inferd.engine.async_engine import AsyncLLM
-    from inferd.engine.engine import LLMEngine
     from inferd.server.app import create_app
     from inferd.server.limits import Limits
     from inferd.server.metrics import Metrics
@@ -90,6 +89,8 @@ def serve(args) -> int:
         model_name, speculative = engine.model_name, engine.speculative
         caches = [c.engine.cache_info() for c in llm.clients]
     elif args.engine_in_process:
+        from inferd.engine.engine import LLMEngine  # torch in this process only in this mode
+
         engine = LLMEngine(cfg)
         model_name, speculative = engine.loaded.source.name, engine.spec is not None
         llm = AsyncLLM(engine, max_waiting=args.max_waiting, on_step=on_step, on_finish=on_finish)
