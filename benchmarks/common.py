@@ -41,3 +41,59 @@ def hf_decode_rate(hf, prompt: list[int], n: int) -> float:
         hf.generate(input_ids=ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
         dt = time.perf_counter() - t0 - t_prefill
     return (n - 1) / dt
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache this Linux reports (sysfs), or 32 MiB when it says nothing."""
+    import glob
+
+    best = 0
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            txt = open(path).read().strip()
+        except OSError:
+            continue
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(txt[-1:], 1)
+        best = max(best, int(txt.rstrip("KMG")) * mult)
+    return best or 32 << 20
+
+
+def read_bandwidth_gbs(threads: int, reps: int = 5) -> float:
+    """Read-only streaming bandwidth at `threads` threads: the best of `reps` sums over a float32
+    buffer of at least 4x the last-level cache (and 512 MiB), so it comes from DRAM, not cache."""
+    import torch
+
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        n = max(4 * last_level_cache_bytes(), 512 << 20) // 4
+        buf = torch.ones(n, dtype=torch.float32)
+        buf.sum()  # fault the pages in
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            buf.sum()
+            best = min(best, time.perf_counter() - t0)
+        return n * 4 / best / 1e9
+    finally:
+        torch.set_num_threads(prev)
+
+
+def bytes_per_decode_token(model, context: int) -> int:
+    """What one batch-1 decode step reads: the nbytes of every tensor the layers and the lm_head
+    really hold (packed codes, scales, minimums, biases, norms; a tied lm_head is the embedding
+    matrix), one embedding row, and the KV cache at `context` tokens plus the position written."""
+    import torch
+
+    cfg = model.cfg
+    parts = [model.layers, model.norm, model.lm_head]
+    seen, total = set(), 0
+    for part in parts:
+        for t in list(part.parameters()) + [b for b in part.buffers() if b is not None]:
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+    total += cfg.hidden_size * model.embed_tokens.weight.element_size()
+    kv_elem = 4 if model.dtype == torch.float32 else 2
+    total += (context + 1) * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * kv_elem
+    return total

@@ -37,7 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 sys.path.insert(0, HERE)
 
-from common import cpu_features, hf_decode_rate as hf_rate  # noqa: E402
+from common import bytes_per_decode_token, cpu_features, hf_decode_rate as hf_rate, read_bandwidth_gbs  # noqa: E402
 from inferd.engine.rate import decode_rate  # noqa: E402
 from inferd.loader import default_model_path, load_model  # noqa: E402
 
@@ -160,6 +160,9 @@ def main():
             rates[k].append(fn())
     med = {k: statistics.median(v) for k, v in rates.items()}
     sweep = isa_sweep(models, prompt, a) if a.isa_sweep else {}
+    # the roofline: what a token reads (mean context over the run) against measured read bandwidth
+    bw = read_bandwidth_gbs(a.threads)
+    per_token = {k: bytes_per_decode_token(m.model, len(prompt) + a.tokens // 2) for k, m in models.items()}
 
     b32 = {}
     if not a.skip_batch32:
@@ -178,9 +181,13 @@ def main():
           "(bf16 GEMMs are fast only with AVX512-BF16/AMX; elsewhere fp32 is the fast dense dtype)")
     print(f"batch-1 decode, {a.tokens} tokens after a 64-token prompt, {a.threads} threads, bf16 activations "
           f"(fp32 for the fp32 and W4A8 rows), median of {a.rounds} alternating rounds")
-    print(f"{'contender':<40} {'tok/s':>8}   rounds")
+    print(f"read bandwidth measured here: {bw:.1f} GB/s ({a.threads} threads, streaming over 4x the last-level "
+          "cache); MB/token = the bytes a decode step reads (weights as held, scales, lm_head, KV)")
+    print(f"{'contender':<40} {'tok/s':>8} {'MB/token':>9} {'% of bw':>8}   rounds")
     for k, v in med.items():
-        print(f"{k:<40} {v:>8.1f}   {[round(x, 1) for x in rates[k]]}")
+        roof = (f"{per_token[k] / 1e6:>9.1f} {100 * v * per_token[k] / 1e9 / bw:>7.1f}%" if k in per_token
+                else f"{'':>9} {'':>8}")
+        print(f"{k:<40} {v:>8.1f} {roof}   {[round(x, 1) for x in rates[k]]}")
     print(f"\nfastest 4-bit path: {best} = {med[best]:.1f} tok/s")
     weight_only = [k for k in four_bit if "W4A8" not in k]
     if "W4A8" in best and weight_only:
@@ -224,7 +231,7 @@ def main():
             print(f"{v:<13} {lab:<34} {sweep[(v, lab, 1)]:>8.1f} {sweep[(v, lab, 16)]:>9.1f}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"isa_sweep": {f"{v}|{lab}|b{b}": r for (v, lab, b), r in sweep.items()},"cpu": cpu_features(), "cpu_capability": torch.backends.cpu.get_cpu_capability(), "batch1_tok_s": med, "rounds": rates, "fastest_4bit": best, "batch32_tok_s": b32,
+            json.dump({"read_bandwidth_gbs": bw, "bytes_per_token": per_token, "isa_sweep": {f"{v}|{lab}|b{b}": r for (v, lab, b), r in sweep.items()},"cpu": cpu_features(), "cpu_capability": torch.backends.cpu.get_cpu_capability(), "batch1_tok_s": med, "rounds": rates, "fastest_4bit": best, "batch32_tok_s": b32,
                        "fp32_kernel_penalty": pen, "llamacpp_note": llama_note}, f, indent=2)
 
 

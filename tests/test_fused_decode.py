@@ -40,7 +40,7 @@ def _step(lm, pool, tables, ctx, ids, fused=None):
 @pytest.mark.parametrize("method,n_seq,over", [
     ("int4", 1, {}),
     ("int4", 7, {}),
-    ("int4", 20, {}),  # above the kernel's 16 rows: the layers take their dequantized-GEMM path
+    ("int4", 20, {}),  # 20 rows: four 4-row tiles and a 4-row tail per panel
     ("int4", 5, {"sliding_window": 6, "architecture": "mistral"}),
     ("int8", 6, {"attention_bias": True, "architecture": "qwen2"}),  # W8A8 layers and a q/k/v bias
 ])

@@ -7,9 +7,8 @@
 // Nibble layout per 32-block: 16 bytes, byte j = q[j] | q[j + 16] << 4.
 
 // x [M, K] fp32 -> xq int8, dx [M, K/32] (block scale), xs [M, K/32] = dx * sum(xq)
-static void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* xs) {
-  const int64_t nb = K / 32;
-  for (int64_t i = 0; i < M * nb; ++i) {
+static void quantize_blocks(const float* x, int64_t b0, int64_t b1, int8_t* xq, float* dx, float* xs) {
+  for (int64_t i = b0; i < b1; ++i) {
     const float* xb = x + i * 32;
     float amax = 0.f;
     for (int j = 0; j < 32; ++j) amax = std::fabs(xb[j]) > amax ? std::fabs(xb[j]) : amax;
@@ -24,6 +23,11 @@ static void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, floa
     dx[i] = d;
     xs[i] = d * static_cast<float>(sum);
   }
+}
+
+static void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* xs) {
+  // a prefill chunk's rows in parallel; a decode step's few rows on the calling thread
+  at::parallel_for(0, M * (K / 32), 2048, [&](int64_t b0, int64_t b1) { quantize_blocks(x, b0, b1, xq, dx, xs); });
 }
 
 static void dequantize4(const uint8_t* q, const float* sp, const float* mp, int64_t N, int64_t K, float* out) {
@@ -108,15 +112,16 @@ static void tile4(const uint8_t* q, const float* s, const float* m, int64_t nb, 
     for (int i = 0; i < MB; ++i) acc[r][i] = _mm512_setzero_ps();
   for (; b + 2 <= nb; b += 2) {
     __m512i a[MB];
-    for (int i = 0; i < MB; ++i) a[i] = _mm512_loadu_si512(xq + (i0 + i) * K + b * 32);
+    __m512 d[MB];  // the activation blocks' scales, formed once per step for all R weight rows
+    for (int i = 0; i < MB; ++i) {
+      a[i] = _mm512_loadu_si512(xq + (i0 + i) * K + b * 32);
+      d[i] = pair(dx[(i0 + i) * nb + b], dx[(i0 + i) * nb + b + 1]);
+    }
     for (int r = 0; r < R; ++r) {
       const __m512i w = nibbles512(q + ((n + r) * nb + b) * 16);
-      const float* sr = s + (n + r) * nb + b;
-      for (int i = 0; i < MB; ++i) {
-        const float* d = dx + (i0 + i) * nb + b;
-        acc[r][i] = _mm512_fmadd_ps(pair(sr[0] * d[0], sr[1] * d[1]), _mm512_cvtepi32_ps(dot512(w, a[i])),
-                                    acc[r][i]);
-      }
+      const __m512 sr = pair(s[(n + r) * nb + b], s[(n + r) * nb + b + 1]);
+      for (int i = 0; i < MB; ++i)
+        acc[r][i] = _mm512_fmadd_ps(sr, _mm512_mul_ps(d[i], _mm512_cvtepi32_ps(dot512(w, a[i]))), acc[r][i]);
     }
   }
   for (int r = 0; r < R; ++r)
@@ -131,13 +136,16 @@ static void tile4(const uint8_t* q, const float* s, const float* m, int64_t nb, 
     for (int i = 0; i < MB; ++i) acc8[r][i] = _mm256_setzero_ps();
   for (; b < nb; ++b) {
     __m256i a[MB];
-    for (int i = 0; i < MB; ++i) a[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (i0 + i) * K + b * 32));
+    __m256 d[MB];
+    for (int i = 0; i < MB; ++i) {
+      a[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (i0 + i) * K + b * 32));
+      d[i] = _mm256_set1_ps(dx[(i0 + i) * nb + b]);
+    }
     for (int r = 0; r < R; ++r) {
       const __m256i w = nibbles256(q + ((n + r) * nb + b) * 16);
-      const float sr = s[(n + r) * nb + b];
+      const __m256 sr = _mm256_set1_ps(s[(n + r) * nb + b]);
       for (int i = 0; i < MB; ++i)
-        acc8[r][i] = _mm256_fmadd_ps(_mm256_set1_ps(sr * dx[(i0 + i) * nb + b]), _mm256_cvtepi32_ps(dot256(w, a[i])),
-                                     acc8[r][i]);
+        acc8[r][i] = _mm256_fmadd_ps(sr, _mm256_mul_ps(d[i], _mm256_cvtepi32_ps(dot256(w, a[i]))), acc8[r][i]);
     }
   }
   for (int r = 0; r < R; ++r)
@@ -173,78 +181,114 @@ static void rows4(const uint8_t* q, const float* s, const float* m, int64_t nb, 
   for (; n < n1; ++n) tile4<1, MB>(q, s, m, nb, xq, dx, xs, K, N, y, n, i0);
 }
 
+// Activation rows per tile: 4 where there are 32 vector registers (AVX-512), else 2 (16 on AVX2).
+static constexpr int MB_MAX = INFERD_ISA_LEVEL >= 2 ? 4 : 2;
+
+// Output rows per panel: a panel's weights (64 x K/2 bytes of nibbles plus scales) stay in L1/L2
+// while every activation row passes over them, so a batch reads each weight from DRAM once, not
+// once per pair of rows. Every output element is summed in the same order whatever M is and
+// wherever its row sits in the batch: a row's result does not depend on its batch (batch invariance).
+static constexpr int64_t PANEL = 64;
+
+template <typename Rows>
+static void over_panels(int64_t M, int64_t N, const Rows& rows) {
+  // split the output rows, in multiples of 4, over the threads; each thread walks its share in panels
+  at::parallel_for(0, (N + 3) / 4, 8, [&](int64_t t0, int64_t t1) {
+    const int64_t end = std::min(N, t1 * 4);
+    for (int64_t n0 = t0 * 4; n0 < end; n0 += PANEL) {
+      const int64_t n1 = std::min(end, n0 + PANEL);
+      int64_t i = 0;
+      if (MB_MAX >= 4)
+        for (; i + 4 <= M; i += 4) rows(std::integral_constant<int, MB_MAX>(), n0, n1, i);
+      for (; i + 2 <= M; i += 2) rows(std::integral_constant<int, 2>(), n0, n1, i);
+      if (i < M) rows(std::integral_constant<int, 1>(), n0, n1, i);
+    }
+  });
+}
+
 static void w4a8_gemm(const uint8_t* q, const float* s, const float* m, const int8_t* xq, const float* dx,
                       const float* xs, int64_t M, int64_t K, int64_t N, float* y) {
   const int64_t nb = K / 32;
-  // split the output rows, in multiples of 4, over the threads; every thread walks all of x
-  at::parallel_for(0, (N + 3) / 4, 8, [&](int64_t t0, int64_t t1) {
-    const int64_t n0 = t0 * 4, n1 = std::min(N, t1 * 4);
-    int64_t i = 0;
-    for (; i + 2 <= M; i += 2) rows4<2>(q, s, m, nb, xq, dx, xs, K, N, y, n0, n1, i);
-    if (i < M) rows4<1>(q, s, m, nb, xq, dx, xs, K, N, y, n0, n1, i);
+  over_panels(M, N, [&](auto mb, int64_t n0, int64_t n1, int64_t i) {
+    rows4<decltype(mb)::value>(q, s, m, nb, xq, dx, xs, K, N, y, n0, n1, i);
   });
 }
 
 // int8 weights (one scale per output row) times the int8 activations: the lm_head of the gguf path
 // and the int8 methods. u8 x s8 instructions want one side unsigned: |w| times x with w's sign.
-template <int R>
+template <int R, int MB>
 static void tile8(const int8_t* w, const float* ws, int64_t K, const int8_t* xq, const float* dx, float* y,
-                  int64_t n) {
+                  int64_t N, int64_t n, int64_t i0) {
   const int64_t nb = K / 32;
 #if INFERD_ISA_LEVEL >= 1
   prefetch(w + (n + PF_TILES * R) * K, R * K);
-  float tot[R];
+  float tot[R][MB];
   int64_t b = 0;
 #if INFERD_ISA_LEVEL >= 2
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 acc[R][MB];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < MB; ++i) acc[r][i] = _mm512_setzero_ps();
   for (; b + 2 <= nb; b += 2) {
-    const __m512i a = _mm512_loadu_si512(xq + b * 32);
-    const __m512 d = pair(dx[b], dx[b + 1]);
+    __m512i a[MB];
+    __m512 d[MB];
+    for (int i = 0; i < MB; ++i) {
+      a[i] = _mm512_loadu_si512(xq + (i0 + i) * K + b * 32);
+      d[i] = pair(dx[(i0 + i) * nb + b], dx[(i0 + i) * nb + b + 1]);
+    }
     for (int r = 0; r < R; ++r) {
       const __m512i v = _mm512_loadu_si512(w + (n + r) * K + b * 32);
-      // AVX-512 has no vpsignb: negate x where w < 0 under w's sign mask (|x| <= 127, no overflow)
-      const __m512i sa = _mm512_mask_sub_epi8(a, _mm512_movepi8_mask(v), _mm512_setzero_si512(), a);
-      acc[r] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(dot512(_mm512_abs_epi8(v), sa)), acc[r]);
+      const __mmask64 neg = _mm512_movepi8_mask(v);
+      const __m512i av = _mm512_abs_epi8(v);
+      for (int i = 0; i < MB; ++i) {
+        // AVX-512 has no vpsignb: negate x where w < 0 under w's sign mask (|x| <= 127, no overflow)
+        const __m512i sa = _mm512_mask_sub_epi8(a[i], neg, _mm512_setzero_si512(), a[i]);
+        acc[r][i] = _mm512_fmadd_ps(d[i], _mm512_cvtepi32_ps(dot512(av, sa)), acc[r][i]);
+      }
     }
   }
-  for (int r = 0; r < R; ++r) tot[r] = _mm512_reduce_add_ps(acc[r]);
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < MB; ++i) tot[r][i] = _mm512_reduce_add_ps(acc[r][i]);
 #else
-  for (int r = 0; r < R; ++r) tot[r] = 0.f;
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < MB; ++i) tot[r][i] = 0.f;
 #endif
-  __m256 acc8[R];
-  for (int r = 0; r < R; ++r) acc8[r] = _mm256_setzero_ps();
+  // AVX2: every block; AVX-512: the odd one left over
+  __m256 acc8[R][MB];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < MB; ++i) acc8[r][i] = _mm256_setzero_ps();
   for (; b < nb; ++b) {
-    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * 32));
-    const __m256 d = _mm256_set1_ps(dx[b]);
     for (int r = 0; r < R; ++r) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (n + r) * K + b * 32));
-      acc8[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot256(_mm256_sign_epi8(v, v), _mm256_sign_epi8(a, v))), acc8[r]);
+      const __m256i av = _mm256_sign_epi8(v, v);
+      for (int i = 0; i < MB; ++i) {
+        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (i0 + i) * K + b * 32));
+        acc8[r][i] = _mm256_fmadd_ps(_mm256_set1_ps(dx[(i0 + i) * nb + b]),
+                                     _mm256_cvtepi32_ps(dot256(av, _mm256_sign_epi8(a, v))), acc8[r][i]);
+      }
     }
   }
-  for (int r = 0; r < R; ++r) y[n + r] = (tot[r] + hsum256(acc8[r])) * ws[n + r];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < MB; ++i) y[(i0 + i) * N + n + r] = (tot[r][i] + hsum256(acc8[r][i])) * ws[n + r];
 #else
-  for (int r = 0; r < R; ++r) {
-    float tot = 0.f;
-    for (int64_t b = 0; b < nb; ++b) {
-      int32_t dot = 0;
-      for (int j = 0; j < 32; ++j) dot += w[(n + r) * K + b * 32 + j] * xq[b * 32 + j];
-      tot += dx[b] * static_cast<float>(dot);
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < MB; ++i) {
+      float tot = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        int32_t dot = 0;
+        for (int j = 0; j < 32; ++j) dot += w[(n + r) * K + b * 32 + j] * xq[(i0 + i) * K + b * 32 + j];
+        tot += dx[(i0 + i) * nb + b] * static_cast<float>(dot);
+      }
+      y[(i0 + i) * N + n + r] = tot * ws[n + r];
     }
-    y[n + r] = tot * ws[n + r];
-  }
 #endif
 }
 
 static void w8a8_gemm(const int8_t* w, const float* ws, const int8_t* xq, const float* dx, int64_t M, int64_t K,
                       int64_t N, float* y) {
-  const int64_t nb = K / 32;
-  at::parallel_for(0, (N + 3) / 4, 8, [&](int64_t t0, int64_t t1) {
-    const int64_t n0 = t0 * 4, n1 = std::min(N, t1 * 4);
-    for (int64_t i = 0; i < M; ++i) {
-      int64_t n = n0;
-      for (; n + 4 <= n1; n += 4) tile8<4>(w, ws, K, xq + i * K, dx + i * nb, y + i * N, n);
-      for (; n < n1; ++n) tile8<1>(w, ws, K, xq + i * K, dx + i * nb, y + i * N, n);
-    }
+  over_panels(M, N, [&](auto mb, int64_t n0, int64_t n1, int64_t i) {
+    constexpr int MB = decltype(mb)::value;
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) tile8<4, MB>(w, ws, K, xq, dx, y, N, n, i);
+    for (; n < n1; ++n) tile8<1, MB>(w, ws, K, xq, dx, y, N, n, i);
   });
 }

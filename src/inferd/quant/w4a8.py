@@ -16,8 +16,9 @@ with w = q s + m (q in 0..15) and x ~= dx * xq:
 
     y[n] = sum_b  s[n,b] dx[b] * sum_k q_k xq_k  +  m[n,b] * dx[b] * sum_k xq_k
 
-Every forward rounds x the same way, so prefill (more than MAX_KERNEL_ROWS rows: the layer is
-dequantized to fp32 for one GEMM) and decode compute the same function up to summation order.
+Every forward rounds x the same way and runs the same kernel, prefill chunks and decode batches
+alike (weights read once per panel of output rows for all the step's rows), so a row's result is
+bit-identical whatever the batch it is in (tests/test_native.py).
 
 The kernel reads the codes in inferd's own nibble layout (`inferd.quant.pack_nibbles`), taken from
 the method's codes (`Int4Linear.codes()`), never from PyTorch's packed int4 bytes, whose layout
