@@ -109,7 +109,10 @@ def test_one_engine_dying_fails_its_requests_the_other_finishes_then_exit(tiny):
         conftest.os.kill(pids[1][0], 9)
         r = None
         for _ in range(100):  # new requests are refused once the fault is seen
-            r = httpx.post(srv.base + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+            try:
+                r = httpx.post(srv.base + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+            except httpx.TimeoutException:
+                raise AssertionError("a request hung after the engine died:\n" + srv.log_text()) from None
             if r.status_code == 503:
                 break
             time.sleep(0.1)

@@ -22,6 +22,7 @@ import asyncio
 import logging
 import os
 import pickle
+import select
 import tempfile
 import threading
 import uuid
@@ -272,8 +273,24 @@ class EngineCoreClient:
         raise InferdError(f"the engine process did not load the model within {timeout:.0f} s")
 
     def _send(self, msg):
+        """Never blocks on a dead core: a PUSH socket whose peer is gone blocks every send, and this
+        runs on the server's event loop (a request routed to an engine in the instant after it was
+        killed hung the whole server). A full queue to a live core is waited out in 5 ms steps."""
+        import zmq
+
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         with self._send_lock:
-            self._push.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+            while True:
+                try:
+                    self._push.send(data, zmq.NOBLOCK)
+                    return
+                except zmq.Again:
+                    # the sentinel turns readable when the process exits (and, unlike is_alive(), reaps
+                    # nothing: the watchdog's join keeps its exit code)
+                    if self.dead or select.select([self.proc.sentinel], [], [], 0.005)[0]:
+                        from inferd.engine.async_engine import EngineDead
+
+                        raise EngineDead(f"engine stopped: {self.dead or 'the engine process exited'}") from None
 
     # -- event-loop side ------------------------------------------------------------------------
     @property
@@ -298,15 +315,22 @@ class EngineCoreClient:
             raise Overloaded()
         self._attach(asyncio.get_running_loop())
         q: asyncio.Queue = asyncio.Queue()
+        self._send(AddRequest(request_id, prompt_ids, params, arrival, kv_transfer_params))
+        # registered after the send (nothing can arrive for it before this loop runs again), so a
+        # send refused by a dead engine leaves no stream behind
         self._streams[request_id] = (q, {})
         self._adds_sent += 1
-        self._send(AddRequest(request_id, prompt_ids, params, arrival, kv_transfer_params))
         async for out in outputs_until_done(self, q, request_id, params):
             yield out
 
     def abort(self, request_id: str):
+        from inferd.engine.async_engine import EngineDead
+
         if not self.dead:
-            self._send(Abort(request_id))
+            try:
+                self._send(Abort(request_id))
+            except EngineDead:  # it died meanwhile: nothing left to abort
+                pass
 
     def shutdown(self):
         import zmq
