@@ -130,6 +130,8 @@ def cluster(model_args, prefill_args=(), decode_args=(), conn="SharedMemoryConne
     r = ServerProc(["--prefill", p.base, "--decode", d.base, "--health-interval", "0.3"], command="router")
     for s in (p, d, r):
         s.wait_ready()
+    # the router's own health checks must have seen both (before that it routes everything colocated)
+    wait_for(lambda: prom(r.base, "inferd:router_backends_up") == 2, what="the router to see both workers up")
     return p, d, r
 
 
@@ -335,6 +337,12 @@ CLIENT = textwrap.dedent('''
             time.sleep(0.2)
         else:
             sys.exit(f"{base} never came up")
+    for _ in range(100):  # the router's own health checks must have seen both workers (else: colocated)
+        if prom(router, "inferd:router_backends_up") == 2:
+            break
+        time.sleep(0.1)
+    else:
+        sys.exit("the router never saw both workers up")
     items = workload(12, seed=5)
     got = run_all(router, items)
     m = {k: prom(decode, "inferd:kv_transfer_bytes_total", connector=k) for k in ("ZmqConnector", "SharedMemoryConnector")}

@@ -1,0 +1,78 @@
+"""One quantized layer at every batch size: the W4A8/W8A8 kernels against what they replace.
+
+For each layer shape of the default model (gate_up 3072x576, down 576x1536, the lm_head 49152x576)
+and M = 1 .. 512 rows, in one process, 2 threads, median of --reps calls:
+  - w4a8 kernel:  torch.ops.inferd.w4a8_linear (int4 nibbles x int8 activations, panel-blocked)
+  - old route:    what M > 16 rows ran before: round x, dequantize the whole layer to fp32, one GEMM
+  - w8a8 kernel:  the same shape with int8 weights
+  - dense fp32:   x @ W.t() on the dequantized weights (PyTorch's GEMM, oneDNN/MKL)
+printed as ms and G(FL)OP/s (2*M*N*K), with the kernel variant and CPU features in the header.
+
+Usage: .venv/bin/python benchmarks/w4a8_gemm.py [--threads 2] [--reps 5]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "src"))
+sys.path.insert(0, HERE)
+
+from common import cpu_features  # noqa: E402
+from inferd.kernels import native  # noqa: E402
+from inferd.quant import quantize_int4, quantize_int8, w4a8  # noqa: E402
+
+SHAPES = [("gate_up", 3072, 576), ("down", 576, 1536), ("lm_head", 49152, 576)]
+ROWS = [1, 8, 16, 32, 128, 512]
+
+
+def timed(fn, reps: int) -> float:
+    fn()
+    runs = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        runs.append(time.perf_counter() - t0)
+    return statistics.median(runs)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=5)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    assert native.load() is not None, "native kernels unavailable"
+    ops = torch.ops.inferd
+    print(cpu_features())
+    print(f"inferd kernels: {ops.isa()} variant; {a.threads} threads; median of {a.reps} calls; ms (G(FL)OP/s)")
+    print(f"{'layer':<8} {'N x K':>11} {'M':>4} {'w4a8 kernel':>17} {'old route':>17} {'w8a8 kernel':>17} "
+          f"{'dense fp32':>17} {'w4a8 vs old':>11} {'w4a8 vs fp32':>12}")
+    for name, N, K in SHAPES:
+        torch.manual_seed(0)
+        q, s, z = quantize_int4(torch.randn(N, K), 32)
+        lin = w4a8.W4A8Linear(q, s, z, 32, None, torch.float32)
+        lin8 = w4a8.W8A8Linear(*quantize_int8(torch.randn(N, K)), None, torch.float32)
+        dense = lin.dequantized()
+        for M in ROWS:
+            x = torch.randn(M, K)
+            t = {
+                "k4": timed(lambda: ops.w4a8_linear(x, lin.qweight, lin.qscale, lin.qmin, 2**31 - 1), a.reps),
+                "old": timed(lambda: ops.w4a8_linear(x, lin.qweight, lin.qscale, lin.qmin, 0), a.reps),
+                "k8": timed(lambda: ops.w8a8_linear(x, lin8.qweight, lin8.qscale, 2**31 - 1), a.reps),
+                "fp32": timed(lambda: x @ dense.t(), a.reps),
+            }
+            g = 2 * M * N * K / 1e9
+            cell = {k: f"{v * 1e3:8.3f} ({g / v:5.1f})" for k, v in t.items()}
+            print(f"{name:<8} {f'{N}x{K}':>11} {M:>4} {cell['k4']:>17} {cell['old']:>17} {cell['k8']:>17} "
+                  f"{cell['fp32']:>17} {t['old'] / t['k4']:>10.2f}x {t['fp32'] / t['k4']:>11.2f}x")
+
+
+if __name__ == "__main__":
+    main()
