@@ -101,6 +101,11 @@ def router(backends: list[str], *extra: str) -> ServerProc:
     return ServerProc([*args, "--health-interval", "0.3", *extra], command="router")
 
 
+def all_seen_up(rt: ServerProc, n: int):
+    """Wait until the router's own health checks have seen n backends up (its /health is 200 at one)."""
+    wait_for(lambda: prom(rt.base).get("inferd:router_backends_up") == n, what=f"the router to see {n} backends up")
+
+
 def prom(base: str) -> dict[str, float]:
     out = {}
     for line in httpx.get(base + "/metrics", timeout=10).text.splitlines():
@@ -133,7 +138,9 @@ def pair():
     try:
         for m in mocks:
             m.wait_ready()
-        yield rt.wait_ready(), mocks, urls, dead
+        rt.wait_ready()
+        all_seen_up(rt, 2)
+        yield rt, mocks, urls, dead
     finally:
         for p in (rt, *mocks):
             p.stop()
@@ -288,6 +295,7 @@ def test_prefix_routing_finds_what_round_robin_evicts(tiny_chat_gguf):
         rates, shares = {}, {}
         for policy, rt in routers.items():
             rt.wait_ready()
+            all_seen_up(rt, 2)  # else the first requests all go to the one backend seen so far
 
             async def drive(base=rt.base):
                 async with httpx.AsyncClient(base_url=base, timeout=60) as c:
