@@ -83,10 +83,10 @@ def test_rewrite_covers_every_int4_layer():
 
 def test_engine_on_w4a8_model_gives_reference_greedy_tokens():
     """Lossless machinery on top of a lossy model: a batch of 24 mixed requests, chunked prefill and
-    paging, against the reference loop on the same W4A8 weights. Every row goes through the same
-    batch-invariant kernel, but the fp32 glue around it (attention over a chunk vs one query) can
-    differ in the last bit, which can flip one activation's int8 rounding. So the near-tie rule is
-    1e-2 here, not 1e-4."""
+    paging, against the reference loop on the same W4A8 weights. Decode rows go through the kernel,
+    long prefill chunks through the dequantized GEMM: the same function up to summation order, except
+    that a last-bit difference can flip one activation's int8 rounding. So the near-tie rule is 1e-2
+    here, not 1e-4."""
     from helpers import make_requests, run_engine
 
     from inferd.engine.reference import reference_generate

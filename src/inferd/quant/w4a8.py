@@ -16,9 +16,10 @@ with w = q s + m (q in 0..15) and x ~= dx * xq:
 
     y[n] = sum_b  s[n,b] dx[b] * sum_k q_k xq_k  +  m[n,b] * dx[b] * sum_k xq_k
 
-Every forward rounds x the same way and runs the same kernel, prefill chunks and decode batches
-alike (weights read once per panel of output rows for all the step's rows), so a row's result is
-bit-identical whatever the batch it is in (tests/test_native.py).
+Every forward rounds x the same way. Up to MAX_KERNEL_ROWS rows (decode batches, short chunks) the
+kernel reads each weight once per panel of output rows for all the step's rows, and a row's result
+is bit-identical whatever batch it is in (tests/test_native.py); longer prefill chunks dequantize the
+layer for one fp32 GEMM (faster there today): the same function up to summation order.
 
 The kernel reads the codes in inferd's own nibble layout (`inferd.quant.pack_nibbles`), taken from
 the method's codes (`Int4Linear.codes()`), never from PyTorch's packed int4 bytes, whose layout
