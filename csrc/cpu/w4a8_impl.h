@@ -96,6 +96,13 @@ static inline __m512 pair(float a, float b) {
 }
 #endif
 
+// a tile's R x MB accumulators (registers, or the scalar totals) set to v
+template <typename T, int R, int MB>
+static inline void fill(T (&a)[R][MB], T v) {
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < MB; ++i) a[r][i] = v;
+}
+
 // R weight rows n..n+R-1 times MB activation rows i0..: the R*MB dot products of a tile.
 template <int R, int MB>
 static void tile4(const uint8_t* q, const float* s, const float* m, int64_t nb, const int8_t* xq, const float* dx,
@@ -108,8 +115,7 @@ static void tile4(const uint8_t* q, const float* s, const float* m, int64_t nb, 
   int64_t b = 0;
 #if INFERD_ISA_LEVEL >= 2
   __m512 acc[R][MB];
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < MB; ++i) acc[r][i] = _mm512_setzero_ps();
+  fill(acc, _mm512_setzero_ps());
   for (; b + 2 <= nb; b += 2) {
     __m512i a[MB];
     __m512 d[MB];  // the activation blocks' scales, formed once per step for all R weight rows
@@ -127,13 +133,11 @@ static void tile4(const uint8_t* q, const float* s, const float* m, int64_t nb, 
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < MB; ++i) tot[r][i] = _mm512_reduce_add_ps(acc[r][i]);
 #else
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < MB; ++i) tot[r][i] = 0.f;
+  fill(tot, 0.f);
 #endif
   // AVX2: every block; AVX-512: the odd one left over
   __m256 acc8[R][MB];
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < MB; ++i) acc8[r][i] = _mm256_setzero_ps();
+  fill(acc8, _mm256_setzero_ps());
   for (; b < nb; ++b) {
     __m256i a[MB];
     __m256 d[MB];
@@ -226,8 +230,7 @@ static void tile8(const int8_t* w, const float* ws, int64_t K, const int8_t* xq,
   int64_t b = 0;
 #if INFERD_ISA_LEVEL >= 2
   __m512 acc[R][MB];
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < MB; ++i) acc[r][i] = _mm512_setzero_ps();
+  fill(acc, _mm512_setzero_ps());
   for (; b + 2 <= nb; b += 2) {
     __m512i a[MB];
     __m512 d[MB];
@@ -249,13 +252,11 @@ static void tile8(const int8_t* w, const float* ws, int64_t K, const int8_t* xq,
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < MB; ++i) tot[r][i] = _mm512_reduce_add_ps(acc[r][i]);
 #else
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < MB; ++i) tot[r][i] = 0.f;
+  fill(tot, 0.f);
 #endif
   // AVX2: every block; AVX-512: the odd one left over
   __m256 acc8[R][MB];
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < MB; ++i) acc8[r][i] = _mm256_setzero_ps();
+  fill(acc8, _mm256_setzero_ps());
   for (; b < nb; ++b) {
     for (int r = 0; r < R; ++r) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (n + r) * K + b * 32));
