@@ -1,11 +1,13 @@
 """One quantized layer at every batch size: the W4A8/W8A8 kernels against what they replace.
 
-For each layer shape of the default model (gate_up 3072x576, down 576x1536, the lm_head 49152x576)
-and M = 1 .. 512 rows, in one process, 2 threads, median of --reps calls:
-  - w4a8 kernel:  torch.ops.inferd.w4a8_linear (int4 nibbles x int8 activations, panel-blocked)
-  - old route:    what M > 16 rows ran before: round x, dequantize the whole layer to fp32, one GEMM
-  - w8a8 kernel:  the same shape with int8 weights
+For each layer shape of the default model (qkv 960x576, gate_up 3072x576, down 576x1536, the
+lm_head 49152x576) and M = 1 .. 512 rows, in one process, 2 threads, median of --reps calls:
+  - w4a8 kernel:  torch.ops.inferd.w4a8_linear (int4 codes packed in 16-column groups x int8 rows)
+  - old route:    what M > 64 rows ran before this kernel: round x, dequantize the layer to fp32, one GEMM
+  - w8a8 kernel:  the same shape with int8 codes (one scale per 32-block, Q8_0's form)
   - dense fp32:   x @ W.t() on the dequantized weights (PyTorch's GEMM, oneDNN/MKL)
+  - int8 peak:    torch._int_mm (oneDNN's s8 x s8 -> s32 GEMM, no scales) on the same shape: the
+                  machine's int8 GEMM rate as the best library here reaches it
 printed as ms and G(FL)OP/s (2*M*N*K), with the kernel variant and CPU features in the header.
 
 Usage: .venv/bin/python benchmarks/w4a8_gemm.py [--threads 2] [--reps 5]
@@ -28,8 +30,8 @@ from common import cpu_features  # noqa: E402
 from inferd.kernels import native  # noqa: E402
 from inferd.quant import quantize_int4, quantize_int8, w4a8  # noqa: E402
 
-SHAPES = [("gate_up", 3072, 576), ("down", 576, 1536), ("lm_head", 49152, 576)]
-ROWS = [1, 8, 16, 32, 128, 512]
+SHAPES = [("qkv", 960, 576), ("gate_up", 3072, 576), ("down", 576, 1536), ("lm_head", 49152, 576)]
+ROWS = [1, 8, 16, 32, 64, 128, 512]
 
 
 def timed(fn, reps: int) -> float:
@@ -53,25 +55,28 @@ def main():
     print(cpu_features())
     print(f"inferd kernels: {ops.isa()} variant; {a.threads} threads; median of {a.reps} calls; ms (G(FL)OP/s)")
     print(f"{'layer':<8} {'N x K':>11} {'M':>4} {'w4a8 kernel':>17} {'old route':>17} {'w8a8 kernel':>17} "
-          f"{'dense fp32':>17} {'w4a8 vs old':>11} {'w4a8 vs fp32':>12}")
+          f"{'dense fp32':>17} {'int8 peak':>17} {'w4a8/fp32':>9} {'w8a8/fp32':>9}")
     for name, N, K in SHAPES:
         torch.manual_seed(0)
         q, s, z = quantize_int4(torch.randn(N, K), 32)
         lin = w4a8.W4A8Linear(q, s, z, 32, None, torch.float32)
         lin8 = w4a8.W8A8Linear(*quantize_int8(torch.randn(N, K)), None, torch.float32)
         dense = lin.dequantized()
+        w8 = torch.randint(-127, 128, (K, N), dtype=torch.int8).t().contiguous().t()
         for M in ROWS:
             x = torch.randn(M, K)
+            x8 = torch.randint(-127, 128, (M, K), dtype=torch.int8)
             t = {
-                "k4": timed(lambda: ops.w4a8_linear(x, lin.qweight, lin.qscale, lin.qmin, 2**31 - 1), a.reps),
-                "old": timed(lambda: ops.w4a8_linear(x, lin.qweight, lin.qscale, lin.qmin, 0), a.reps),
-                "k8": timed(lambda: ops.w8a8_linear(x, lin8.qweight, lin8.qscale, 2**31 - 1), a.reps),
+                "k4": timed(lambda: lin(x), a.reps),
+                "old": timed(lambda: w4a8.fake_quant_activations(x) @ lin.dequantized().t(), a.reps),
+                "k8": timed(lambda: lin8(x), a.reps),
                 "fp32": timed(lambda: x @ dense.t(), a.reps),
+                "i8": timed(lambda: torch._int_mm(x8, w8), a.reps) if M > 16 else float("nan"),
             }
             g = 2 * M * N * K / 1e9
-            cell = {k: f"{v * 1e3:8.3f} ({g / v:5.1f})" for k, v in t.items()}
+            cell = {k: f"{v * 1e3:8.3f} ({g / v:5.1f})" if v == v else "-" for k, v in t.items()}
             print(f"{name:<8} {f'{N}x{K}':>11} {M:>4} {cell['k4']:>17} {cell['old']:>17} {cell['k8']:>17} "
-                  f"{cell['fp32']:>17} {t['old'] / t['k4']:>10.2f}x {t['fp32'] / t['k4']:>11.2f}x")
+                  f"{cell['fp32']:>17} {cell['i8']:>17} {t['fp32'] / t['k4']:>8.2f}x {t['fp32'] / t['k8']:>8.2f}x")
 
 
 if __name__ == "__main__":

@@ -186,7 +186,8 @@ def test_int8_codes_survive_to_w8a8(gguf_files, no_torch_int4_pack):
     for k, lin in layer_linears(lm.model, lm_head=True):
         assert isinstance(lin, W8A8Linear)
         q, s = quantize_int8(ref[k])
-        assert torch.equal(lin.qweight, q) and torch.equal(lin.qscale, s)  # fp32 scales, not the bf16 copy
+        got_q, got_s = lin.codes()
+        assert torch.equal(got_q, q) and torch.equal(got_s, s)  # fp32 block scales, not a bf16 copy
 
 
 def test_torch_kernel_gets_the_codes_only_at_hand_over(monkeypatch):

@@ -49,38 +49,71 @@ def test_the_best_variant_is_chosen_and_the_generic_one_always_runs():
     assert ("avx512_vnni" in r) == ("avx512" in r and "avx512vnni" in feats)
 
 
-@pytest.mark.parametrize("K", [96, 160, 192])  # 3 and 5 blocks: the AVX-512 loops' odd block left over
-@pytest.mark.parametrize("rows", [1, 2, 3, 16, 17])  # 17: above the kernel's rows, the GEMM fallback
-def test_int8_activation_kernels_in_each_variant(variant, K, rows):
-    torch.manual_seed(rows * K)
-    q, s, z = quantize_int4(torch.randn(40, K), 32)
+def w8_block_codes(N, K, seed):
+    """int8 codes with one scale per (row, 32-block), Q8_0's form; a few -128s (the one int8 whose
+    magnitude is not an int8, which the sign-trick variants must handle)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K // 32, 32, generator=g) * torch.rand(N, K // 32, 1, generator=g) * 3
+    s = w.abs().amax(-1) / 127
+    q = torch.round(w / s[..., None]).clamp(-127, 127).to(torch.int8).reshape(N, K)
+    q[0, :5] = -128
+    return q, s
+
+
+@pytest.mark.parametrize("K", [32, 96, 160])  # 1, 3 and 5 blocks
+@pytest.mark.parametrize("N", [1, 40, 70])  # 40, 70: a group of 16 columns partly padding; 1: nothing else
+@pytest.mark.parametrize("rows", [1, 2, 7, 16, 33, 128, 512])
+def test_int8_activation_kernels_in_each_variant(variant, K, N, rows):
+    torch.manual_seed(rows * K + N)
+    q, s, z = quantize_int4(torch.randn(N, K), 32)
     lin = w4a8.W4A8Linear(q, s, z, 32, None, torch.float32)
     x = torch.randn(rows, K) * 3
     xr = w4a8.fake_quant_activations(x)
     assert torch.equal(torch.ops.inferd.fake_quant(x), xr)  # the rounding is torch's, bit for bit
+    calls, done = torch.ops.inferd.gemm_counters()
     torch.testing.assert_close(lin(x), xr @ dequantize_int4(q, s, z, 32).t(), atol=1e-4, rtol=1e-5)
-    q8, sc = quantize_int8(torch.randn(36, K))
-    q8[0, :5] = -128  # the kernels take |w| with w's sign: the one int8 whose magnitude is not an int8
-    lin8 = w4a8.W8A8Linear(q8, sc, None, torch.float32)
-    torch.testing.assert_close(lin8(x), xr @ (q8.float() * sc[:, None]).t(), atol=1e-4, rtol=1e-5)
+    assert torch.ops.inferd.gemm_counters() == [calls + 1, done + rows]  # the integer GEMM, for any M
+    q8, s8 = w8_block_codes(N, K, rows + K)
+    lin8 = w4a8.W8A8Linear(q8, s8, None, torch.float32)
+    want8 = xr @ (q8.float().reshape(N, -1, 32) * s8[..., None]).reshape(N, K).t()
+    torch.testing.assert_close(lin8(x), want8, atol=1e-4, rtol=1e-5)
+    qc, sc = quantize_int8(torch.randn(N, K))  # one scale per row: the same kernel, the scale repeated
+    lin_c = w4a8.W8A8Linear(qc, sc, None, torch.float32)
+    torch.testing.assert_close(lin_c(x), xr @ (qc.float() * sc[:, None]).t(), atol=1e-4, rtol=1e-5)
 
 
-def test_vnni_computes_the_same_integers_as_avx512():
-    r = runnable()
-    if "avx512_vnni" not in r:
-        pytest.skip("needs a CPU with AVX-512 VNNI")
+def test_the_packed_layouts_round_trip():
+    g = torch.Generator().manual_seed(3)
+    for N, K in ((1, 32), (17, 64), (48, 96)):
+        q = torch.randint(0, 16, (N, K), generator=g, dtype=torch.int32)
+        assert torch.equal(w4a8.unpack4(w4a8.pack4(q), N), q)
+        q8 = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
+        assert torch.equal(w4a8.unpack8(w4a8.pack8(q8), N), q8)
+        s = torch.rand(N, K // 32, generator=g)
+        assert torch.equal(w4a8.unpack_scales(w4a8.pack_scales(s), N), s)
+    # the layout itself, for one 32-block of one group: chunk c, lane l, byte p
+    q = torch.arange(16 * 32).reshape(16, 32) % 16
+    p = w4a8.pack4(q).reshape(4, 16, 4)
+    for c, l, j in ((0, 0, 0), (2, 5, 3), (3, 15, 1)):
+        assert int(p[c, l, j]) == int(q[l, 4 * c + j]) | int(q[l, 16 + 4 * c + j]) << 4
+
+
+def test_every_variant_computes_the_same_floats():
+    """The integer block sums are exact on every ISA and the float steps after them are the same
+    fma's in the same order: generic, avx2, avx512 and avx512_vnni agree bit for bit."""
     torch.manual_seed(0)
-    q, s, z = quantize_int4(torch.randn(64, 160), 32)
-    q8, sc = quantize_int8(torch.randn(64, 160))
-    lin, lin8 = w4a8.W4A8Linear(q, s, z, 32, None, torch.float32), w4a8.W8A8Linear(q8, sc, None, torch.float32)
-    x = torch.randn(3, 160) * 3
+    q, s, z = quantize_int4(torch.randn(70, 160), 32)
+    lin = w4a8.W4A8Linear(q, s, z, 32, None, torch.float32)
+    lin8 = w4a8.W8A8Linear(*w8_block_codes(70, 160, 1), None, torch.float32)
+    x = torch.randn(37, 160) * 3
     got = {}
-    for v in ("avx512", "avx512_vnni"):
+    for v in runnable():
         native.use_isa(v)
         got[v] = (lin(x), lin8(x))
     native.use_isa("auto")
-    # vpdpbusd and vpmaddubsw + vpmaddwd sum the same products (no saturation here): same floats
-    assert all(torch.equal(a, b) for a, b in zip(got["avx512"], got["avx512_vnni"]))
+    first = got[runnable()[0]]
+    for v, (a, b) in got.items():
+        assert torch.equal(a, first[0]) and torch.equal(b, first[1]), v
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -212,20 +245,20 @@ def test_the_build_is_named_by_its_content(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("kind", ["w4a8", "w8a8"])
 def test_a_rows_result_does_not_depend_on_its_batch(variant, kind):
-    """Batch invariance: row i's output is bit-identical whatever the number of rows in the step and
-    wherever the row sits among them, up to the kernel's rows (M = 1, 2, 7, 16, 33, 64; N = 70 leaves
-    a 1-row tail)."""
+    """Batch invariance: row i's output is bit-identical whatever the number of rows in the step
+    (M = 1, 2, 7, 16, 33, 128, 512: every tile shape and its tails) and wherever the row sits among
+    them; N = 70 leaves a partly padded group."""
     torch.manual_seed(4)
     K, N = 160, 70
     if kind == "w4a8":
         q, s, z = quantize_int4(torch.randn(N, K), 32)
         lin = w4a8.W4A8Linear(q, s, z, 32, None, torch.float32)
     else:
-        lin = w4a8.W8A8Linear(*quantize_int8(torch.randn(N, K)), None, torch.float32)
-    assert native.MAX_KERNEL_ROWS == 64
-    x = torch.randn(64, K) * 3
+        lin = w4a8.W8A8Linear(*w8_block_codes(N, K, 2), None, torch.float32)
+    x = torch.randn(512, K) * 3
     full = lin(x)
-    for m in (1, 2, 7, 16, 33, 64):
+    for m in (1, 2, 7, 16, 33, 128):
         assert torch.equal(lin(x[:m]), full[:m]), m
-    perm = torch.randperm(64)
+        assert torch.equal(lin(x[-m:]), full[-m:]), m
+    perm = torch.randperm(512)
     assert torch.equal(lin(x[perm]), full[perm])

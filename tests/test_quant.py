@@ -4,6 +4,7 @@ import torch
 
 from inferd.quant import (Int4Linear, Int8Linear, dequantize_int4, hand_over, quantize, quantize_int4,
                           quantize_int8, weight_bytes)
+from inferd.quant.linear import dequantize_int8
 
 
 @pytest.fixture
@@ -11,12 +12,26 @@ def w():
     return torch.randn(96, 128, generator=torch.Generator().manual_seed(0))
 
 
-def test_int8_linear_equals_dequantized(w):
-    q, s = quantize_int8(w)
-    assert q.dtype == torch.int8 and (q.float() * s[:, None] - w).abs().max() <= s.max() / 2 + 1e-6
-    lin = Int8Linear(q, s, None, torch.float32)
-    x = torch.randn(5, 128)
-    torch.testing.assert_close(lin(x), x @ (q.float() * s[:, None]).t(), atol=1e-4, rtol=1e-4)
+@pytest.mark.parametrize("rows", [1, 5, 70])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_linear_equals_dequantized(w, rows, dtype):
+    """int8 is Q8_0's form, one scale per 32-block, on inferd's panel kernel; int8-gptq's per-row
+    form on PyTorch's. Both against their dequantized weights."""
+    for block in (32, None):
+        q, s = quantize_int8(w, block=block)
+        deq = dequantize_int8(q, s)
+        assert q.dtype == torch.int8 and (deq - w).abs().max() <= s.max() / 2 + 1e-6
+        assert s.shape == ((96, 4) if block else (96,))
+        lin = Int8Linear(q, s, None, dtype)
+        x = torch.randn(rows, 128)
+        tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.05, rtol=0.02)
+        torch.testing.assert_close(lin(x.to(dtype)).float(), x.to(dtype).float() @ deq.t(), **tol)
+
+
+def test_block_int8_is_closer_than_per_row(w):
+    w = w * torch.logspace(-2, 0, 128)  # columns of very different magnitudes, as in real layers
+    err = {b: (dequantize_int8(*quantize_int8(w, block=b)) - w).pow(2).mean() for b in (32, None)}
+    assert err[32] < 0.5 * err[None]
 
 
 @pytest.mark.parametrize("group", [32, 64, 128])

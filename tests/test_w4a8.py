@@ -42,10 +42,12 @@ def test_w8a8_kernel_equals_rounded_x_times_dequantized_w(rows):
     from inferd.quant import Int8Linear, quantize_int8
 
     torch.manual_seed(rows)
-    q, sc = quantize_int8(torch.randn(72, 128))
+    from inferd.quant.linear import dequantize_int8
+
+    q, sc = quantize_int8(torch.randn(72, 128))  # Q8_0's form: a scale per 32-block
     lin = w4a8.W8A8Linear(q, sc, None, torch.float32)
     x = torch.randn(rows, 128) * 3
-    want = w4a8.fake_quant_activations(x) @ (q.float() * sc[:, None]).t()
+    want = w4a8.fake_quant_activations(x) @ dequantize_int8(q, sc).t()
     torch.testing.assert_close(lin(x), want, atol=1e-4, rtol=1e-5)
     # the rewrite takes an Int8Linear's own buffers
     from torch import nn

@@ -19,22 +19,25 @@ static c10::TypedOperatorHandle<Sig> op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
 }
 
-struct Lin { Tensor q, s, m, bias; };  // m undefined: int8 weights (W8A8)
+struct Lin { Tensor q, s, m, bias; int64_t n; };  // m undefined: int8 weights (W8A8); n output features
 
 class DecodeStack {
  public:
   // flat: per layer input_norm, post_norm, then (q, s, m, bias) for qkv, o, gate_up, down, with empty
-  // tensors for an absent m or bias; last the final norm's weight.
-  DecodeStack(std::vector<Tensor> flat, int64_t layers, int64_t heads, int64_t kv_heads, int64_t head_dim,
-              double eps, int64_t max_rows)
-      : L_(layers), nq_(heads), nk_(kv_heads), D_(head_dim), eps_(eps), max_rows_(max_rows) {
+  // tensors for an absent m or bias; last the final norm's weight. outs: the four linears' output
+  // features per layer.
+  DecodeStack(std::vector<Tensor> flat, std::vector<int64_t> outs, int64_t layers, int64_t heads, int64_t kv_heads,
+              int64_t head_dim, double eps)
+      : L_(layers), nq_(heads), nk_(kv_heads), D_(head_dim), eps_(eps) {
     TORCH_CHECK(static_cast<int64_t>(flat.size()) == layers * 18 + 1, "DecodeStack: wrong number of tensors");
+    TORCH_CHECK(static_cast<int64_t>(outs.size()) == layers * 4, "DecodeStack: wrong number of output sizes");
     auto opt = [](const Tensor& t) { return t.numel() ? t : Tensor(); };
     for (int64_t l = 0; l < layers; ++l) {
       const Tensor* f = flat.data() + l * 18;
       norms_.push_back(f[0]);
       norms_.push_back(f[1]);
-      for (int i = 0; i < 4; ++i) lins_.push_back({f[2 + 4 * i], f[3 + 4 * i], opt(f[4 + 4 * i]), opt(f[5 + 4 * i])});
+      for (int i = 0; i < 4; ++i)
+        lins_.push_back({f[2 + 4 * i], f[3 + 4 * i], opt(f[4 + 4 * i]), opt(f[5 + 4 * i]), outs[l * 4 + i]});
     }
     norms_.push_back(flat.back());
   }
@@ -65,14 +68,13 @@ class DecodeStack {
 
  private:
   Tensor lin(const Lin& l, const Tensor& x) {
-    Tensor y = l.m.defined() ? w4a8_.call(x, l.q, l.s, l.m, max_rows_) : w8a8_.call(x, l.q, l.s, max_rows_);
+    Tensor y = l.m.defined() ? w4a8_.call(x, l.q, l.s, l.m, l.n) : w8a8_.call(x, l.q, l.s, l.n);
     if (l.bias.defined()) y.add_(l.bias);
     return y;
   }
 
   int64_t L_, nq_, nk_, D_;
   double eps_;
-  int64_t max_rows_;
   std::vector<Tensor> norms_;
   std::vector<Lin> lins_;
   c10::TypedOperatorHandle<Tensor(Tensor, Tensor, double)> rms_norm_ = op<Tensor(Tensor, Tensor, double)>("inferd::rms_norm");
@@ -94,6 +96,6 @@ class DecodeStack {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the step runs without the GIL: a server's event loop keeps answering while the model computes
   pybind11::class_<DecodeStack>(m, "DecodeStack")
-      .def(pybind11::init<std::vector<Tensor>, int64_t, int64_t, int64_t, int64_t, double, int64_t>())
+      .def(pybind11::init<std::vector<Tensor>, std::vector<int64_t>, int64_t, int64_t, int64_t, int64_t, double>())
       .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

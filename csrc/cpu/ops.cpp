@@ -4,8 +4,11 @@
 #include "kernels.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <atomic>
+#include <cstring>
 #include <vector>
 
 namespace inferd {
@@ -118,25 +121,22 @@ Tensor paged_decode(Tensor q, Tensor k, Tensor v, Tensor block_tables, Tensor ct
 
 // x rounded once per call into scratch owned by the calling thread (a decode step makes ~120
 // calls); the pointers are taken here because parallel workers have thread_locals of their own.
-struct Rounded { const int8_t* xq; const float* dx; const float* xs; };
+struct Rounded { const int8_t* xq; const float* dx; const float* xs; const int32_t* xi; };
 Rounded round_input(const Tensor& x, int64_t M, int64_t K) {
   const int64_t nb = K / 32;
   auto xf = x.scalar_type() == at::kFloat && x.is_contiguous() ? x : x.to(at::kFloat).contiguous();
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> dxs;
+  thread_local std::vector<int32_t> xi;
   xq.resize(M * K);
   dxs.resize(2 * M * nb);
-  active().quantize_rows(xf.data_ptr<float>(), M, K, xq.data(), dxs.data(), dxs.data() + M * nb);
-  return {xq.data(), dxs.data(), dxs.data() + M * nb};
+  xi.resize(M * nb);
+  active().quantize_rows(xf.data_ptr<float>(), M, K, xq.data(), dxs.data(), dxs.data() + M * nb, xi.data());
+  return {xq.data(), dxs.data(), dxs.data() + M * nb, xi.data()};
 }
 
-Tensor w4a8_dequantize(Tensor qw, Tensor s, Tensor m) {
-  TORCH_CHECK(qw.scalar_type() == at::kByte && qw.is_contiguous() && s.is_contiguous() && m.is_contiguous());
-  const int64_t N = qw.size(0), K = qw.size(1) * 2;
-  auto w = at::empty({N, K}, at::kFloat);
-  active().dequantize4(qw.data_ptr<uint8_t>(), s.data_ptr<float>(), m.data_ptr<float>(), N, K, w.data_ptr<float>());
-  return w;
-}
+// What a test or a benchmark asks to prove the integer GEMMs ran: calls and rows since load.
+std::atomic<int64_t> gemm_calls{0}, gemm_rows{0};
 
 // What the kernels do to x, as floats: each 32-block rounded to 255 levels of its largest magnitude.
 Tensor fake_quant(Tensor x) {
@@ -146,40 +146,88 @@ Tensor fake_quant(Tensor x) {
   auto xq = at::empty({M, K}, at::kChar);
   auto dx = at::empty({M, nb}, at::kFloat);
   auto xs = at::empty({M, nb}, at::kFloat);
+  auto xi = at::empty({M, nb}, at::kInt);
   active().quantize_rows(xf.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), dx.data_ptr<float>(),
-                         xs.data_ptr<float>());
+                         xs.data_ptr<float>(), xi.data_ptr<int32_t>());
   return (xq.to(at::kFloat).view({M, nb, 32}) * dx.unsqueeze(-1)).view(xf.sizes());
 }
 
-// x [M, K] float32 or bfloat16; qw [N, K/2] uint8; s, m [N, K/32] float32 -> [M, N] in x's dtype.
-// Above max_rows (prefill chunks) one fp32 GEMM on the dequantized layer is faster.
-Tensor w4a8_linear(Tensor x, Tensor qw, Tensor s, Tensor m, int64_t max_rows) {
-  TORCH_CHECK(x.dim() == 2 && qw.dim() == 2 && qw.scalar_type() == at::kByte && qw.is_contiguous());
-  TORCH_CHECK(s.scalar_type() == at::kFloat && m.scalar_type() == at::kFloat && s.is_contiguous() &&
-              m.is_contiguous());
-  const int64_t M = x.size(0), K = x.size(1), N = qw.size(0), nb = K / 32;
-  TORCH_CHECK(K % 32 == 0 && qw.size(1) * 2 == K && s.size(0) == N && s.size(1) == nb && m.sizes() == s.sizes());
-  if (M > max_rows) return at::mm(fake_quant(x), w4a8_dequantize(qw, s, m).t()).to(x.scalar_type());
+// The packed operands' shapes: [G, nb * bytes] codes and [G, nb * 16] fp32 scales, G = ceil(N / 16).
+void check_packed(const Tensor& x, const Tensor& qw, const Tensor& s, int64_t N, int64_t bytes, at::ScalarType t) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 32 == 0, "x must be [M, K] with K a multiple of 32");
+  const int64_t nb = x.size(1) / 32, G = (N + 15) / 16;
+  TORCH_CHECK(qw.scalar_type() == t && qw.is_contiguous() && qw.numel() == G * nb * bytes,
+              "packed weights do not match x and N (repack with inferd.quant.w4a8)");
+  TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.numel() == G * nb * 16);
+}
+
+Tensor finish(const Tensor& x, Tensor y, int64_t M) {
+  gemm_calls.fetch_add(1, std::memory_order_relaxed);
+  gemm_rows.fetch_add(M, std::memory_order_relaxed);
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+// x [M, K] float32 or bfloat16 times packed int4 codes (inferd.quant.w4a8.pack4) -> [M, N] in x's
+// dtype: one integer GEMM for any M, no dequantized copy of the weights.
+Tensor w4a8_linear(Tensor x, Tensor qw, Tensor s, Tensor m, int64_t N) {
+  check_packed(x, qw, s, N, 256, at::kByte);
+  TORCH_CHECK(m.sizes() == s.sizes() && m.scalar_type() == at::kFloat && m.is_contiguous());
+  const int64_t M = x.size(0), K = x.size(1);
   const Rounded r = round_input(x, M, K);
   auto y = at::empty({M, N}, at::kFloat);
-  active().w4a8_gemm(qw.data_ptr<uint8_t>(), s.data_ptr<float>(), m.data_ptr<float>(), r.xq, r.dx, r.xs, M, K, N,
+  active().w4a8_gemm(qw.data_ptr<uint8_t>(), s.data_ptr<float>(), m.data_ptr<float>(), r.xq, r.dx, r.xs, r.xi, M,
+                     K, N, y.data_ptr<float>());
+  return finish(x, y, M);
+}
+
+// x [M, K] times packed int8 codes (inferd.quant.w4a8.pack8), one scale per (column, 32-block)
+Tensor w8a8_linear(Tensor x, Tensor qw, Tensor s, int64_t N) {
+  check_packed(x, qw, s, N, 512, at::kChar);
+  const int64_t M = x.size(0), K = x.size(1);
+  const Rounded r = round_input(x, M, K);
+  auto y = at::empty({M, N}, at::kFloat);
+  active().w8a8_gemm(qw.data_ptr<int8_t>(), s.data_ptr<float>(), r.xq, r.dx, r.xs, r.xi, M, K, N,
                      y.data_ptr<float>());
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  return finish(x, y, M);
 }
 
-// x [M, K] float32 or bfloat16; qw [N, K] int8; ws [N] float32 -> [M, N] in x's dtype
-Tensor w8a8_linear(Tensor x, Tensor qw, Tensor ws, int64_t max_rows) {
-  TORCH_CHECK(x.dim() == 2 && qw.dim() == 2 && qw.scalar_type() == at::kChar && qw.is_contiguous());
-  TORCH_CHECK(ws.scalar_type() == at::kFloat && ws.is_contiguous() && ws.numel() == qw.size(0));
-  const int64_t M = x.size(0), K = x.size(1), N = qw.size(0);
-  TORCH_CHECK(K % 32 == 0 && qw.size(1) == K);
-  if (M > max_rows) return at::mm(fake_quant(x), (qw.to(at::kFloat) * ws.unsqueeze(1)).t()).to(x.scalar_type());
-  const Rounded r = round_input(x, M, K);
+// Weight-only int8 with one scale per (row, 32-block), Q8_0's form: x [M, K] float32/bfloat16 times
+// q [N, K] int8, s [N, K/32] float16 -> [M, N] in x's dtype. Each thread dequantizes a panel of 64 weight
+// rows into a buffer of its own (~150 KB at K = 576: L2) and multiplies every row of x by it in one
+// GEMM: a step dequantizes each weight once, whatever M is, and never holds a copy of the layer.
+Tensor w8_linear(Tensor x, Tensor q, Tensor s) {
+  TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous());
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0), nb = K / 32;
+  TORCH_CHECK(K % 32 == 0 && q.size(1) == K, "x and the int8 weights disagree on K");
+  TORCH_CHECK(s.scalar_type() == at::kHalf && s.is_contiguous() && s.dim() == 2 && s.size(0) == N && s.size(1) == nb);
+  auto xf = x.scalar_type() == at::kFloat && x.is_contiguous() ? x : x.to(at::kFloat).contiguous();
   auto y = at::empty({M, N}, at::kFloat);
-  active().w8a8_gemm(qw.data_ptr<int8_t>(), ws.data_ptr<float>(), r.xq, r.dx, M, K, N, y.data_ptr<float>());
+  constexpr int64_t P = 64;
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const at::Half* sp = s.data_ptr<at::Half>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, (N + P - 1) / P, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> w(P * K), out(M * P);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * P, n = std::min(P, N - n0);
+      for (int64_t r = 0; r < n; ++r)
+        for (int64_t b = 0; b < nb; ++b) {
+          const float d = static_cast<float>(sp[(n0 + r) * nb + b]);
+          const int8_t* src = qp + (n0 + r) * K + b * 32;
+          float* dst = w.data() + r * K + b * 32;
+          for (int j = 0; j < 32; ++j) dst[j] = static_cast<float>(src[j]) * d;
+        }
+      // inside a parallel region at::mm runs on this thread alone
+      auto wt = at::from_blob(w.data(), {n, K}, at::kFloat);
+      auto ot = at::from_blob(out.data(), {M, n}, at::kFloat);
+      at::mm_out(ot, xf, wt.t());
+      for (int64_t i = 0; i < M; ++i) std::memcpy(yp + i * N + n0, out.data() + i * n, n * sizeof(float));
+    }
+  });
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
+std::vector<int64_t> op_gemm_counters() { return {gemm_calls.load(), gemm_rows.load()}; }
 std::string op_isa() { return active().name; }
 std::string op_select_isa(std::string name) { return select_isa(name); }
 std::vector<std::string> op_cpu_features() { return cpu_features(); }
@@ -197,9 +245,10 @@ TORCH_LIBRARY(inferd, m) {
   m.def("write_kv(Tensor k_new, Tensor v_new, Tensor slots, Tensor(a!) kc, Tensor(b!) vc) -> ()", &write_kv);
   m.def("paged_decode(Tensor q, Tensor k, Tensor v, Tensor block_tables, Tensor ctx_lens, int block_size, "
         "float scale, int window) -> Tensor", &paged_decode);
-  m.def("w4a8_linear(Tensor x, Tensor qw, Tensor s, Tensor m, int max_rows) -> Tensor", &w4a8_linear);
-  m.def("w8a8_linear(Tensor x, Tensor qw, Tensor ws, int max_rows) -> Tensor", &w8a8_linear);
-  m.def("w4a8_dequantize(Tensor qw, Tensor s, Tensor m) -> Tensor", &w4a8_dequantize);
+  m.def("w4a8_linear(Tensor x, Tensor qw, Tensor s, Tensor m, int N) -> Tensor", &w4a8_linear);
+  m.def("w8a8_linear(Tensor x, Tensor qw, Tensor s, int N) -> Tensor", &w8a8_linear);
+  m.def("w8_linear(Tensor x, Tensor q, Tensor s) -> Tensor", &w8_linear);
+  m.def("gemm_counters() -> int[]", &op_gemm_counters);
   m.def("fake_quant(Tensor x) -> Tensor", &fake_quant);
   // the kernel variant: which one runs, which this CPU could run, and the features that decide it
   m.def("isa() -> str", &op_isa);

@@ -23,7 +23,7 @@ static const Kernels table = {
     rope_rows<float>, rope_rows<bf16>,
     silu_mul_rows<float>, silu_mul_rows<bf16>,
     decode_attention<float>, decode_attention<bf16>,
-    quantize_rows, w4a8_gemm, w8a8_gemm, dequantize4,
+    quantize_rows, w4a8_gemm, w8a8_gemm,
 };
 
 }  // namespace INFERD_VARIANT

@@ -1,13 +1,30 @@
-// W4A8 / W8A8: int4 nibbles or int8 weights times activations rounded to int8 per 32-block. Three
-// inner loops by INFERD_ISA_LEVEL (set by the variant_*.cpp that includes this file):
-//   0 generic  plain C++ the compiler vectorises for the baseline ISA
-//   1 avx2     vpmaddubsw + vpmaddwd on 256-bit registers, one 32-block per step
-//   2 avx512   the same on 512-bit registers, two 32-blocks per step
+// W4A8 / W8A8: int4 or int8 weights times activations rounded to int8 per 32-block, one GEMM for
+// every number of rows (a decode step's one row to a 512-token prefill chunk).
+//
+// The weights are repacked once at load (inferd.quant.w4a8.pack4 / pack8) into groups of GW = 16
+// output columns, one group a vector's lanes: a multiply-add takes 4 consecutive k of 16 columns
+// against 4 bytes of one activation row broadcast to every lane, and sums into that row's 16
+// outputs. Nothing is reduced across lanes, each 32-block's integer sum is converted and scaled once
+// per (row, 16 columns), and one weight vector serves every row of a tile. The layouts, per group g
+// and 32-block b (GW columns l, bytes p = 0..3 of a lane's 4):
+//   W4  256 bytes, 4 chunks of 64: chunk c byte 4l+p = q[l][4c+p] | q[l][16+4c+p] << 4 (q in 0..15),
+//       fp32 scale s and min m [G, nb, GW]: w = q s + m
+//   W8  512 bytes, 8 chunks of 64: chunk c byte 4l+p = q[l][4c+p] (int8), fp32 scale [G, nb, GW]
+// Padding columns (N up to a multiple of GW) hold zeros and are never stored.
+//
+// Per ISA (INFERD_ISA_LEVEL, set by the variant_*.cpp that includes this file):
+//   0 generic  plain C++, one row and group at a time
+//   1 avx2     256-bit: a group is two halves; vpmaddubsw, int16 sums over a block, one vpmaddwd
+//   2 avx512   the same on 512-bit registers
 //   3 vnni     512-bit vpdpbusd (u8 x s8 -> s32 in one instruction)
-// Nibble layout per 32-block: 16 bytes, byte j = q[j] | q[j + 16] << 4.
+// Every variant computes, per output (row i, column n), the same integer block sums and then, block
+// by block in order, y = fma(float(isum), s * dx, y) and (W4) y = fma(m, xs, y): the same floats on
+// every ISA, whatever the tile, the number of rows or a row's place among them (batch invariance).
 
-// x [M, K] fp32 -> xq int8, dx [M, K/32] (block scale), xs [M, K/32] = dx * sum(xq)
-static void quantize_blocks(const float* x, int64_t b0, int64_t b1, int8_t* xq, float* dx, float* xs) {
+static constexpr int64_t GW = 16;
+
+// x [M, K] fp32 -> xq int8, dx [M, K/32] (block scale), xs = dx * sum(xq), xi = sum(xq) as int
+static void quantize_blocks(const float* x, int64_t b0, int64_t b1, int8_t* xq, float* dx, float* xs, int32_t* xi) {
   for (int64_t i = b0; i < b1; ++i) {
     const float* xb = x + i * 32;
     float amax = 0.f;
@@ -22,274 +39,280 @@ static void quantize_blocks(const float* x, int64_t b0, int64_t b1, int8_t* xq, 
     }
     dx[i] = d;
     xs[i] = d * static_cast<float>(sum);
+    xi[i] = sum;
   }
 }
 
-static void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* xs) {
+static void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* xs, int32_t* xi) {
   // a prefill chunk's rows in parallel; a decode step's few rows on the calling thread
-  at::parallel_for(0, M * (K / 32), 2048, [&](int64_t b0, int64_t b1) { quantize_blocks(x, b0, b1, xq, dx, xs); });
+  at::parallel_for(0, M * (K / 32), 2048, [&](int64_t b0, int64_t b1) { quantize_blocks(x, b0, b1, xq, dx, xs, xi); });
 }
 
-static void dequantize4(const uint8_t* q, const float* sp, const float* mp, int64_t N, int64_t K, float* out) {
-  const int64_t nb = K / 32;
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n)
-      for (int64_t b = 0; b < nb; ++b) {
-        const float sv = sp[n * nb + b], mv = mp[n * nb + b];
-        for (int j = 0; j < 16; ++j) {
-          const uint8_t byte = q[(n * nb + b) * 16 + j];
-          out[n * K + b * 32 + j] = static_cast<float>(byte & 15) * sv + mv;
-          out[n * K + b * 32 + 16 + j] = static_cast<float>(byte >> 4) * sv + mv;
+// What a tile reads: the packed weights and the rounded rows.
+struct Operands {
+  const uint8_t* w;   // packed groups (W4 nibbles or W8 int8 bytes)
+  const float* s;     // [G, nb, GW]
+  const float* m;     // [G, nb, GW] (W4 only)
+  const int8_t* xq;   // [M, K]
+  const float* dx;    // [M, nb]
+  const float* xs;    // [M, nb]
+  const int32_t* xi;  // [M, nb]
+  int64_t K, nb, N;
+  float* y;           // [M, N]
+};
+
+static inline int32_t load4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// Rows per tile x groups per tile: the tile's accumulators fill the vector registers (32 on
+// AVX-512: 8 rows x 16 columns of int sums and of float totals; 16 on AVX2).
+static constexpr int TILE = INFERD_ISA_LEVEL >= 2 ? 8 : INFERD_ISA_LEVEL == 1 ? 2 : 1;
+
+#if INFERD_ISA_LEVEL >= 2
+using VF = __m512;
+using VI = __m512i;
+static constexpr int HALVES = 1;  // vectors per group
+static inline VI vload(const uint8_t* p) { return _mm512_loadu_si512(p); }
+static inline VI vset1(int32_t v) { return _mm512_set1_epi32(v); }
+static inline VI vzero() { return _mm512_setzero_si512(); }
+static inline VI vand(VI a, VI b) { return _mm512_and_si512(a, b); }
+static inline VI vsrl4(VI a) { return _mm512_srli_epi16(a, 4); }
+static inline VI vadd16(VI a, VI b) { return _mm512_add_epi16(a, b); }
+static inline VI vadd32(VI a, VI b) { return _mm512_add_epi32(a, b); }
+static inline VI vsub32(VI a, VI b) { return _mm512_sub_epi32(a, b); }
+static inline VI vmaddubs(VI u, VI s) { return _mm512_maddubs_epi16(u, s); }
+static inline VI vmadd1(VI a) { return _mm512_madd_epi16(a, _mm512_set1_epi16(1)); }
+static inline VI vbyte(int8_t v) { return _mm512_set1_epi8(v); }
+static inline VF fzero() { return _mm512_setzero_ps(); }
+static inline VF fload(const float* p) { return _mm512_loadu_ps(p); }
+static inline VF fset1(float v) { return _mm512_set1_ps(v); }
+static inline VF fmul(VF a, VF b) { return _mm512_mul_ps(a, b); }
+static inline VF ffma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
+static inline VF fcvt(VI a) { return _mm512_cvtepi32_ps(a); }
+static inline void fstore(float* p, VF v, int64_t n) {
+  if (n >= 16) _mm512_storeu_ps(p, v);
+  else _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1), v);
+}
+// W8 on AVX-512 without VNNI: |w| (u8) times x negated where w < 0 (there is no vpsignb)
+static inline VI vabs8(VI w) { return _mm512_abs_epi8(w); }
+static inline VI vsign8(VI x, VI w) {
+  return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+}
+#elif INFERD_ISA_LEVEL == 1
+using VF = __m256;
+using VI = __m256i;
+static constexpr int HALVES = 2;
+static inline VI vload(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+static inline VI vset1(int32_t v) { return _mm256_set1_epi32(v); }
+static inline VI vzero() { return _mm256_setzero_si256(); }
+static inline VI vand(VI a, VI b) { return _mm256_and_si256(a, b); }
+static inline VI vsrl4(VI a) { return _mm256_srli_epi16(a, 4); }
+static inline VI vadd16(VI a, VI b) { return _mm256_add_epi16(a, b); }
+static inline VI vadd32(VI a, VI b) { return _mm256_add_epi32(a, b); }
+static inline VI vsub32(VI a, VI b) { return _mm256_sub_epi32(a, b); }
+static inline VI vmaddubs(VI u, VI s) { return _mm256_maddubs_epi16(u, s); }
+static inline VI vmadd1(VI a) { return _mm256_madd_epi16(a, _mm256_set1_epi16(1)); }
+static inline VI vbyte(int8_t v) { return _mm256_set1_epi8(v); }
+static inline VF fzero() { return _mm256_setzero_ps(); }
+static inline VF fload(const float* p) { return _mm256_loadu_ps(p); }
+static inline VF fset1(float v) { return _mm256_set1_ps(v); }
+static inline VF fmul(VF a, VF b) { return _mm256_mul_ps(a, b); }
+static inline VF ffma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
+static inline VF fcvt(VI a) { return _mm256_cvtepi32_ps(a); }
+static inline void fstore(float* p, VF v, int64_t n) {
+  if (n >= 8) {
+    _mm256_storeu_ps(p, v);
+    return;
+  }
+  float t[8];
+  _mm256_storeu_ps(t, v);
+  for (int64_t j = 0; j < n; ++j) p[j] = t[j];
+}
+static inline VI vabs8(VI w) { return _mm256_sign_epi8(w, w); }
+static inline VI vsign8(VI x, VI w) { return _mm256_sign_epi8(x, w); }
+#endif
+
+#if INFERD_ISA_LEVEL >= 1
+static constexpr int64_t LANES = GW / HALVES;  // columns per vector
+
+// MR rows i0.. times NG groups g0.. of W4: every output of the tile, over all of K.
+template <int MR, int NG>
+static void tile4(const Operands& o, int64_t i0, int64_t g0) {
+  constexpr int NV = NG * HALVES;  // vectors across the tile's columns
+  VF acc[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = fzero();
+  const VI low = vbyte(0x0F);
+  for (int64_t b = 0; b < o.nb; ++b) {
+    VI sum[MR][NV];  // int16 pairs below VNNI (at most 8 x 2 x 15 x 127 = 30480: no overflow), int32 with it
+    for (int r = 0; r < MR; ++r)
+      for (int v = 0; v < NV; ++v) sum[r][v] = vzero();
+    for (int c = 0; c < 4; ++c) {
+      VI xl[MR], xh[MR];
+      for (int r = 0; r < MR; ++r) {
+        const int8_t* xr = o.xq + (i0 + r) * o.K + b * 32 + 4 * c;
+        xl[r] = vset1(load4(xr));
+        xh[r] = vset1(load4(xr + 16));
+      }
+      for (int v = 0; v < NV; ++v) {
+        const VI raw = vload(o.w + ((g0 + v / HALVES) * o.nb + b) * 256 + 64 * c + (v % HALVES) * 32);
+        const VI lo = vand(raw, low), hi = vand(vsrl4(raw), low);
+        for (int r = 0; r < MR; ++r) {
+#if INFERD_ISA_LEVEL >= 3
+          sum[r][v] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sum[r][v], lo, xl[r]), hi, xh[r]);
+#else
+          sum[r][v] = vadd16(sum[r][v], vadd16(vmaddubs(lo, xl[r]), vmaddubs(hi, xh[r])));
+#endif
         }
       }
-  });
-}
-
-#if INFERD_ISA_LEVEL >= 1
-// DRAM latency, not arithmetic, bounds a decode GEMV: fetch the tile PF_TILES ahead while this one
-// computes (measured on the 2-core AVX2 machine: ~10 % faster over a whole token's weights).
-// Prefetching past the end is harmless: prefetches never fault.
-static constexpr int64_t PF_TILES = 4;
-
-static inline float hsum256(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// one 32-block: the 32 nibbles of 16 bytes as 32 unsigned bytes (lows, then highs)
-static inline __m256i nibbles256(const uint8_t* p) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
-}
-
-// u8 x s8 dot products of 4-byte groups, as 8 int32 (no saturation: |u| <= 128 and |s| <= 127)
-static inline __m256i dot256(__m256i u, __m256i s) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-}
-
-static inline void prefetch(const void* p, int64_t bytes) {
-  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(static_cast<const char*>(p) + o, _MM_HINT_T0);
-}
-#endif
-
-#if INFERD_ISA_LEVEL >= 2
-// two 32-blocks: [lows b, highs b, lows b+1, highs b+1] as 64 unsigned bytes, matching 64 activations
-static inline __m512i nibbles512(const uint8_t* p) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1);
-  return _mm512_and_si512(_mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0)), _mm512_set1_epi8(0x0F));
-}
-
-static inline __m512i dot512(__m512i u, __m512i s) {
+    }
+    for (int v = 0; v < NV; ++v) {
+      const int64_t at = ((g0 + v / HALVES) * o.nb + b) * GW + (v % HALVES) * LANES;
+      const VF sv = fload(o.s + at), mv = fload(o.m + at);
+      for (int r = 0; r < MR; ++r) {
 #if INFERD_ISA_LEVEL >= 3
-  return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s);
+        const VI isum = sum[r][v];
 #else
-  return _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1));
+        const VI isum = vmadd1(sum[r][v]);
 #endif
-}
-
-// lanes 0-7 a, lanes 8-15 b: the scales of the two blocks a 512-bit step covers
-static inline __m512 pair(float a, float b) {
-  return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(a), _mm512_set1_ps(b));
-}
-#endif
-
-// a tile's R x MB accumulators (registers, or the scalar totals) set to v
-template <typename T, int R, int MB>
-static inline void fill(T (&a)[R][MB], T v) {
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < MB; ++i) a[r][i] = v;
-}
-
-// R weight rows n..n+R-1 times MB activation rows i0..: the R*MB dot products of a tile.
-template <int R, int MB>
-static void tile4(const uint8_t* q, const float* s, const float* m, int64_t nb, const int8_t* xq, const float* dx,
-                  const float* xs, int64_t K, int64_t N, float* y, int64_t n, int64_t i0) {
-#if INFERD_ISA_LEVEL >= 1
-  prefetch(q + (n + PF_TILES * R) * nb * 16, R * nb * 16);
-  prefetch(s + (n + PF_TILES * R) * nb, R * nb * 4);
-  prefetch(m + (n + PF_TILES * R) * nb, R * nb * 4);
-  float tot[R][MB];
-  int64_t b = 0;
-#if INFERD_ISA_LEVEL >= 2
-  __m512 acc[R][MB];
-  fill(acc, _mm512_setzero_ps());
-  for (; b + 2 <= nb; b += 2) {
-    __m512i a[MB];
-    __m512 d[MB];  // the activation blocks' scales, formed once per step for all R weight rows
-    for (int i = 0; i < MB; ++i) {
-      a[i] = _mm512_loadu_si512(xq + (i0 + i) * K + b * 32);
-      d[i] = pair(dx[(i0 + i) * nb + b], dx[(i0 + i) * nb + b + 1]);
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m512i w = nibbles512(q + ((n + r) * nb + b) * 16);
-      const __m512 sr = pair(s[(n + r) * nb + b], s[(n + r) * nb + b + 1]);
-      for (int i = 0; i < MB; ++i)
-        acc[r][i] = _mm512_fmadd_ps(sr, _mm512_mul_ps(d[i], _mm512_cvtepi32_ps(dot512(w, a[i]))), acc[r][i]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < MB; ++i) tot[r][i] = _mm512_reduce_add_ps(acc[r][i]);
-#else
-  fill(tot, 0.f);
-#endif
-  // AVX2: every block; AVX-512: the odd one left over
-  __m256 acc8[R][MB];
-  fill(acc8, _mm256_setzero_ps());
-  for (; b < nb; ++b) {
-    __m256i a[MB];
-    __m256 d[MB];
-    for (int i = 0; i < MB; ++i) {
-      a[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (i0 + i) * K + b * 32));
-      d[i] = _mm256_set1_ps(dx[(i0 + i) * nb + b]);
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m256i w = nibbles256(q + ((n + r) * nb + b) * 16);
-      const __m256 sr = _mm256_set1_ps(s[(n + r) * nb + b]);
-      for (int i = 0; i < MB; ++i)
-        acc8[r][i] = _mm256_fmadd_ps(sr, _mm256_mul_ps(d[i], _mm256_cvtepi32_ps(dot256(w, a[i]))), acc8[r][i]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < MB; ++i) {
-      const float* mr = m + (n + r) * nb;
-      const float* xsi = xs + (i0 + i) * nb;
-      float off = 0.f;
-      for (int64_t c = 0; c < nb; ++c) off += mr[c] * xsi[c];
-      y[(i0 + i) * N + n + r] = tot[r][i] + hsum256(acc8[r][i]) + off;
-    }
-#else
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < MB; ++i) {
-      float tot = 0.f;
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* qb = q + ((n + r) * nb + b) * 16;
-        const int8_t* ab = xq + (i0 + i) * K + b * 32;
-        int32_t dot = 0;
-        for (int j = 0; j < 16; ++j) dot += (qb[j] & 15) * ab[j] + (qb[j] >> 4) * ab[j + 16];
-        tot += s[(n + r) * nb + b] * dx[(i0 + i) * nb + b] * static_cast<float>(dot) +
-               m[(n + r) * nb + b] * xs[(i0 + i) * nb + b];
+        const int64_t xb = (i0 + r) * o.nb + b;
+        acc[r][v] = ffma(fcvt(isum), fmul(sv, fset1(o.dx[xb])), acc[r][v]);
+        acc[r][v] = ffma(mv, fset1(o.xs[xb]), acc[r][v]);
       }
-      y[(i0 + i) * N + n + r] = tot;
     }
+  }
+  for (int v = 0; v < NV; ++v) {
+    const int64_t n = (g0 + v / HALVES) * GW + (v % HALVES) * LANES;
+    for (int r = 0; r < MR; ++r) fstore(o.y + (i0 + r) * o.N + n, acc[r][v], o.N - n);
+  }
+}
+
+// The same for W8: 8 chunks a block, signed weights, no min.
+template <int MR, int NG>
+static void tile8(const Operands& o, int64_t i0, int64_t g0) {
+  constexpr int NV = NG * HALVES;
+  VF acc[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = fzero();
+  for (int64_t b = 0; b < o.nb; ++b) {
+    VI sum[MR][NV];
+    for (int r = 0; r < MR; ++r)
+      for (int v = 0; v < NV; ++v) sum[r][v] = vzero();
+    for (int c = 0; c < 8; ++c) {
+      VI xb[MR];
+      for (int r = 0; r < MR; ++r) xb[r] = vset1(load4(o.xq + (i0 + r) * o.K + b * 32 + 4 * c));
+      for (int v = 0; v < NV; ++v) {
+        const VI w = vload(o.w + ((g0 + v / HALVES) * o.nb + b) * 512 + 64 * c + (v % HALVES) * 32);
+#if INFERD_ISA_LEVEL >= 3
+        // vpdpbusd wants the unsigned side: w + 128 (w ^ 0x80); the 128 * sum(x) is taken off below
+        const VI u = _mm512_xor_si512(w, vbyte(static_cast<int8_t>(0x80)));
+        for (int r = 0; r < MR; ++r) sum[r][v] = _mm512_dpbusd_epi32(sum[r][v], u, xb[r]);
+#else
+        // |w| times x with w's sign: |w| <= 128 and |x| <= 127, so a pair fits int16; int32 every chunk
+        const VI aw = vabs8(w);
+        for (int r = 0; r < MR; ++r) sum[r][v] = vadd32(sum[r][v], vmadd1(vmaddubs(aw, vsign8(xb[r], w))));
 #endif
-}
-
-template <int MB>
-static void rows4(const uint8_t* q, const float* s, const float* m, int64_t nb, const int8_t* xq, const float* dx,
-                  const float* xs, int64_t K, int64_t N, float* y, int64_t n0, int64_t n1, int64_t i0) {
-  int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) tile4<4, MB>(q, s, m, nb, xq, dx, xs, K, N, y, n, i0);
-  for (; n < n1; ++n) tile4<1, MB>(q, s, m, nb, xq, dx, xs, K, N, y, n, i0);
-}
-
-// Activation rows per tile: 4 where there are 32 vector registers (AVX-512), else 2 (16 on AVX2).
-static constexpr int MB_MAX = INFERD_ISA_LEVEL >= 2 ? 4 : 2;
-
-// Output rows per panel: a panel's weights (64 x K/2 bytes of nibbles plus scales) stay in L1/L2
-// while every activation row passes over them, so a batch reads each weight from DRAM once, not
-// once per pair of rows. Every output element is summed in the same order whatever M is and
-// wherever its row sits in the batch: a row's result does not depend on its batch (batch invariance).
-static constexpr int64_t PANEL = 64;
-
-template <typename Rows>
-static void over_panels(int64_t M, int64_t N, const Rows& rows) {
-  // split the output rows, in multiples of 4, over the threads; each thread walks its share in panels
-  at::parallel_for(0, (N + 3) / 4, 8, [&](int64_t t0, int64_t t1) {
-    const int64_t end = std::min(N, t1 * 4);
-    for (int64_t n0 = t0 * 4; n0 < end; n0 += PANEL) {
-      const int64_t n1 = std::min(end, n0 + PANEL);
-      int64_t i = 0;
-      if (MB_MAX >= 4)
-        for (; i + 4 <= M; i += 4) rows(std::integral_constant<int, MB_MAX>(), n0, n1, i);
-      for (; i + 2 <= M; i += 2) rows(std::integral_constant<int, 2>(), n0, n1, i);
-      if (i < M) rows(std::integral_constant<int, 1>(), n0, n1, i);
+      }
     }
+    for (int v = 0; v < NV; ++v) {
+      const VF sv = fload(o.s + ((g0 + v / HALVES) * o.nb + b) * GW + (v % HALVES) * LANES);
+      for (int r = 0; r < MR; ++r) {
+        const int64_t xb = (i0 + r) * o.nb + b;
+#if INFERD_ISA_LEVEL >= 3
+        const VI isum = vsub32(sum[r][v], vset1(128 * o.xi[xb]));
+#else
+        const VI isum = sum[r][v];
+#endif
+        acc[r][v] = ffma(fcvt(isum), fmul(sv, fset1(o.dx[xb])), acc[r][v]);
+      }
+    }
+  }
+  for (int v = 0; v < NV; ++v) {
+    const int64_t n = (g0 + v / HALVES) * GW + (v % HALVES) * LANES;
+    for (int r = 0; r < MR; ++r) fstore(o.y + (i0 + r) * o.N + n, acc[r][v], o.N - n);
+  }
+}
+#else
+// generic: one row, one group; std::fma so the floats are the vector variants' own
+template <int MR, int NG>
+static void tile4(const Operands& o, int64_t i0, int64_t g0) {
+  static_assert(MR == 1 && NG == 1, "generic tiles are 1 x 1");
+  float acc[GW] = {};
+  for (int64_t b = 0; b < o.nb; ++b) {
+    const uint8_t* wb = o.w + (g0 * o.nb + b) * 256;
+    const int8_t* xr = o.xq + i0 * o.K + b * 32;
+    const int64_t xb = i0 * o.nb + b;
+    for (int l = 0; l < GW; ++l) {
+      int32_t sum = 0;
+      for (int c = 0; c < 4; ++c)
+        for (int p = 0; p < 4; ++p) {
+          const uint8_t byte = wb[64 * c + 4 * l + p];
+          sum += (byte & 15) * xr[4 * c + p] + (byte >> 4) * xr[16 + 4 * c + p];
+        }
+      const int64_t at = (g0 * o.nb + b) * GW + l;
+      acc[l] = std::fma(static_cast<float>(sum), o.s[at] * o.dx[xb], acc[l]);
+      acc[l] = std::fma(o.m[at], o.xs[xb], acc[l]);
+    }
+  }
+  for (int64_t l = 0; l < GW && g0 * GW + l < o.N; ++l) o.y[i0 * o.N + g0 * GW + l] = acc[l];
+}
+
+template <int MR, int NG>
+static void tile8(const Operands& o, int64_t i0, int64_t g0) {
+  static_assert(MR == 1 && NG == 1, "generic tiles are 1 x 1");
+  float acc[GW] = {};
+  for (int64_t b = 0; b < o.nb; ++b) {
+    const int8_t* wb = reinterpret_cast<const int8_t*>(o.w) + (g0 * o.nb + b) * 512;
+    const int8_t* xr = o.xq + i0 * o.K + b * 32;
+    for (int l = 0; l < GW; ++l) {
+      int32_t sum = 0;
+      for (int c = 0; c < 8; ++c)
+        for (int p = 0; p < 4; ++p) sum += wb[64 * c + 4 * l + p] * xr[4 * c + p];
+      acc[l] = std::fma(static_cast<float>(sum), o.s[(g0 * o.nb + b) * GW + l] * o.dx[i0 * o.nb + b], acc[l]);
+    }
+  }
+  for (int64_t l = 0; l < GW && g0 * GW + l < o.N; ++l) o.y[i0 * o.N + g0 * GW + l] = acc[l];
+}
+#endif
+
+// Groups g..g1 for rows i0..i0+MR: tiles of NG groups while they fit, then narrower ones.
+template <bool W8, int MR, int NG>
+static void across(const Operands& o, int64_t i0, int64_t g, int64_t g1) {
+  for (; g + NG <= g1; g += NG) {
+    if constexpr (W8) tile8<MR, NG>(o, i0, g);
+    else tile4<MR, NG>(o, i0, g);
+  }
+  if constexpr (NG > 1) across<W8, MR, NG / 2>(o, i0, g, g1);
+}
+
+// Rows i..M over groups g0..g1: tiles of MR rows (and TILE / MR groups) while they fit, then fewer rows.
+template <bool W8, int MR>
+static void down(const Operands& o, int64_t M, int64_t i, int64_t g0, int64_t g1) {
+  for (; i + MR <= M; i += MR) across<W8, MR, TILE / MR>(o, i, g0, g1);
+  if constexpr (MR > 1) down<W8, MR / 2>(o, M, i, g0, g1);
+}
+
+// Groups per panel: a panel's weights (8 x 16 columns x K bytes or half that) stay in L2 while every
+// row tile passes over them, so a step reads each weight from DRAM once whatever M is.
+static constexpr int64_t PANEL = 8;
+
+template <bool W8>
+static void gemm(const Operands& o, int64_t M) {
+  const int64_t G = (o.N + GW - 1) / GW;
+  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t p = g0; p < g1; p += PANEL) down<W8, TILE>(o, M, 0, p, std::min(g1, p + PANEL));
   });
 }
 
-static void w4a8_gemm(const uint8_t* q, const float* s, const float* m, const int8_t* xq, const float* dx,
-                      const float* xs, int64_t M, int64_t K, int64_t N, float* y) {
-  const int64_t nb = K / 32;
-  over_panels(M, N, [&](auto mb, int64_t n0, int64_t n1, int64_t i) {
-    rows4<decltype(mb)::value>(q, s, m, nb, xq, dx, xs, K, N, y, n0, n1, i);
-  });
+static void w4a8_gemm(const uint8_t* w, const float* s, const float* m, const int8_t* xq, const float* dx,
+                      const float* xs, const int32_t* xi, int64_t M, int64_t K, int64_t N, float* y) {
+  gemm<false>(Operands{w, s, m, xq, dx, xs, xi, K, K / 32, N, y}, M);
 }
 
-// int8 weights (one scale per output row) times the int8 activations: the lm_head of the gguf path
-// and the int8 methods. u8 x s8 instructions want one side unsigned: |w| times x with w's sign.
-template <int R, int MB>
-static void tile8(const int8_t* w, const float* ws, int64_t K, const int8_t* xq, const float* dx, float* y,
-                  int64_t N, int64_t n, int64_t i0) {
-  const int64_t nb = K / 32;
-#if INFERD_ISA_LEVEL >= 1
-  prefetch(w + (n + PF_TILES * R) * K, R * K);
-  float tot[R][MB];
-  int64_t b = 0;
-#if INFERD_ISA_LEVEL >= 2
-  __m512 acc[R][MB];
-  fill(acc, _mm512_setzero_ps());
-  for (; b + 2 <= nb; b += 2) {
-    __m512i a[MB];
-    __m512 d[MB];
-    for (int i = 0; i < MB; ++i) {
-      a[i] = _mm512_loadu_si512(xq + (i0 + i) * K + b * 32);
-      d[i] = pair(dx[(i0 + i) * nb + b], dx[(i0 + i) * nb + b + 1]);
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m512i v = _mm512_loadu_si512(w + (n + r) * K + b * 32);
-      const __mmask64 neg = _mm512_movepi8_mask(v);
-      const __m512i av = _mm512_abs_epi8(v);
-      for (int i = 0; i < MB; ++i) {
-        // AVX-512 has no vpsignb: negate x where w < 0 under w's sign mask (|x| <= 127, no overflow)
-        const __m512i sa = _mm512_mask_sub_epi8(a[i], neg, _mm512_setzero_si512(), a[i]);
-        acc[r][i] = _mm512_fmadd_ps(d[i], _mm512_cvtepi32_ps(dot512(av, sa)), acc[r][i]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < MB; ++i) tot[r][i] = _mm512_reduce_add_ps(acc[r][i]);
-#else
-  fill(tot, 0.f);
-#endif
-  // AVX2: every block; AVX-512: the odd one left over
-  __m256 acc8[R][MB];
-  fill(acc8, _mm256_setzero_ps());
-  for (; b < nb; ++b) {
-    for (int r = 0; r < R; ++r) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (n + r) * K + b * 32));
-      const __m256i av = _mm256_sign_epi8(v, v);
-      for (int i = 0; i < MB; ++i) {
-        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (i0 + i) * K + b * 32));
-        acc8[r][i] = _mm256_fmadd_ps(_mm256_set1_ps(dx[(i0 + i) * nb + b]),
-                                     _mm256_cvtepi32_ps(dot256(av, _mm256_sign_epi8(a, v))), acc8[r][i]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < MB; ++i) y[(i0 + i) * N + n + r] = (tot[r][i] + hsum256(acc8[r][i])) * ws[n + r];
-#else
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < MB; ++i) {
-      float tot = 0.f;
-      for (int64_t b = 0; b < nb; ++b) {
-        int32_t dot = 0;
-        for (int j = 0; j < 32; ++j) dot += w[(n + r) * K + b * 32 + j] * xq[(i0 + i) * K + b * 32 + j];
-        tot += dx[(i0 + i) * nb + b] * static_cast<float>(dot);
-      }
-      y[(i0 + i) * N + n + r] = tot * ws[n + r];
-    }
-#endif
-}
-
-static void w8a8_gemm(const int8_t* w, const float* ws, const int8_t* xq, const float* dx, int64_t M, int64_t K,
-                      int64_t N, float* y) {
-  over_panels(M, N, [&](auto mb, int64_t n0, int64_t n1, int64_t i) {
-    constexpr int MB = decltype(mb)::value;
-    int64_t n = n0;
-    for (; n + 4 <= n1; n += 4) tile8<4, MB>(w, ws, K, xq, dx, y, N, n, i);
-    for (; n < n1; ++n) tile8<1, MB>(w, ws, K, xq, dx, y, N, n, i);
-  });
+static void w8a8_gemm(const int8_t* w, const float* s, const int8_t* xq, const float* dx, const float* xs,
+                      const int32_t* xi, int64_t M, int64_t K, int64_t N, float* y) {
+  gemm<true>(Operands{reinterpret_cast<const uint8_t*>(w), s, nullptr, xq, dx, xs, xi, K, K / 32, N, y}, M);
 }

@@ -30,11 +30,6 @@ CFLAGS = ["-O3", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 ISAS = ("generic", "avx2", "avx512", "avx512_vnni")
 BLOCK = 32  # the int8 activation block of the W4A8/W8A8 kernels
-# Rows above which W4A8/W8A8 round x and run one fp32 GEMM on a dequantized copy of the layer
-# instead. The panel-blocked kernels (csrc/cpu/w4a8_impl.h) beat that route 1.25-1.3x at 32 rows and
-# lose to it from ~100 (0.73-0.85x at 128-512 on the model's layers; benchmarks/w4a8_gemm.py): the
-# measured crossover. Up to here a row's bits do not depend on its batch (tests/test_native.py).
-MAX_KERNEL_ROWS = 64
 
 _state: dict = {}
 

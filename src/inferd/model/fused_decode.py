@@ -51,7 +51,7 @@ def build(model) -> FusedDecode | None:
     if not len(model.layers):
         return None
     none = torch.empty(0)
-    flat = []
+    flat, outs = [], []
     for layer in model.layers:
         flat += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
         for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
@@ -63,11 +63,12 @@ def build(model) -> FusedDecode | None:
             q, s, m = weights()
             flat += [q, s, none if m is None else m]
             flat.append(none if lin.bias is None else lin.bias)
+            outs.append(lin.out_features)
     flat.append(model.norm.weight.detach())
     mod = native.load()
     if mod is None:
         return None
     cfg = model.cfg
-    stack = mod.DecodeStack(flat, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
-                            cfg.head_dim, float(cfg.rms_norm_eps), native.MAX_KERNEL_ROWS)
+    stack = mod.DecodeStack(flat, outs, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
+                            cfg.head_dim, float(cfg.rms_norm_eps))
     return FusedDecode(model, stack)

@@ -118,7 +118,7 @@ def gptq_codes(calib_model, calib: list[list[int]], method: str, group_size: int
             q, s = gptq_int8(w, h)
             codes[(i, n)] = (q, s)
             deq = q.float() * s[:, None]
-            q0, s0 = quantize_int8(w)
+            q0, s0 = quantize_int8(w, block=None)  # round-to-nearest in GPTQ's own format: per row
             rtn = q0.float() * s0[:, None]
         else:
             codes[(i, n)] = gptq_int4(w, h, group_size)

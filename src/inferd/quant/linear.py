@@ -16,12 +16,33 @@ from inferd.errors import InferdError
 
 # -- pure functions ---------------------------------------------------------------------------
 
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] float -> int8 [N, K] and per-row scales [N] (fp32), w ~= q * scale."""
+INT8_BLOCK = 32  # GGUF Q8_0's block: one scale per 32 consecutive weights of a row
+
+
+def quantize_int8(w: torch.Tensor, block: int | None = INT8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> int8 [N, K] and scales, w ~= q * scale, symmetric round-to-nearest: one scale
+    per 32-block [N, K / 32] (Q8_0's form; of a Q8_0 tensor's dequantized weights it gives back the
+    file's own codes and scales exactly), or with block=None one per row [N] (PyTorch's int8 kernel)."""
     w = w.float()
-    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
-    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-    return q, scale
+    N, K = w.shape
+    if block is None:
+        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+        return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+    if K % block:
+        raise InferdError(f"int8 blocks of {block} do not divide the layer's input size {K}")
+    g = w.reshape(N, K // block, block)
+    # fp16-representable scales, as Q8_0 stores them: a layer holds them in 2 bytes with no loss
+    scale = (g.abs().amax(dim=-1) / 127).clamp(min=2**-24).half().float()
+    q = torch.round(g / scale[..., None]).clamp(-127, 127).to(torch.int8)
+    return q.reshape(N, K), scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """q [N, K] int8 times a per-row [N] or per-block [N, K / b] scale."""
+    if scale.dim() == 1:
+        return q.float() * scale.float()[:, None]
+    N, K = q.shape
+    return (q.float().reshape(N, scale.shape[1], -1) * scale.float()[..., None]).reshape(N, K)
 
 
 def int4_grid(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -74,31 +95,55 @@ def unpack_nibbles(nib: torch.Tensor) -> torch.Tensor:
 # -- modules ----------------------------------------------------------------------------------
 
 class Int8Linear(nn.Module):
+    """int8 weights w = q * scale, the scale per 32-block [N, K / 32] (`int8`: Q8_0's form, run by
+    inferd's own kernel, `torch.ops.inferd.w8_linear`) or per row [N] (`int8-gptq`: PyTorch's
+    `_weight_int8pack_mm`)."""
+
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
                  dense: bool = False):
         super().__init__()
         self.out_features, self.in_features = q.shape
         self.dense = dense
+        self.blocked = scale.dim() == 2
         if dense:
-            self.register_buffer("weight", (q.float() * scale.float()[:, None]).to(dtype))
+            self.register_buffer("weight", dequantize_int8(q, scale).to(dtype))
         else:
             self.register_buffer("weight_int8", q.contiguous())
-            self.register_buffer("scales", scale.to(dtype))  # the kernel wants them in x's dtype
-            # the codes' own fp32 scales (N floats): W8A8 and eval must not see the bf16 rounding
-            self.register_buffer("scale_fp32", scale.float().contiguous())
+            if self.blocked:
+                # fp16 like Q8_0's (2 bytes per 32 weights: 1.06 bytes a weight in all); exact for
+                # the scales quantize_int8 makes
+                half = scale.half()
+                if not torch.equal(half.float(), scale.float()):
+                    raise InferdError("int8 block scales must be float16 values (Q8_0's form)")
+                self.register_buffer("scales", half.contiguous())
+                self.scale_fp32 = None
+            else:
+                # PyTorch's per-row kernel wants the scales in x's dtype; W8A8 and eval the codes'
+                # own fp32 ones, not the bf16 rounding
+                self.register_buffer("scales", scale.to(dtype))
+                self.register_buffer("scale_fp32", scale.float().contiguous())
+            if self.blocked:
+                from inferd.kernels.native import ops
+
+                self.kernel = ops()
+                if self.kernel is None:
+                    raise InferdError("int8 (per-32-block scales) needs inferd's C++ kernel, which did not build "
+                                      "(no compiler, or INFERD_NO_NATIVE)")
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
         self.dtype = dtype
 
     def codes(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q int8 [N, K], scale fp32 [N]) with w = q * scale."""
+        """(q int8 [N, K], scale fp32 [N] or [N, K / 32]) with w = q * scale."""
         if self.dense:
             raise InferdError("a dense int8 layer keeps only its dequantized weights, not its codes")
-        return self.weight_int8, self.scale_fp32
+        return self.weight_int8, self.scales.float() if self.blocked else self.scale_fp32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         if self.dense:
             y = x.reshape(-1, shape[-1]).to(self.dtype) @ self.weight.t()
+        elif self.blocked:
+            y = self.kernel.w8_linear(x.reshape(-1, shape[-1]), self.weight_int8, self.scales)
         else:
             y = torch._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(self.dtype), self.weight_int8, self.scales)
         if self.bias is not None:

@@ -1,4 +1,4 @@
-"""Round-to-nearest int8 (symmetric, per output row) and int4 (asymmetric, per group): the weights
+"""Round-to-nearest int8 (symmetric, one scale per 32-block: Q8_0's form) and int4 (asymmetric, per group): the weights
 alone decide the codes, so the rewrite needs nothing but the model."""
 from __future__ import annotations
 
@@ -48,9 +48,10 @@ def quantize(model: nn.Module, method: str, group_size: int = 32, include_lm_hea
 
 
 def quantize_lm_head_int8(model: nn.Module, dense: bool = False) -> nn.Module:
-    """The output layer to per-row int8 (for `gguf`, whose tied Q8_0 embedding has no int4 form:
-    one re-rounding of its 32-wide block scales into one scale per row). The embedding keeps its
-    float copy: a lookup reads one row per token, so packing it would save memory but no time."""
+    """The output layer to int8 per 32-block (for `gguf`, whose tied Q8_0 embedding has no int4 form:
+    of the dequantized Q8_0 weights this gives back the file's own codes and block scales exactly).
+    The embedding keeps its float copy: a lookup reads one row per token, so packing it would save
+    memory but no time."""
     lin = model.lm_head
     q, s = quantize_int8(lin.weight.detach())
     model.lm_head = Int8Linear(q, s, lin.bias, model.dtype, dense)

@@ -16,14 +16,15 @@ with w = q s + m (q in 0..15) and x ~= dx * xq:
 
     y[n] = sum_b  s[n,b] dx[b] * sum_k q_k xq_k  +  m[n,b] * dx[b] * sum_k xq_k
 
-Every forward rounds x the same way. Up to MAX_KERNEL_ROWS rows (decode batches, short chunks) the
-kernel reads each weight once per panel of output rows for all the step's rows, and a row's result
-is bit-identical whatever batch it is in (tests/test_native.py); longer prefill chunks dequantize the
-layer for one fp32 GEMM (faster there today): the same function up to summation order.
+Every forward rounds x the same way, and every number of rows goes through the same integer GEMM
+(csrc/cpu/w4a8_impl.h): a decode step's one row, a batch of 64, a 512-token prefill chunk. The
+weights are repacked once, here, into groups of 16 output columns that fill a vector's lanes
+(`pack4`, `pack8`); no step ever makes a dequantized copy of a layer, and a row's result is
+bit-identical whatever batch it is in and on every ISA variant (tests/test_native.py).
 
-The kernel reads the codes in inferd's own nibble layout (`inferd.quant.pack_nibbles`), taken from
-the method's codes (`Int4Linear.codes()`), never from PyTorch's packed int4 bytes, whose layout
-depends on the CPU (its AVX2 and AVX-512 builds differ).
+The kernel reads codes in that layout of ours, taken from the method's codes (`Int4Linear.codes()`),
+never from PyTorch's packed int4 bytes, whose layout depends on the CPU (its AVX2 and AVX-512 builds
+differ).
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from torch import nn
 
 from inferd.errors import InferdError
 
-from inferd.kernels.native import BLOCK, MAX_KERNEL_ROWS
+from inferd.kernels.native import BLOCK
 from inferd.kernels.native import ops as load  # torch.ops.inferd, or None without native code
 
 # -- pure functions ---------------------------------------------------------------------------
@@ -47,24 +48,79 @@ def fake_quant_activations(x: torch.Tensor) -> torch.Tensor:
     return (q * d).reshape(shape)
 
 
-def pack(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, group_size: int):
-    """int4 codes (q in 0..15 [N, K], w = q scale + min per group) -> the kernel's nibbles [N, K/2]
-    uint8 (inferd's layout, `pack_nibbles`) and fp32 s, m [N, K/32] with w = q s + m per 32-block."""
-    from inferd.quant.linear import pack_nibbles
+GROUP = 16  # output columns per packed group: one vector's lanes (csrc/cpu/w4a8_impl.h)
 
+
+def _groups(t: torch.Tensor) -> torch.Tensor:
+    """[N, ...] -> [G, 16, ...]: output rows padded with zeros to whole groups."""
+    N = t.shape[0]
+    pad = -N % GROUP
+    if pad:
+        t = torch.cat([t, t.new_zeros((pad,) + tuple(t.shape[1:]))])
+    return t.reshape(-1, GROUP, *t.shape[1:])
+
+
+def pack_scales(s: torch.Tensor) -> torch.Tensor:
+    """Per (output row, 32-block) fp32 [N, nb] -> [G, nb * 16]: a block's 16 columns side by side."""
+    g = _groups(s.float())
+    return g.transpose(1, 2).reshape(g.shape[0], -1).contiguous()
+
+
+def unpack_scales(p: torch.Tensor, N: int) -> torch.Tensor:
+    G = p.shape[0]
+    return p.reshape(G, -1, GROUP).transpose(1, 2).reshape(G * GROUP, -1)[:N].contiguous()
+
+
+def pack4(q: torch.Tensor) -> torch.Tensor:
+    """int4 codes [N, K] (0..15) -> uint8 [G, K / 32 * 256]: per group and 32-block, chunk c's byte
+    4l + p holds q[l, 4c + p] in its low nibble and q[l, 16 + 4c + p] in its high one."""
     N, K = q.shape
-    if group_size % BLOCK or K % group_size:
-        raise InferdError(f"W4A8 needs int4 groups that are multiples of {BLOCK} (got {group_size})")
-    rep = group_size // BLOCK
-    s = scale.float().repeat_interleave(rep, dim=1)
-    m = mn.float().repeat_interleave(rep, dim=1)
-    return pack_nibbles(q), s.contiguous(), m.contiguous()
+    if K % BLOCK:
+        raise InferdError(f"int4 layers need an input size that is a multiple of {BLOCK} (got {K})")
+    if q.numel() and (int(q.min()) < 0 or int(q.max()) > 15):
+        raise InferdError("4-bit codes must lie in 0..15")
+    g = _groups(q.to(torch.uint8)).reshape(-1, GROUP, K // BLOCK, 2, 4, 4)  # G, l, b, half, c, p
+    g = g.permute(0, 2, 4, 1, 5, 3)  # G, b, c, l, p, half
+    return (g[..., 0] | (g[..., 1] << 4)).reshape(g.shape[0], -1).contiguous()
+
+
+def unpack4(p: torch.Tensor, N: int) -> torch.Tensor:
+    """The inverse of pack4: int32 [N, K]."""
+    G = p.shape[0]
+    g = p.reshape(G, -1, 4, GROUP, 4)  # G, b, c, l, p
+    g = torch.stack([g & 15, g >> 4], dim=-1)  # ..., half
+    return g.permute(0, 3, 1, 5, 2, 4).reshape(G * GROUP, -1)[:N].to(torch.int32)
+
+
+def pack8(q: torch.Tensor) -> torch.Tensor:
+    """int8 codes [N, K] -> int8 [G, K / 32 * 512]: per group and 32-block, chunk c's byte 4l + p is q[l, 4c + p]."""
+    N, K = q.shape
+    if K % BLOCK:
+        raise InferdError(f"int8 layers in W8A8 need an input size that is a multiple of {BLOCK} (got {K})")
+    g = _groups(q.to(torch.int8)).reshape(-1, GROUP, K // BLOCK, 8, 4)  # G, l, b, c, p
+    return g.permute(0, 2, 3, 1, 4).reshape(g.shape[0], -1).contiguous()
+
+
+def unpack8(p: torch.Tensor, N: int) -> torch.Tensor:
+    G = p.shape[0]
+    return p.reshape(G, -1, 8, GROUP, 4).permute(0, 3, 1, 2, 4).reshape(G * GROUP, -1)[:N].contiguous()
+
+
+def block_scales(scale: torch.Tensor, K: int) -> torch.Tensor:
+    """A per-row [N] or per-group [N, K / g] scale as one per 32-block [N, K / 32] (fp32)."""
+    s = scale.float()
+    if s.dim() == 1:
+        s = s[:, None]
+    if (K // BLOCK) % s.shape[1]:
+        raise InferdError(f"W4A8/W8A8 need groups that are multiples of {BLOCK} (got {K // s.shape[1]})")
+    return s.repeat_interleave((K // BLOCK) // s.shape[1], dim=1)
 
 
 # -- the module and the rewrite ---------------------------------------------------------------
 
 class W4A8Linear(nn.Module):
-    """int4 weights (32-blocks, fp32 s and m); x rounded to int8 per 32-block inside the kernel."""
+    """int4 weights (32-blocks, fp32 s and m, packed by `pack4`); x rounded to int8 per 32-block
+    inside the kernel."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, group_size: int,
                  bias: torch.Tensor | None, dtype: torch.dtype):
@@ -73,16 +129,20 @@ class W4A8Linear(nn.Module):
         self.kernel = load()
         if self.kernel is None:
             raise InferdError("W4A8 needs its C++ kernel, which did not build (no compiler?)")
-        for name, t in zip(("qweight", "qscale", "qmin"), pack(q, scale, mn, group_size)):
-            self.register_buffer(name, t)
+        if group_size % BLOCK or self.in_features % group_size:
+            raise InferdError(f"W4A8 needs int4 groups that are multiples of {BLOCK} (got {group_size})")
+        self.register_buffer("qweight", pack4(q))
+        self.register_buffer("qscale", pack_scales(block_scales(scale, self.in_features)))
+        self.register_buffer("qmin", pack_scales(block_scales(mn, self.in_features)))
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
         self.dtype = dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and self.bias is None:  # the model's own calls: skip the reshapes (~120 calls a token)
-            return self.kernel.w4a8_linear(x, self.qweight, self.qscale, self.qmin, MAX_KERNEL_ROWS)
+            return self.kernel.w4a8_linear(x, self.qweight, self.qscale, self.qmin, self.out_features)
         shape = x.shape
-        y = self.kernel.w4a8_linear(x.reshape(-1, shape[-1]), self.qweight, self.qscale, self.qmin, MAX_KERNEL_ROWS)
+        y = self.kernel.w4a8_linear(x.reshape(-1, shape[-1]), self.qweight, self.qscale, self.qmin,
+                                    self.out_features)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*shape[:-1], self.out_features)
@@ -93,16 +153,17 @@ class W4A8Linear(nn.Module):
 
     def codes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q int32 [N, K], scale, min fp32 [N, K / 32]): what the kernel multiplies by."""
-        from inferd.quant.linear import unpack_nibbles
-
-        return unpack_nibbles(self.qweight), self.qscale, self.qmin
+        N = self.out_features
+        return unpack4(self.qweight, N), unpack_scales(self.qscale, N), unpack_scales(self.qmin, N)
 
     def dequantized(self) -> torch.Tensor:
-        return self.kernel.w4a8_dequantize(self.qweight, self.qscale, self.qmin)
+        q, s, m = self.codes()
+        return (q.float().reshape(q.shape[0], -1, BLOCK) * s[..., None] + m[..., None]).reshape(q.shape)
 
 
 class W8A8Linear(nn.Module):
-    """int8 weights with one scale per output row (an Int8Linear's); x rounded like W4A8Linear's."""
+    """int8 weights with one scale per output row [N] or per (row, 32-block) [N, K / 32] (Q8_0's
+    form), packed by `pack8`; x rounded like W4A8Linear's."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__()
@@ -110,17 +171,26 @@ class W8A8Linear(nn.Module):
         self.kernel = load()
         if self.kernel is None:
             raise InferdError("W8A8 needs the W4A8 C++ kernel, which did not build (no compiler?)")
-        self.register_buffer("qweight", q.contiguous())
-        self.register_buffer("qscale", scale.float().contiguous())
+        self.register_buffer("qweight", pack8(q))
+        self.register_buffer("qscale", pack_scales(block_scales(scale, self.in_features)))
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
 
     def kernel_weights(self):
         """The tensors the fused decode step passes to the kernel (no minimum: symmetric int8)."""
         return self.qweight, self.qscale, None
 
+    def codes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q int8 [N, K], scale fp32 [N, K / 32])."""
+        N = self.out_features
+        return unpack8(self.qweight, N), unpack_scales(self.qscale, N)
+
+    def dequantized(self) -> torch.Tensor:
+        q, s = self.codes()
+        return (q.float().reshape(q.shape[0], -1, BLOCK) * s[..., None]).reshape(q.shape)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = self.kernel.w8a8_linear(x.reshape(-1, shape[-1]), self.qweight, self.qscale, MAX_KERNEL_ROWS)
+        y = self.kernel.w8a8_linear(x.reshape(-1, shape[-1]), self.qweight, self.qscale, self.out_features)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*shape[:-1], self.out_features)
