@@ -77,25 +77,29 @@ def test_int8_activation_kernels_in_each_variant(variant, K, N, rows):
     lin8 = w4a8.W8A8Linear(q8, s8, None, torch.float32)
     want8 = xr @ (q8.float().reshape(N, -1, 32) * s8[..., None]).reshape(N, K).t()
     torch.testing.assert_close(lin8(x), want8, atol=1e-4, rtol=1e-5)
-    qc, sc = quantize_int8(torch.randn(N, K))  # one scale per row: the same kernel, the scale repeated
+    qc, sc = quantize_int8(torch.randn(N, K), block=None)  # one scale per row: the same kernel, repeated
     lin_c = w4a8.W8A8Linear(qc, sc, None, torch.float32)
     torch.testing.assert_close(lin_c(x), xr @ (qc.float() * sc[:, None]).t(), atol=1e-4, rtol=1e-5)
 
 
 def test_the_packed_layouts_round_trip():
     g = torch.Generator().manual_seed(3)
-    for N, K in ((1, 32), (17, 64), (48, 96)):
+    for N, K in ((1, 32), (17, 64), (48, 96), (70, 160)):
         q = torch.randint(0, 16, (N, K), generator=g, dtype=torch.int32)
-        assert torch.equal(w4a8.unpack4(w4a8.pack4(q), N), q)
+        s, m = torch.rand(N, K // 32, generator=g), torch.randn(N, K // 32, generator=g)
+        got = w4a8.unpack4(w4a8.pack4(q, s, m), N, K)
+        assert all(torch.equal(a, b) for a, b in zip(got, (q, s, m)))
         q8 = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
-        assert torch.equal(w4a8.unpack8(w4a8.pack8(q8), N), q8)
-        s = torch.rand(N, K // 32, generator=g)
-        assert torch.equal(w4a8.unpack_scales(w4a8.pack_scales(s), N), s)
-    # the layout itself, for one 32-block of one group: chunk c, lane l, byte p
-    q = torch.arange(16 * 32).reshape(16, 32) % 16
-    p = w4a8.pack4(q).reshape(4, 16, 4)
+        got8 = w4a8.unpack8(w4a8.pack8(q8, s), N, K)
+        assert torch.equal(got8[0], q8) and torch.equal(got8[1], s)
+    # the layout itself, for one 32-block of the first group: chunk c, lane l, byte p; then the scales
+    q = torch.arange(32 * 32).reshape(32, 32) % 16
+    s = torch.arange(32.0)[:, None]
+    rec = w4a8.pack4(q, s, -s).reshape(768)
     for c, l, j in ((0, 0, 0), (2, 5, 3), (3, 15, 1)):
-        assert int(p[c, l, j]) == int(q[l, 4 * c + j]) | int(q[l, 16 + 4 * c + j]) << 4
+        assert int(rec[64 * c + 4 * l + j]) == int(q[l, 4 * c + j]) | int(q[l, 16 + 4 * c + j]) << 4
+    assert torch.equal(rec[512:640].view(torch.float32), torch.arange(32.0))  # both groups' scales
+    assert torch.equal(rec[640:].view(torch.float32), -torch.arange(32.0))  # then their mins
 
 
 def test_every_variant_computes_the_same_floats():

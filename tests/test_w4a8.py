@@ -85,10 +85,10 @@ def test_rewrite_covers_every_int4_layer():
 
 def test_engine_on_w4a8_model_gives_reference_greedy_tokens():
     """Lossless machinery on top of a lossy model: a batch of 24 mixed requests, chunked prefill and
-    paging, against the reference loop on the same W4A8 weights. Decode rows go through the kernel,
-    long prefill chunks through the dequantized GEMM: the same function up to summation order, except
-    that a last-bit difference can flip one activation's int8 rounding. So the near-tie rule is 1e-2
-    here, not 1e-4."""
+    paging, against the reference loop on the same W4A8 weights. Every row of every step goes through
+    the same integer GEMM (batch-invariant), but paged and contiguous attention sum in different
+    orders, and a last-bit difference there can flip one activation's int8 rounding. So the near-tie
+    rule is 1e-2 here, not 1e-4."""
     from helpers import make_requests, run_engine
 
     from inferd.engine.reference import reference_generate
@@ -152,3 +152,26 @@ def test_eval_rejects_a8_without_quantized_weights():
     r = subprocess.run([sys.executable, "-m", "inferd", "eval", "--quantization", "none+a8", "--windows", "1"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "quantized weights" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_512_token_prefill_runs_the_integer_gemm_and_copies_no_weights(default_gguf_path):
+    """The quantized model's prefill: one 512-token chunk goes through the integer GEMM in one call
+    per linear (every row of it), and no step makes a dequantized copy of any layer."""
+    from inferd.engine.engine import LLMEngine
+    from inferd.engine.request import SamplingParams
+    from inferd.loader import load_model
+
+    lm = load_model(default_gguf_path, quantization="gguf", quantize_lm_head=True, quantize_activations=True,
+                    with_tokenizer=False)
+    L = lm.model.cfg.num_hidden_layers
+    eng = LLMEngine(loaded=lm, kv_cache_memory="64MiB", max_num_batched_tokens=512, enable_prefix_caching=False)
+    prompt = torch.randint(100, 40000, (512,), generator=torch.Generator().manual_seed(0)).tolist()
+    calls, rows = torch.ops.inferd.gemm_counters()
+    copies = w4a8.dequantized_copies
+    eng.add_request(prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+    after_calls, after_rows = torch.ops.inferd.gemm_counters()
+    assert after_calls - calls == 4 * L + 1  # four linears a layer, one chunk, and the lm_head
+    assert after_rows - rows == 4 * L * 512 + 1  # every prompt row; the lm_head only the last position
+    assert w4a8.dequantized_copies == copies

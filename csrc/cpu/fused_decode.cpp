@@ -19,25 +19,25 @@ static c10::TypedOperatorHandle<Sig> op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
 }
 
-struct Lin { Tensor q, s, m, bias; int64_t n; };  // m undefined: int8 weights (W8A8); n output features
+struct Lin { Tensor w, bias; int64_t n; bool w8; };  // packed records (W4A8 or W8A8), n output features
 
 class DecodeStack {
  public:
-  // flat: per layer input_norm, post_norm, then (q, s, m, bias) for qkv, o, gate_up, down, with empty
-  // tensors for an absent m or bias; last the final norm's weight. outs: the four linears' output
-  // features per layer.
-  DecodeStack(std::vector<Tensor> flat, std::vector<int64_t> outs, int64_t layers, int64_t heads, int64_t kv_heads,
-              int64_t head_dim, double eps)
+  // flat: per layer input_norm, post_norm, then (packed weights, bias) for qkv, o, gate_up, down, with
+  // an empty tensor for an absent bias; last the final norm's weight. outs: the four linears' output
+  // features per layer; w8: which of them are W8A8 (the rest W4A8).
+  DecodeStack(std::vector<Tensor> flat, std::vector<int64_t> outs, std::vector<bool> w8, int64_t layers,
+              int64_t heads, int64_t kv_heads, int64_t head_dim, double eps)
       : L_(layers), nq_(heads), nk_(kv_heads), D_(head_dim), eps_(eps) {
-    TORCH_CHECK(static_cast<int64_t>(flat.size()) == layers * 18 + 1, "DecodeStack: wrong number of tensors");
-    TORCH_CHECK(static_cast<int64_t>(outs.size()) == layers * 4, "DecodeStack: wrong number of output sizes");
+    TORCH_CHECK(static_cast<int64_t>(flat.size()) == layers * 10 + 1, "DecodeStack: wrong number of tensors");
+    TORCH_CHECK(static_cast<int64_t>(outs.size()) == layers * 4 && w8.size() == outs.size(),
+                "DecodeStack: wrong number of output sizes");
     auto opt = [](const Tensor& t) { return t.numel() ? t : Tensor(); };
     for (int64_t l = 0; l < layers; ++l) {
-      const Tensor* f = flat.data() + l * 18;
+      const Tensor* f = flat.data() + l * 10;
       norms_.push_back(f[0]);
       norms_.push_back(f[1]);
-      for (int i = 0; i < 4; ++i)
-        lins_.push_back({f[2 + 4 * i], f[3 + 4 * i], opt(f[4 + 4 * i]), opt(f[5 + 4 * i]), outs[l * 4 + i]});
+      for (int i = 0; i < 4; ++i) lins_.push_back({f[2 + 2 * i], opt(f[3 + 2 * i]), outs[l * 4 + i], w8[l * 4 + i]});
     }
     norms_.push_back(flat.back());
   }
@@ -68,7 +68,7 @@ class DecodeStack {
 
  private:
   Tensor lin(const Lin& l, const Tensor& x) {
-    Tensor y = l.m.defined() ? w4a8_.call(x, l.q, l.s, l.m, l.n) : w8a8_.call(x, l.q, l.s, l.n);
+    Tensor y = l.w8 ? w8a8_.call(x, l.w, l.n) : w4a8_.call(x, l.w, l.n);
     if (l.bias.defined()) y.add_(l.bias);
     return y;
   }
@@ -87,15 +87,16 @@ class DecodeStack {
       op<void(Tensor, Tensor, Tensor, Tensor, Tensor)>("inferd::write_kv");
   c10::TypedOperatorHandle<Tensor(Tensor, Tensor, Tensor, Tensor, Tensor, int64_t, double, int64_t)> paged_decode_ =
       op<Tensor(Tensor, Tensor, Tensor, Tensor, Tensor, int64_t, double, int64_t)>("inferd::paged_decode");
-  c10::TypedOperatorHandle<Tensor(Tensor, Tensor, Tensor, Tensor, int64_t)> w4a8_ =
-      op<Tensor(Tensor, Tensor, Tensor, Tensor, int64_t)>("inferd::w4a8_linear");
-  c10::TypedOperatorHandle<Tensor(Tensor, Tensor, Tensor, int64_t)> w8a8_ =
-      op<Tensor(Tensor, Tensor, Tensor, int64_t)>("inferd::w8a8_linear");
+  c10::TypedOperatorHandle<Tensor(Tensor, Tensor, int64_t)> w4a8_ =
+      op<Tensor(Tensor, Tensor, int64_t)>("inferd::w4a8_linear");
+  c10::TypedOperatorHandle<Tensor(Tensor, Tensor, int64_t)> w8a8_ =
+      op<Tensor(Tensor, Tensor, int64_t)>("inferd::w8a8_linear");
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the step runs without the GIL: a server's event loop keeps answering while the model computes
   pybind11::class_<DecodeStack>(m, "DecodeStack")
-      .def(pybind11::init<std::vector<Tensor>, std::vector<int64_t>, int64_t, int64_t, int64_t, int64_t, double>())
+      .def(pybind11::init<std::vector<Tensor>, std::vector<int64_t>, std::vector<bool>, int64_t, int64_t, int64_t, int64_t,
+                          double>())
       .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

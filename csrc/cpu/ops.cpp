@@ -152,13 +152,12 @@ Tensor fake_quant(Tensor x) {
   return (xq.to(at::kFloat).view({M, nb, 32}) * dx.unsqueeze(-1)).view(xf.sizes());
 }
 
-// The packed operands' shapes: [G, nb * bytes] codes and [G, nb * 16] fp32 scales, G = ceil(N / 16).
-void check_packed(const Tensor& x, const Tensor& qw, const Tensor& s, int64_t N, int64_t bytes, at::ScalarType t) {
+// The packed records: uint8 [G / 2, nb * bytes], G / 2 = ceil(N / 32) pairs of 16-column groups.
+void check_packed(const Tensor& x, const Tensor& w, int64_t N, int64_t bytes) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 32 == 0, "x must be [M, K] with K a multiple of 32");
-  const int64_t nb = x.size(1) / 32, G = (N + 15) / 16;
-  TORCH_CHECK(qw.scalar_type() == t && qw.is_contiguous() && qw.numel() == G * nb * bytes,
+  const int64_t nb = x.size(1) / 32, pairs = (N + 31) / 32;
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == pairs * nb * bytes,
               "packed weights do not match x and N (repack with inferd.quant.w4a8)");
-  TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.numel() == G * nb * 16);
 }
 
 Tensor finish(const Tensor& x, Tensor y, int64_t M) {
@@ -167,27 +166,24 @@ Tensor finish(const Tensor& x, Tensor y, int64_t M) {
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
-// x [M, K] float32 or bfloat16 times packed int4 codes (inferd.quant.w4a8.pack4) -> [M, N] in x's
-// dtype: one integer GEMM for any M, no dequantized copy of the weights.
-Tensor w4a8_linear(Tensor x, Tensor qw, Tensor s, Tensor m, int64_t N) {
-  check_packed(x, qw, s, N, 256, at::kByte);
-  TORCH_CHECK(m.sizes() == s.sizes() && m.scalar_type() == at::kFloat && m.is_contiguous());
+// x [M, K] float32 or bfloat16 times int4 codes packed with their scales and mins
+// (inferd.quant.w4a8.pack4) -> [M, N] in x's dtype: one integer GEMM for any M, no dequantized copy.
+Tensor w4a8_linear(Tensor x, Tensor w, int64_t N) {
+  check_packed(x, w, N, 768);
   const int64_t M = x.size(0), K = x.size(1);
   const Rounded r = round_input(x, M, K);
   auto y = at::empty({M, N}, at::kFloat);
-  active().w4a8_gemm(qw.data_ptr<uint8_t>(), s.data_ptr<float>(), m.data_ptr<float>(), r.xq, r.dx, r.xs, r.xi, M,
-                     K, N, y.data_ptr<float>());
+  active().w4a8_gemm(w.data_ptr<uint8_t>(), r.xq, r.dx, r.xs, r.xi, M, K, N, y.data_ptr<float>());
   return finish(x, y, M);
 }
 
-// x [M, K] times packed int8 codes (inferd.quant.w4a8.pack8), one scale per (column, 32-block)
-Tensor w8a8_linear(Tensor x, Tensor qw, Tensor s, int64_t N) {
-  check_packed(x, qw, s, N, 512, at::kChar);
+// x [M, K] times int8 codes packed with one scale per (column, 32-block) (inferd.quant.w4a8.pack8)
+Tensor w8a8_linear(Tensor x, Tensor w, int64_t N) {
+  check_packed(x, w, N, 1152);
   const int64_t M = x.size(0), K = x.size(1);
   const Rounded r = round_input(x, M, K);
   auto y = at::empty({M, N}, at::kFloat);
-  active().w8a8_gemm(qw.data_ptr<int8_t>(), s.data_ptr<float>(), r.xq, r.dx, r.xs, r.xi, M, K, N,
-                     y.data_ptr<float>());
+  active().w8a8_gemm(w.data_ptr<uint8_t>(), r.xq, r.dx, r.xs, r.xi, M, K, N, y.data_ptr<float>());
   return finish(x, y, M);
 }
 
@@ -245,8 +241,8 @@ TORCH_LIBRARY(inferd, m) {
   m.def("write_kv(Tensor k_new, Tensor v_new, Tensor slots, Tensor(a!) kc, Tensor(b!) vc) -> ()", &write_kv);
   m.def("paged_decode(Tensor q, Tensor k, Tensor v, Tensor block_tables, Tensor ctx_lens, int block_size, "
         "float scale, int window) -> Tensor", &paged_decode);
-  m.def("w4a8_linear(Tensor x, Tensor qw, Tensor s, Tensor m, int N) -> Tensor", &w4a8_linear);
-  m.def("w8a8_linear(Tensor x, Tensor qw, Tensor s, int N) -> Tensor", &w8a8_linear);
+  m.def("w4a8_linear(Tensor x, Tensor w, int N) -> Tensor", &w4a8_linear);
+  m.def("w8a8_linear(Tensor x, Tensor w, int N) -> Tensor", &w8a8_linear);
   m.def("w8_linear(Tensor x, Tensor q, Tensor s) -> Tensor", &w8_linear);
   m.def("gemm_counters() -> int[]", &op_gemm_counters);
   m.def("fake_quant(Tensor x) -> Tensor", &fake_quant);

@@ -5,12 +5,14 @@
 // output columns, one group a vector's lanes: a multiply-add takes 4 consecutive k of 16 columns
 // against 4 bytes of one activation row broadcast to every lane, and sums into that row's 16
 // outputs. Nothing is reduced across lanes, each 32-block's integer sum is converted and scaled once
-// per (row, 16 columns), and one weight vector serves every row of a tile. The layouts, per group g
-// and 32-block b (GW columns l, bytes p = 0..3 of a lane's 4):
-//   W4  256 bytes, 4 chunks of 64: chunk c byte 4l+p = q[l][4c+p] | q[l][16+4c+p] << 4 (q in 0..15),
-//       fp32 scale s and min m [G, nb, GW]: w = q s + m
-//   W8  512 bytes, 8 chunks of 64: chunk c byte 4l+p = q[l][4c+p] (int8), fp32 scale [G, nb, GW]
-// Padding columns (N up to a multiple of GW) hold zeros and are never stored.
+// per (row, 16 columns), and one weight vector serves every row of a tile.
+// Two groups (32 columns) make a pair; per pair and 32-block one record holds both groups' codes,
+// then their fp32 scales, then (W4) their mins, so a decode step (one row, 8 groups a tile) reads
+// 4 sequential streams, not 24. Per group (GW columns l, bytes p = 0..3 of a lane's 4):
+//   W4  256 bytes of codes, 4 chunks of 64: chunk c byte 4l+p = q[l][4c+p] | q[l][16+4c+p] << 4
+//       (q in 0..15), w = q s + m; record = codes g0, codes g1, s g0, s g1, m g0, m g1 = 768 bytes
+//   W8  512 bytes, 8 chunks of 64: chunk c byte 4l+p = q[l][4c+p] (int8); record = 1152 bytes
+// Padding columns (N up to a multiple of 32) hold zeros and are never stored.
 //
 // Per ISA (INFERD_ISA_LEVEL, set by the variant_*.cpp that includes this file):
 //   0 generic  plain C++, one row and group at a time
@@ -50,9 +52,7 @@ static void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, floa
 
 // What a tile reads: the packed weights and the rounded rows.
 struct Operands {
-  const uint8_t* w;   // packed groups (W4 nibbles or W8 int8 bytes)
-  const float* s;     // [G, nb, GW]
-  const float* m;     // [G, nb, GW] (W4 only)
+  const uint8_t* w;   // packed records [G / 2, nb, record bytes]
   const int8_t* xq;   // [M, K]
   const float* dx;    // [M, nb]
   const float* xs;    // [M, nb]
@@ -60,6 +60,21 @@ struct Operands {
   int64_t K, nb, N;
   float* y;           // [M, N]
 };
+
+// Where group g's block b starts in the records, and where its scales and mins are.
+template <bool W8>
+struct Layout {
+  static constexpr int64_t CODES = W8 ? 512 : 256, RECORD = 2 * CODES + (W8 ? 2 : 4) * GW * 4;
+  static const uint8_t* codes(const Operands& o, int64_t g, int64_t b) {
+    return o.w + ((g >> 1) * o.nb + b) * RECORD + (g & 1) * CODES;
+  }
+  static const float* scale(const Operands& o, int64_t g, int64_t b) {
+    return reinterpret_cast<const float*>(o.w + ((g >> 1) * o.nb + b) * RECORD + 2 * CODES) + (g & 1) * GW;
+  }
+  static const float* min(const Operands& o, int64_t g, int64_t b) { return scale(o, g, b) + 2 * GW; }
+};
+using L4 = Layout<false>;
+using L8 = Layout<true>;
 
 static inline int32_t load4(const int8_t* p) {
   int32_t v;
@@ -158,7 +173,7 @@ static void tile4(const Operands& o, int64_t i0, int64_t g0) {
         xh[r] = vset1(load4(xr + 16));
       }
       for (int v = 0; v < NV; ++v) {
-        const VI raw = vload(o.w + ((g0 + v / HALVES) * o.nb + b) * 256 + 64 * c + (v % HALVES) * 32);
+        const VI raw = vload(L4::codes(o, g0 + v / HALVES, b) + 64 * c + (v % HALVES) * 32);
         const VI lo = vand(raw, low), hi = vand(vsrl4(raw), low);
         for (int r = 0; r < MR; ++r) {
 #if INFERD_ISA_LEVEL >= 3
@@ -170,8 +185,8 @@ static void tile4(const Operands& o, int64_t i0, int64_t g0) {
       }
     }
     for (int v = 0; v < NV; ++v) {
-      const int64_t at = ((g0 + v / HALVES) * o.nb + b) * GW + (v % HALVES) * LANES;
-      const VF sv = fload(o.s + at), mv = fload(o.m + at);
+      const int64_t h = (v % HALVES) * LANES;
+      const VF sv = fload(L4::scale(o, g0 + v / HALVES, b) + h), mv = fload(L4::min(o, g0 + v / HALVES, b) + h);
       for (int r = 0; r < MR; ++r) {
 #if INFERD_ISA_LEVEL >= 3
         const VI isum = sum[r][v];
@@ -205,7 +220,7 @@ static void tile8(const Operands& o, int64_t i0, int64_t g0) {
       VI xb[MR];
       for (int r = 0; r < MR; ++r) xb[r] = vset1(load4(o.xq + (i0 + r) * o.K + b * 32 + 4 * c));
       for (int v = 0; v < NV; ++v) {
-        const VI w = vload(o.w + ((g0 + v / HALVES) * o.nb + b) * 512 + 64 * c + (v % HALVES) * 32);
+        const VI w = vload(L8::codes(o, g0 + v / HALVES, b) + 64 * c + (v % HALVES) * 32);
 #if INFERD_ISA_LEVEL >= 3
         // vpdpbusd wants the unsigned side: w + 128 (w ^ 0x80); the 128 * sum(x) is taken off below
         const VI u = _mm512_xor_si512(w, vbyte(static_cast<int8_t>(0x80)));
@@ -218,7 +233,7 @@ static void tile8(const Operands& o, int64_t i0, int64_t g0) {
       }
     }
     for (int v = 0; v < NV; ++v) {
-      const VF sv = fload(o.s + ((g0 + v / HALVES) * o.nb + b) * GW + (v % HALVES) * LANES);
+      const VF sv = fload(L8::scale(o, g0 + v / HALVES, b) + (v % HALVES) * LANES);
       for (int r = 0; r < MR; ++r) {
         const int64_t xb = (i0 + r) * o.nb + b;
 #if INFERD_ISA_LEVEL >= 3
@@ -242,7 +257,8 @@ static void tile4(const Operands& o, int64_t i0, int64_t g0) {
   static_assert(MR == 1 && NG == 1, "generic tiles are 1 x 1");
   float acc[GW] = {};
   for (int64_t b = 0; b < o.nb; ++b) {
-    const uint8_t* wb = o.w + (g0 * o.nb + b) * 256;
+    const uint8_t* wb = L4::codes(o, g0, b);
+    const float *sb = L4::scale(o, g0, b), *mb = L4::min(o, g0, b);
     const int8_t* xr = o.xq + i0 * o.K + b * 32;
     const int64_t xb = i0 * o.nb + b;
     for (int l = 0; l < GW; ++l) {
@@ -252,9 +268,8 @@ static void tile4(const Operands& o, int64_t i0, int64_t g0) {
           const uint8_t byte = wb[64 * c + 4 * l + p];
           sum += (byte & 15) * xr[4 * c + p] + (byte >> 4) * xr[16 + 4 * c + p];
         }
-      const int64_t at = (g0 * o.nb + b) * GW + l;
-      acc[l] = std::fma(static_cast<float>(sum), o.s[at] * o.dx[xb], acc[l]);
-      acc[l] = std::fma(o.m[at], o.xs[xb], acc[l]);
+      acc[l] = std::fma(static_cast<float>(sum), sb[l] * o.dx[xb], acc[l]);
+      acc[l] = std::fma(mb[l], o.xs[xb], acc[l]);
     }
   }
   for (int64_t l = 0; l < GW && g0 * GW + l < o.N; ++l) o.y[i0 * o.N + g0 * GW + l] = acc[l];
@@ -265,13 +280,14 @@ static void tile8(const Operands& o, int64_t i0, int64_t g0) {
   static_assert(MR == 1 && NG == 1, "generic tiles are 1 x 1");
   float acc[GW] = {};
   for (int64_t b = 0; b < o.nb; ++b) {
-    const int8_t* wb = reinterpret_cast<const int8_t*>(o.w) + (g0 * o.nb + b) * 512;
+    const int8_t* wb = reinterpret_cast<const int8_t*>(L8::codes(o, g0, b));
+    const float* sb = L8::scale(o, g0, b);
     const int8_t* xr = o.xq + i0 * o.K + b * 32;
     for (int l = 0; l < GW; ++l) {
       int32_t sum = 0;
       for (int c = 0; c < 8; ++c)
         for (int p = 0; p < 4; ++p) sum += wb[64 * c + 4 * l + p] * xr[4 * c + p];
-      acc[l] = std::fma(static_cast<float>(sum), o.s[(g0 * o.nb + b) * GW + l] * o.dx[i0 * o.nb + b], acc[l]);
+      acc[l] = std::fma(static_cast<float>(sum), sb[l] * o.dx[i0 * o.nb + b], acc[l]);
     }
   }
   for (int64_t l = 0; l < GW && g0 * GW + l < o.N; ++l) o.y[i0 * o.N + g0 * GW + l] = acc[l];
@@ -307,12 +323,12 @@ static void gemm(const Operands& o, int64_t M) {
   });
 }
 
-static void w4a8_gemm(const uint8_t* w, const float* s, const float* m, const int8_t* xq, const float* dx,
-                      const float* xs, const int32_t* xi, int64_t M, int64_t K, int64_t N, float* y) {
-  gemm<false>(Operands{w, s, m, xq, dx, xs, xi, K, K / 32, N, y}, M);
+static void w4a8_gemm(const uint8_t* w, const int8_t* xq, const float* dx, const float* xs, const int32_t* xi,
+                      int64_t M, int64_t K, int64_t N, float* y) {
+  gemm<false>(Operands{w, xq, dx, xs, xi, K, K / 32, N, y}, M);
 }
 
-static void w8a8_gemm(const int8_t* w, const float* s, const int8_t* xq, const float* dx, const float* xs,
-                      const int32_t* xi, int64_t M, int64_t K, int64_t N, float* y) {
-  gemm<true>(Operands{reinterpret_cast<const uint8_t*>(w), s, nullptr, xq, dx, xs, xi, K, K / 32, N, y}, M);
+static void w8a8_gemm(const uint8_t* w, const int8_t* xq, const float* dx, const float* xs, const int32_t* xi,
+                      int64_t M, int64_t K, int64_t N, float* y) {
+  gemm<true>(Operands{w, xq, dx, xs, xi, K, K / 32, N, y}, M);
 }

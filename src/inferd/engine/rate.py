@@ -28,3 +28,20 @@ def decode_rate(loaded, prompt: list[int], n: int, batch: int = 1, warmup: bool 
     start = min(r.timings.first_token for r in reqs)
     end = max(r.timings.finished for r in reqs)
     return batch * (n - 1) / (end - start)
+
+
+def prefill_rate(loaded, prompt: list[int], rounds: int = 3, kv_cache_memory: str = "256MiB") -> float:
+    """Prompt tok/s of one request's prefill as one chunk (the step that yields its first token),
+    median of `rounds` after a warm-up, prefix caching off so every round computes every token."""
+    import statistics
+
+    eng = LLMEngine(loaded=loaded, kv_cache_memory=kv_cache_memory, max_num_seqs=1,
+                    max_num_batched_tokens=max(512, len(prompt)), enable_prefix_caching=False)
+    runs = []
+    for _ in range(rounds + 1):
+        rid = eng.add_request(prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+        req = eng.requests[rid]
+        while eng.has_unfinished():
+            eng.step()
+        runs.append(len(prompt) / (req.timings.first_token - req.timings.arrived))
+    return statistics.median(runs[1:])

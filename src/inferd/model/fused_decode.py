@@ -51,24 +51,22 @@ def build(model) -> FusedDecode | None:
     if not len(model.layers):
         return None
     none = torch.empty(0)
-    flat, outs = [], []
+    flat, outs, w8 = [], [], []
     for layer in model.layers:
         flat += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
         for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
-            # W4A8Linear / W8A8Linear (inferd.quant.w4a8) hand over what the kernel reads; anything else
-            # has no C++ path
-            weights = getattr(lin, "kernel_weights", None)
-            if weights is None:
+            # W4A8Linear / W8A8Linear (inferd.quant.w4a8) hold packed records the kernel reads; anything
+            # else has no C++ path
+            if getattr(lin, "w8", None) is None:
                 return None
-            q, s, m = weights()
-            flat += [q, s, none if m is None else m]
-            flat.append(none if lin.bias is None else lin.bias)
+            flat += [lin.packed, none if lin.bias is None else lin.bias]
             outs.append(lin.out_features)
+            w8.append(lin.w8)
     flat.append(model.norm.weight.detach())
     mod = native.load()
     if mod is None:
         return None
     cfg = model.cfg
-    stack = mod.DecodeStack(flat, outs, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
+    stack = mod.DecodeStack(flat, outs, w8, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
                             cfg.head_dim, float(cfg.rms_norm_eps))
     return FusedDecode(model, stack)

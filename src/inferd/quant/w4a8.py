@@ -48,62 +48,80 @@ def fake_quant_activations(x: torch.Tensor) -> torch.Tensor:
     return (q * d).reshape(shape)
 
 
+# Dequantized copies of a layer's weights made since import: only `dequantized()` (eval, tests) makes
+# one; a forward never does (tests/test_w4a8.py asserts 0 over a 512-token prefill).
+dequantized_copies = 0
+
 GROUP = 16  # output columns per packed group: one vector's lanes (csrc/cpu/w4a8_impl.h)
+PAIR = 2 * GROUP  # two groups share a record per 32-block (codes, then scales, then mins)
 
 
-def _groups(t: torch.Tensor) -> torch.Tensor:
-    """[N, ...] -> [G, 16, ...]: output rows padded with zeros to whole groups."""
-    N = t.shape[0]
-    pad = -N % GROUP
+def _pairs(t: torch.Tensor) -> torch.Tensor:
+    """[N, ...] -> [P, 2, 16, ...]: output rows padded with zeros to whole pairs of groups."""
+    pad = -t.shape[0] % PAIR
     if pad:
         t = torch.cat([t, t.new_zeros((pad,) + tuple(t.shape[1:]))])
-    return t.reshape(-1, GROUP, *t.shape[1:])
+    return t.reshape(-1, 2, GROUP, *t.shape[1:])
 
 
-def pack_scales(s: torch.Tensor) -> torch.Tensor:
-    """Per (output row, 32-block) fp32 [N, nb] -> [G, nb * 16]: a block's 16 columns side by side."""
-    g = _groups(s.float())
-    return g.transpose(1, 2).reshape(g.shape[0], -1).contiguous()
+def _floats(s: torch.Tensor) -> torch.Tensor:
+    """Per (row, 32-block) fp32 [N, nb] -> the records' bytes [P, nb, 2 * 16 * 4]."""
+    g = _pairs(s.float().contiguous())  # P, 2, 16, nb
+    return g.permute(0, 3, 1, 2).contiguous().view(torch.uint8).reshape(g.shape[0], g.shape[3], -1)
 
 
-def unpack_scales(p: torch.Tensor, N: int) -> torch.Tensor:
-    G = p.shape[0]
-    return p.reshape(G, -1, GROUP).transpose(1, 2).reshape(G * GROUP, -1)[:N].contiguous()
+def _unfloats(b: torch.Tensor, N: int) -> torch.Tensor:
+    P, nb = b.shape[:2]
+    return b.contiguous().view(torch.float32).reshape(P, nb, 2, GROUP).permute(0, 2, 3, 1).reshape(-1, nb)[:N]
 
 
-def pack4(q: torch.Tensor) -> torch.Tensor:
-    """int4 codes [N, K] (0..15) -> uint8 [G, K / 32 * 256]: per group and 32-block, chunk c's byte
-    4l + p holds q[l, 4c + p] in its low nibble and q[l, 16 + 4c + p] in its high one."""
-    N, K = q.shape
+def _check_k(K: int) -> None:
     if K % BLOCK:
-        raise InferdError(f"int4 layers need an input size that is a multiple of {BLOCK} (got {K})")
+        raise InferdError(f"W4A8/W8A8 layers need an input size that is a multiple of {BLOCK} (got {K})")
+
+
+def pack4(q: torch.Tensor, s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """int4 codes [N, K] (0..15) with w = q s + m per 32-block (s, m [N, K / 32]) -> uint8
+    [ceil(N / 32), K / 32 * 768]: per pair of 16-column groups and 32-block, each group's 256 bytes
+    of codes (chunk c's byte 4l + p holds q[l, 4c + p] in its low nibble and q[l, 16 + 4c + p] in its
+    high one), then both groups' fp32 scales, then their mins."""
+    N, K = q.shape
+    _check_k(K)
     if q.numel() and (int(q.min()) < 0 or int(q.max()) > 15):
         raise InferdError("4-bit codes must lie in 0..15")
-    g = _groups(q.to(torch.uint8)).reshape(-1, GROUP, K // BLOCK, 2, 4, 4)  # G, l, b, half, c, p
-    g = g.permute(0, 2, 4, 1, 5, 3)  # G, b, c, l, p, half
-    return (g[..., 0] | (g[..., 1] << 4)).reshape(g.shape[0], -1).contiguous()
+    g = _pairs(q.to(torch.uint8)).reshape(-1, 2, GROUP, K // BLOCK, 2, 4, 4)  # P, j, l, b, half, c, p
+    g = g.permute(0, 3, 1, 5, 2, 6, 4)  # P, b, j, c, l, p, half
+    codes = (g[..., 0] | (g[..., 1] << 4)).reshape(g.shape[0], K // BLOCK, -1)
+    return torch.cat([codes, _floats(s), _floats(m)], dim=2).reshape(codes.shape[0], -1).contiguous()
 
 
-def unpack4(p: torch.Tensor, N: int) -> torch.Tensor:
-    """The inverse of pack4: int32 [N, K]."""
-    G = p.shape[0]
-    g = p.reshape(G, -1, 4, GROUP, 4)  # G, b, c, l, p
+def unpack4(p: torch.Tensor, N: int, K: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of pack4: (q int32 [N, K], s, m fp32 [N, K / 32])."""
+    nb = K // BLOCK
+    r = p.reshape(p.shape[0], nb, 768)
+    g = r[..., :512].reshape(-1, nb, 2, 4, GROUP, 4)  # P, b, j, c, l, p
     g = torch.stack([g & 15, g >> 4], dim=-1)  # ..., half
-    return g.permute(0, 3, 1, 5, 2, 4).reshape(G * GROUP, -1)[:N].to(torch.int32)
+    q = g.permute(0, 2, 4, 1, 6, 3, 5).reshape(-1, K)[:N].to(torch.int32)
+    return q, _unfloats(r[..., 512:640], N), _unfloats(r[..., 640:], N)
 
 
-def pack8(q: torch.Tensor) -> torch.Tensor:
-    """int8 codes [N, K] -> int8 [G, K / 32 * 512]: per group and 32-block, chunk c's byte 4l + p is q[l, 4c + p]."""
+def pack8(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """int8 codes [N, K] with one fp32 scale per (row, 32-block) [N, K / 32] -> uint8
+    [ceil(N / 32), K / 32 * 1152]: per pair of groups and 32-block each group's 512 code bytes
+    (chunk c's byte 4l + p is q[l, 4c + p]), then both groups' scales."""
     N, K = q.shape
-    if K % BLOCK:
-        raise InferdError(f"int8 layers in W8A8 need an input size that is a multiple of {BLOCK} (got {K})")
-    g = _groups(q.to(torch.int8)).reshape(-1, GROUP, K // BLOCK, 8, 4)  # G, l, b, c, p
-    return g.permute(0, 2, 3, 1, 4).reshape(g.shape[0], -1).contiguous()
+    _check_k(K)
+    g = _pairs(q.to(torch.int8).view(torch.uint8)).reshape(-1, 2, GROUP, K // BLOCK, 8, 4)  # P, j, l, b, c, p
+    codes = g.permute(0, 3, 1, 4, 2, 5).reshape(g.shape[0], K // BLOCK, -1)
+    return torch.cat([codes, _floats(s)], dim=2).reshape(codes.shape[0], -1).contiguous()
 
 
-def unpack8(p: torch.Tensor, N: int) -> torch.Tensor:
-    G = p.shape[0]
-    return p.reshape(G, -1, 8, GROUP, 4).permute(0, 3, 1, 2, 4).reshape(G * GROUP, -1)[:N].contiguous()
+def unpack8(p: torch.Tensor, N: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    nb = K // BLOCK
+    r = p.reshape(p.shape[0], nb, 1152)
+    g = r[..., :1024].reshape(-1, nb, 2, 8, GROUP, 4)  # P, b, j, c, l, p
+    q = g.permute(0, 2, 4, 1, 3, 5).reshape(-1, K)[:N].contiguous().view(torch.int8)
+    return q, _unfloats(r[..., 1024:], N)
 
 
 def block_scales(scale: torch.Tensor, K: int) -> torch.Tensor:
@@ -131,32 +149,29 @@ class W4A8Linear(nn.Module):
             raise InferdError("W4A8 needs its C++ kernel, which did not build (no compiler?)")
         if group_size % BLOCK or self.in_features % group_size:
             raise InferdError(f"W4A8 needs int4 groups that are multiples of {BLOCK} (got {group_size})")
-        self.register_buffer("qweight", pack4(q))
-        self.register_buffer("qscale", pack_scales(block_scales(scale, self.in_features)))
-        self.register_buffer("qmin", pack_scales(block_scales(mn, self.in_features)))
+        K = self.in_features
+        self.register_buffer("packed", pack4(q, block_scales(scale, K), block_scales(mn, K)))
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
         self.dtype = dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and self.bias is None:  # the model's own calls: skip the reshapes (~120 calls a token)
-            return self.kernel.w4a8_linear(x, self.qweight, self.qscale, self.qmin, self.out_features)
+            return self.kernel.w4a8_linear(x, self.packed, self.out_features)
         shape = x.shape
-        y = self.kernel.w4a8_linear(x.reshape(-1, shape[-1]), self.qweight, self.qscale, self.qmin,
-                                    self.out_features)
+        y = self.kernel.w4a8_linear(x.reshape(-1, shape[-1]), self.packed, self.out_features)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*shape[:-1], self.out_features)
 
-    def kernel_weights(self):
-        """The tensors the fused decode step (inferd.model.fused_decode) passes to the kernel."""
-        return self.qweight, self.qscale, self.qmin
+    w8 = False  # the fused decode step's kind (inferd.model.fused_decode)
 
     def codes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q int32 [N, K], scale, min fp32 [N, K / 32]): what the kernel multiplies by."""
-        N = self.out_features
-        return unpack4(self.qweight, N), unpack_scales(self.qscale, N), unpack_scales(self.qmin, N)
+        return unpack4(self.packed, self.out_features, self.in_features)
 
     def dequantized(self) -> torch.Tensor:
+        global dequantized_copies
+        dequantized_copies += 1
         q, s, m = self.codes()
         return (q.float().reshape(q.shape[0], -1, BLOCK) * s[..., None] + m[..., None]).reshape(q.shape)
 
@@ -171,26 +186,24 @@ class W8A8Linear(nn.Module):
         self.kernel = load()
         if self.kernel is None:
             raise InferdError("W8A8 needs the W4A8 C++ kernel, which did not build (no compiler?)")
-        self.register_buffer("qweight", pack8(q))
-        self.register_buffer("qscale", pack_scales(block_scales(scale, self.in_features)))
+        self.register_buffer("packed", pack8(q, block_scales(scale, self.in_features)))
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
 
-    def kernel_weights(self):
-        """The tensors the fused decode step passes to the kernel (no minimum: symmetric int8)."""
-        return self.qweight, self.qscale, None
+    w8 = True
 
     def codes(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(q int8 [N, K], scale fp32 [N, K / 32])."""
-        N = self.out_features
-        return unpack8(self.qweight, N), unpack_scales(self.qscale, N)
+        return unpack8(self.packed, self.out_features, self.in_features)
 
     def dequantized(self) -> torch.Tensor:
+        global dequantized_copies
+        dequantized_copies += 1
         q, s = self.codes()
         return (q.float().reshape(q.shape[0], -1, BLOCK) * s[..., None]).reshape(q.shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = self.kernel.w8a8_linear(x.reshape(-1, shape[-1]), self.qweight, self.qscale, self.out_features)
+        y = self.kernel.w8a8_linear(x.reshape(-1, shape[-1]), self.packed, self.out_features)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*shape[:-1], self.out_features)
