@@ -86,20 +86,27 @@ def test_the_packed_layouts_round_trip():
     g = torch.Generator().manual_seed(3)
     for N, K in ((1, 32), (17, 64), (48, 96), (70, 160)):
         q = torch.randint(0, 16, (N, K), generator=g, dtype=torch.int32)
-        s, m = torch.rand(N, K // 32, generator=g), torch.randn(N, K // 32, generator=g)
-        got = w4a8.unpack4(w4a8.pack4(q, s, m), N, K)
-        assert all(torch.equal(a, b) for a, b in zip(got, (q, s, m)))
-        q8 = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
-        got8 = w4a8.unpack8(w4a8.pack8(q8, s), N, K)
-        assert torch.equal(got8[0], q8) and torch.equal(got8[1], s)
+        for half in (False, True):  # fp32 scales, or fp16 ones (GGUF's) stored in 2 bytes
+            s, m = torch.rand(N, K // 32, generator=g), torch.randn(N, K // 32, generator=g)
+            if half:
+                s, m = s.half().float(), m.half().float()
+            p = w4a8.pack4(q, s, m)
+            assert p.numel() == -(-N // 32) * (K // 32) * (640 if half else 768)
+            got = w4a8.unpack4(p, N, K)
+            assert all(torch.equal(a, b) for a, b in zip(got, (q, s, m)))
+            q8 = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
+            p8 = w4a8.pack8(q8, s)
+            assert p8.numel() == -(-N // 32) * (K // 32) * (1088 if half else 1152)
+            got8 = w4a8.unpack8(p8, N, K)
+            assert torch.equal(got8[0], q8) and torch.equal(got8[1], s)
     # the layout itself, for one 32-block of the first group: chunk c, lane l, byte p; then the scales
     q = torch.arange(32 * 32).reshape(32, 32) % 16
-    s = torch.arange(32.0)[:, None]
+    s = torch.arange(32.0)[:, None] + 0.1  # not fp16 values: fp32 records
     rec = w4a8.pack4(q, s, -s).reshape(768)
     for c, l, j in ((0, 0, 0), (2, 5, 3), (3, 15, 1)):
         assert int(rec[64 * c + 4 * l + j]) == int(q[l, 4 * c + j]) | int(q[l, 16 + 4 * c + j]) << 4
-    assert torch.equal(rec[512:640].view(torch.float32), torch.arange(32.0))  # both groups' scales
-    assert torch.equal(rec[640:].view(torch.float32), -torch.arange(32.0))  # then their mins
+    assert torch.equal(rec[512:640].view(torch.float32), s[:, 0])  # both groups' scales
+    assert torch.equal(rec[640:].view(torch.float32), -s[:, 0])  # then their mins
 
 
 def test_every_variant_computes_the_same_floats():
@@ -107,17 +114,26 @@ def test_every_variant_computes_the_same_floats():
     fma's in the same order: generic, avx2, avx512 and avx512_vnni agree bit for bit."""
     torch.manual_seed(0)
     q, s, z = quantize_int4(torch.randn(70, 160), 32)
-    lin = w4a8.W4A8Linear(q, s, z, 32, None, torch.float32)
-    lin8 = w4a8.W8A8Linear(*w8_block_codes(70, 160, 1), None, torch.float32)
+    q8, s8 = w8_block_codes(70, 160, 1)
+    lins = [w4a8.W4A8Linear(q, s, z, 32, None, torch.float32), w4a8.W8A8Linear(q8, s8, None, torch.float32),
+            # fp16 records: the same floats as fp32 ones holding the same (fp16) values
+            w4a8.W4A8Linear(q, s.half().float(), z.half().float(), 32, None, torch.float32),
+            w4a8.W8A8Linear(q8, s8.half().float(), None, torch.float32)]
+    assert [w4a8.exactly_half(lin.codes()[1]) for lin in lins] == [False, False, True, True]
     x = torch.randn(37, 160) * 3
     got = {}
     for v in runnable():
         native.use_isa(v)
-        got[v] = (lin(x), lin8(x))
+        got[v] = [lin(x) for lin in lins]
     native.use_isa("auto")
     first = got[runnable()[0]]
-    for v, (a, b) in got.items():
-        assert torch.equal(a, first[0]) and torch.equal(b, first[1]), v
+    for v, outs in got.items():
+        assert all(torch.equal(a, b) for a, b in zip(outs, first)), v
+    for i, pack in ((2, w4a8.pack4), (3, w4a8.pack8)):  # fp32 records of the same values: the same floats
+        full = pack(*lins[i].codes(), half=False)
+        assert full.numel() > lins[i].packed.numel()
+        lins[i].packed = full
+        assert torch.equal(lins[i](x), first[i])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -35,11 +35,12 @@ struct Kernels {
                       float scale, int64_t window);
   // x [M, K] -> int8 per 32-block: xq, the block scales dx [M, K/32], xs = dx * sum(xq), xi = sum(xq)
   void (*quantize_rows)(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* xs, int32_t* xi);
-  // y [M, N] = rounded x times int4 codes packed with their scales and mins (w4a8_impl.h), w = q s + m
-  void (*w4a8_gemm)(const uint8_t* w, const int8_t* xq, const float* dx, const float* xs, const int32_t* xi,
+  // y [M, N] = rounded x times int4 codes packed with their scales and mins (w4a8_impl.h), w = q s + m;
+  // half: the records hold fp16 scales and mins
+  void (*w4a8_gemm)(const uint8_t* w, bool half, const int8_t* xq, const float* dx, const float* xs, const int32_t* xi,
                     int64_t M, int64_t K, int64_t N, float* y);
   // y [M, N] = rounded x times int8 codes packed likewise, one scale per (column, 32-block)
-  void (*w8a8_gemm)(const uint8_t* w, const int8_t* xq, const float* dx, const float* xs, const int32_t* xi,
+  void (*w8a8_gemm)(const uint8_t* w, bool half, const int8_t* xq, const float* dx, const float* xs, const int32_t* xi,
                     int64_t M, int64_t K, int64_t N, float* y);
 };
 

@@ -152,12 +152,14 @@ Tensor fake_quant(Tensor x) {
   return (xq.to(at::kFloat).view({M, nb, 32}) * dx.unsqueeze(-1)).view(xf.sizes());
 }
 
-// The packed records: uint8 [G / 2, nb * bytes], G / 2 = ceil(N / 32) pairs of 16-column groups.
-void check_packed(const Tensor& x, const Tensor& w, int64_t N, int64_t bytes) {
+// The packed records: uint8 [G / 2, nb * bytes], G / 2 = ceil(N / 32) pairs of 16-column groups,
+// `half` bytes a record with fp16 scales, `full` with fp32 ones. Returns whether they are fp16.
+bool check_packed(const Tensor& x, const Tensor& w, int64_t N, int64_t half, int64_t full) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 32 == 0, "x must be [M, K] with K a multiple of 32");
-  const int64_t nb = x.size(1) / 32, pairs = (N + 31) / 32;
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == pairs * nb * bytes,
+  const int64_t cells = (N + 31) / 32 * (x.size(1) / 32);
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && (w.numel() == cells * half || w.numel() == cells * full),
               "packed weights do not match x and N (repack with inferd.quant.w4a8)");
+  return w.numel() == cells * half;
 }
 
 Tensor finish(const Tensor& x, Tensor y, int64_t M) {
@@ -169,21 +171,21 @@ Tensor finish(const Tensor& x, Tensor y, int64_t M) {
 // x [M, K] float32 or bfloat16 times int4 codes packed with their scales and mins
 // (inferd.quant.w4a8.pack4) -> [M, N] in x's dtype: one integer GEMM for any M, no dequantized copy.
 Tensor w4a8_linear(Tensor x, Tensor w, int64_t N) {
-  check_packed(x, w, N, 768);
+  const bool half = check_packed(x, w, N, 640, 768);
   const int64_t M = x.size(0), K = x.size(1);
   const Rounded r = round_input(x, M, K);
   auto y = at::empty({M, N}, at::kFloat);
-  active().w4a8_gemm(w.data_ptr<uint8_t>(), r.xq, r.dx, r.xs, r.xi, M, K, N, y.data_ptr<float>());
+  active().w4a8_gemm(w.data_ptr<uint8_t>(), half, r.xq, r.dx, r.xs, r.xi, M, K, N, y.data_ptr<float>());
   return finish(x, y, M);
 }
 
 // x [M, K] times int8 codes packed with one scale per (column, 32-block) (inferd.quant.w4a8.pack8)
 Tensor w8a8_linear(Tensor x, Tensor w, int64_t N) {
-  check_packed(x, w, N, 1152);
+  const bool half = check_packed(x, w, N, 1088, 1152);
   const int64_t M = x.size(0), K = x.size(1);
   const Rounded r = round_input(x, M, K);
   auto y = at::empty({M, N}, at::kFloat);
-  active().w8a8_gemm(w.data_ptr<uint8_t>(), r.xq, r.dx, r.xs, r.xi, M, K, N, y.data_ptr<float>());
+  active().w8a8_gemm(w.data_ptr<uint8_t>(), half, r.xq, r.dx, r.xs, r.xi, M, K, N, y.data_ptr<float>());
   return finish(x, y, M);
 }
 

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>

@@ -7,11 +7,15 @@
 // outputs. Nothing is reduced across lanes, each 32-block's integer sum is converted and scaled once
 // per (row, 16 columns), and one weight vector serves every row of a tile.
 // Two groups (32 columns) make a pair; per pair and 32-block one record holds both groups' codes,
-// then their fp32 scales, then (W4) their mins, so a decode step (one row, 8 groups a tile) reads
-// 4 sequential streams, not 24. Per group (GW columns l, bytes p = 0..3 of a lane's 4):
+// then their scales, then (W4) their mins, so a decode step (one row, 8 groups a tile) reads 4
+// sequential streams, not 24. Scales and mins are fp16 where every one of a layer's is exactly an
+// fp16 value (GGUF's Q4_0/Q4_1/Q8_0 blocks store them so: 17 % fewer bytes a W4 weight), fp32
+// otherwise; the kernel converts them exactly, so the two forms compute the same floats. Per group
+// (GW columns l, bytes p = 0..3 of a lane's 4):
 //   W4  256 bytes of codes, 4 chunks of 64: chunk c byte 4l+p = q[l][4c+p] | q[l][16+4c+p] << 4
-//       (q in 0..15), w = q s + m; record = codes g0, codes g1, s g0, s g1, m g0, m g1 = 768 bytes
-//   W8  512 bytes, 8 chunks of 64: chunk c byte 4l+p = q[l][4c+p] (int8); record = 1152 bytes
+//       (q in 0..15), w = q s + m; record = codes g0, codes g1, s g0, s g1, m g0, m g1 = 640 or
+//       768 bytes
+//   W8  512 bytes, 8 chunks of 64: chunk c byte 4l+p = q[l][4c+p] (int8); record = 1088 or 1152 bytes
 // Padding columns (N up to a multiple of 32) hold zeros and are never stored.
 //
 // Per ISA (INFERD_ISA_LEVEL, set by the variant_*.cpp that includes this file):
@@ -61,20 +65,23 @@ struct Operands {
   float* y;           // [M, N]
 };
 
-// Where group g's block b starts in the records, and where its scales and mins are.
-template <bool W8>
+// Where group g's block b starts in the records, and where its scales and mins are (S: float, or
+// uint16_t holding fp16 bits).
+template <bool W8, typename S>
 struct Layout {
-  static constexpr int64_t CODES = W8 ? 512 : 256, RECORD = 2 * CODES + (W8 ? 2 : 4) * GW * 4;
+  static constexpr int64_t CODES = W8 ? 512 : 256;
+  static constexpr int64_t RECORD = 2 * CODES + (W8 ? 2 : 4) * GW * static_cast<int64_t>(sizeof(S));
   static const uint8_t* codes(const Operands& o, int64_t g, int64_t b) {
     return o.w + ((g >> 1) * o.nb + b) * RECORD + (g & 1) * CODES;
   }
-  static const float* scale(const Operands& o, int64_t g, int64_t b) {
-    return reinterpret_cast<const float*>(o.w + ((g >> 1) * o.nb + b) * RECORD + 2 * CODES) + (g & 1) * GW;
+  static const S* scale(const Operands& o, int64_t g, int64_t b) {
+    return reinterpret_cast<const S*>(o.w + ((g >> 1) * o.nb + b) * RECORD + 2 * CODES) + (g & 1) * GW;
   }
-  static const float* min(const Operands& o, int64_t g, int64_t b) { return scale(o, g, b) + 2 * GW; }
+  static const S* min(const Operands& o, int64_t g, int64_t b) { return scale(o, g, b) + 2 * GW; }
 };
-using L4 = Layout<false>;
-using L8 = Layout<true>;
+
+static inline float scalar(float v) { return v; }
+static inline float scalar(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
 static inline int32_t load4(const int8_t* p) {
   int32_t v;
@@ -103,6 +110,7 @@ static inline VI vmadd1(VI a) { return _mm512_madd_epi16(a, _mm512_set1_epi16(1)
 static inline VI vbyte(int8_t v) { return _mm512_set1_epi8(v); }
 static inline VF fzero() { return _mm512_setzero_ps(); }
 static inline VF fload(const float* p) { return _mm512_loadu_ps(p); }
+static inline VF fload(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 static inline VF fset1(float v) { return _mm512_set1_ps(v); }
 static inline VF fmul(VF a, VF b) { return _mm512_mul_ps(a, b); }
 static inline VF ffma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
@@ -133,6 +141,7 @@ static inline VI vmadd1(VI a) { return _mm256_madd_epi16(a, _mm256_set1_epi16(1)
 static inline VI vbyte(int8_t v) { return _mm256_set1_epi8(v); }
 static inline VF fzero() { return _mm256_setzero_ps(); }
 static inline VF fload(const float* p) { return _mm256_loadu_ps(p); }
+static inline VF fload(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 static inline VF fset1(float v) { return _mm256_set1_ps(v); }
 static inline VF fmul(VF a, VF b) { return _mm256_mul_ps(a, b); }
 static inline VF ffma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
@@ -154,7 +163,7 @@ static inline VI vsign8(VI x, VI w) { return _mm256_sign_epi8(x, w); }
 static constexpr int64_t LANES = GW / HALVES;  // columns per vector
 
 // MR rows i0.. times NG groups g0.. of W4: every output of the tile, over all of K.
-template <int MR, int NG>
+template <typename S, int MR, int NG>
 static void tile4(const Operands& o, int64_t i0, int64_t g0) {
   constexpr int NV = NG * HALVES;  // vectors across the tile's columns
   VF acc[MR][NV];
@@ -173,7 +182,7 @@ static void tile4(const Operands& o, int64_t i0, int64_t g0) {
         xh[r] = vset1(load4(xr + 16));
       }
       for (int v = 0; v < NV; ++v) {
-        const VI raw = vload(L4::codes(o, g0 + v / HALVES, b) + 64 * c + (v % HALVES) * 32);
+        const VI raw = vload(Layout<false, S>::codes(o, g0 + v / HALVES, b) + 64 * c + (v % HALVES) * 32);
         const VI lo = vand(raw, low), hi = vand(vsrl4(raw), low);
         for (int r = 0; r < MR; ++r) {
 #if INFERD_ISA_LEVEL >= 3
@@ -186,7 +195,8 @@ static void tile4(const Operands& o, int64_t i0, int64_t g0) {
     }
     for (int v = 0; v < NV; ++v) {
       const int64_t h = (v % HALVES) * LANES;
-      const VF sv = fload(L4::scale(o, g0 + v / HALVES, b) + h), mv = fload(L4::min(o, g0 + v / HALVES, b) + h);
+      const VF sv = fload(Layout<false, S>::scale(o, g0 + v / HALVES, b) + h);
+      const VF mv = fload(Layout<false, S>::min(o, g0 + v / HALVES, b) + h);
       for (int r = 0; r < MR; ++r) {
 #if INFERD_ISA_LEVEL >= 3
         const VI isum = sum[r][v];
@@ -206,7 +216,7 @@ static void tile4(const Operands& o, int64_t i0, int64_t g0) {
 }
 
 // The same for W8: 8 chunks a block, signed weights, no min.
-template <int MR, int NG>
+template <typename S, int MR, int NG>
 static void tile8(const Operands& o, int64_t i0, int64_t g0) {
   constexpr int NV = NG * HALVES;
   VF acc[MR][NV];
@@ -220,7 +230,7 @@ static void tile8(const Operands& o, int64_t i0, int64_t g0) {
       VI xb[MR];
       for (int r = 0; r < MR; ++r) xb[r] = vset1(load4(o.xq + (i0 + r) * o.K + b * 32 + 4 * c));
       for (int v = 0; v < NV; ++v) {
-        const VI w = vload(L8::codes(o, g0 + v / HALVES, b) + 64 * c + (v % HALVES) * 32);
+        const VI w = vload(Layout<true, S>::codes(o, g0 + v / HALVES, b) + 64 * c + (v % HALVES) * 32);
 #if INFERD_ISA_LEVEL >= 3
         // vpdpbusd wants the unsigned side: w + 128 (w ^ 0x80); the 128 * sum(x) is taken off below
         const VI u = _mm512_xor_si512(w, vbyte(static_cast<int8_t>(0x80)));
@@ -233,7 +243,7 @@ static void tile8(const Operands& o, int64_t i0, int64_t g0) {
       }
     }
     for (int v = 0; v < NV; ++v) {
-      const VF sv = fload(L8::scale(o, g0 + v / HALVES, b) + (v % HALVES) * LANES);
+      const VF sv = fload(Layout<true, S>::scale(o, g0 + v / HALVES, b) + (v % HALVES) * LANES);
       for (int r = 0; r < MR; ++r) {
         const int64_t xb = (i0 + r) * o.nb + b;
 #if INFERD_ISA_LEVEL >= 3
@@ -252,13 +262,13 @@ static void tile8(const Operands& o, int64_t i0, int64_t g0) {
 }
 #else
 // generic: one row, one group; std::fma so the floats are the vector variants' own
-template <int MR, int NG>
+template <typename S, int MR, int NG>
 static void tile4(const Operands& o, int64_t i0, int64_t g0) {
   static_assert(MR == 1 && NG == 1, "generic tiles are 1 x 1");
   float acc[GW] = {};
   for (int64_t b = 0; b < o.nb; ++b) {
-    const uint8_t* wb = L4::codes(o, g0, b);
-    const float *sb = L4::scale(o, g0, b), *mb = L4::min(o, g0, b);
+    const uint8_t* wb = Layout<false, S>::codes(o, g0, b);
+    const S *sb = Layout<false, S>::scale(o, g0, b), *mb = Layout<false, S>::min(o, g0, b);
     const int8_t* xr = o.xq + i0 * o.K + b * 32;
     const int64_t xb = i0 * o.nb + b;
     for (int l = 0; l < GW; ++l) {
@@ -268,26 +278,26 @@ static void tile4(const Operands& o, int64_t i0, int64_t g0) {
           const uint8_t byte = wb[64 * c + 4 * l + p];
           sum += (byte & 15) * xr[4 * c + p] + (byte >> 4) * xr[16 + 4 * c + p];
         }
-      acc[l] = std::fma(static_cast<float>(sum), sb[l] * o.dx[xb], acc[l]);
-      acc[l] = std::fma(mb[l], o.xs[xb], acc[l]);
+      acc[l] = std::fma(static_cast<float>(sum), scalar(sb[l]) * o.dx[xb], acc[l]);
+      acc[l] = std::fma(scalar(mb[l]), o.xs[xb], acc[l]);
     }
   }
   for (int64_t l = 0; l < GW && g0 * GW + l < o.N; ++l) o.y[i0 * o.N + g0 * GW + l] = acc[l];
 }
 
-template <int MR, int NG>
+template <typename S, int MR, int NG>
 static void tile8(const Operands& o, int64_t i0, int64_t g0) {
   static_assert(MR == 1 && NG == 1, "generic tiles are 1 x 1");
   float acc[GW] = {};
   for (int64_t b = 0; b < o.nb; ++b) {
-    const int8_t* wb = reinterpret_cast<const int8_t*>(L8::codes(o, g0, b));
-    const float* sb = L8::scale(o, g0, b);
+    const int8_t* wb = reinterpret_cast<const int8_t*>(Layout<true, S>::codes(o, g0, b));
+    const S* sb = Layout<true, S>::scale(o, g0, b);
     const int8_t* xr = o.xq + i0 * o.K + b * 32;
     for (int l = 0; l < GW; ++l) {
       int32_t sum = 0;
       for (int c = 0; c < 8; ++c)
         for (int p = 0; p < 4; ++p) sum += wb[64 * c + 4 * l + p] * xr[4 * c + p];
-      acc[l] = std::fma(static_cast<float>(sum), sb[l] * o.dx[i0 * o.nb + b], acc[l]);
+      acc[l] = std::fma(static_cast<float>(sum), scalar(sb[l]) * o.dx[i0 * o.nb + b], acc[l]);
     }
   }
   for (int64_t l = 0; l < GW && g0 * GW + l < o.N; ++l) o.y[i0 * o.N + g0 * GW + l] = acc[l];
@@ -295,40 +305,42 @@ static void tile8(const Operands& o, int64_t i0, int64_t g0) {
 #endif
 
 // Groups g..g1 for rows i0..i0+MR: tiles of NG groups while they fit, then narrower ones.
-template <bool W8, int MR, int NG>
+template <bool W8, typename S, int MR, int NG>
 static void across(const Operands& o, int64_t i0, int64_t g, int64_t g1) {
   for (; g + NG <= g1; g += NG) {
-    if constexpr (W8) tile8<MR, NG>(o, i0, g);
-    else tile4<MR, NG>(o, i0, g);
+    if constexpr (W8) tile8<S, MR, NG>(o, i0, g);
+    else tile4<S, MR, NG>(o, i0, g);
   }
-  if constexpr (NG > 1) across<W8, MR, NG / 2>(o, i0, g, g1);
+  if constexpr (NG > 1) across<W8, S, MR, NG / 2>(o, i0, g, g1);
 }
 
 // Rows i..M over groups g0..g1: tiles of MR rows (and TILE / MR groups) while they fit, then fewer rows.
-template <bool W8, int MR>
+template <bool W8, typename S, int MR>
 static void down(const Operands& o, int64_t M, int64_t i, int64_t g0, int64_t g1) {
-  for (; i + MR <= M; i += MR) across<W8, MR, TILE / MR>(o, i, g0, g1);
-  if constexpr (MR > 1) down<W8, MR / 2>(o, M, i, g0, g1);
+  for (; i + MR <= M; i += MR) across<W8, S, MR, TILE / MR>(o, i, g0, g1);
+  if constexpr (MR > 1) down<W8, S, MR / 2>(o, M, i, g0, g1);
 }
 
 // Groups per panel: a panel's weights (8 x 16 columns x K bytes or half that) stay in L2 while every
 // row tile passes over them, so a step reads each weight from DRAM once whatever M is.
 static constexpr int64_t PANEL = 8;
 
-template <bool W8>
+template <bool W8, typename S>
 static void gemm(const Operands& o, int64_t M) {
   const int64_t G = (o.N + GW - 1) / GW;
   at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t p = g0; p < g1; p += PANEL) down<W8, TILE>(o, M, 0, p, std::min(g1, p + PANEL));
+    for (int64_t p = g0; p < g1; p += PANEL) down<W8, S, TILE>(o, M, 0, p, std::min(g1, p + PANEL));
   });
 }
 
-static void w4a8_gemm(const uint8_t* w, const int8_t* xq, const float* dx, const float* xs, const int32_t* xi,
-                      int64_t M, int64_t K, int64_t N, float* y) {
-  gemm<false>(Operands{w, xq, dx, xs, xi, K, K / 32, N, y}, M);
+static void w4a8_gemm(const uint8_t* w, bool half, const int8_t* xq, const float* dx, const float* xs,
+                      const int32_t* xi, int64_t M, int64_t K, int64_t N, float* y) {
+  const Operands o{w, xq, dx, xs, xi, K, K / 32, N, y};
+  half ? gemm<false, uint16_t>(o, M) : gemm<false, float>(o, M);
 }
 
-static void w8a8_gemm(const uint8_t* w, const int8_t* xq, const float* dx, const float* xs, const int32_t* xi,
-                      int64_t M, int64_t K, int64_t N, float* y) {
-  gemm<true>(Operands{w, xq, dx, xs, xi, K, K / 32, N, y}, M);
+static void w8a8_gemm(const uint8_t* w, bool half, const int8_t* xq, const float* dx, const float* xs,
+                      const int32_t* xi, int64_t M, int64_t K, int64_t N, float* y) {
+  const Operands o{w, xq, dx, xs, xi, K, K / 32, N, y};
+  half ? gemm<true, uint16_t>(o, M) : gemm<true, float>(o, M);
 }

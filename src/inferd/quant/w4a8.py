@@ -64,15 +64,22 @@ def _pairs(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, 2, GROUP, *t.shape[1:])
 
 
-def _floats(s: torch.Tensor) -> torch.Tensor:
-    """Per (row, 32-block) fp32 [N, nb] -> the records' bytes [P, nb, 2 * 16 * 4]."""
-    g = _pairs(s.float().contiguous())  # P, 2, 16, nb
-    return g.permute(0, 3, 1, 2).contiguous().view(torch.uint8).reshape(g.shape[0], g.shape[3], -1)
+def exactly_half(*ts: torch.Tensor) -> bool:
+    """Whether every value is an fp16 value (GGUF's block scales are): the records then hold them
+    in 2 bytes, with no loss."""
+    return all(torch.equal(t.float().half().float(), t.float()) for t in ts)
+
+
+def _floats(s: torch.Tensor, half: bool) -> torch.Tensor:
+    """Per (row, 32-block) scales [N, nb] -> the records' bytes [P, nb, 2 * 16 * (2 or 4)]."""
+    g = _pairs(s.float().half() if half else s.float()).permute(0, 3, 1, 2).contiguous()  # P, nb, 2, 16
+    return g.view(torch.uint8).reshape(g.shape[0], g.shape[1], -1)
 
 
 def _unfloats(b: torch.Tensor, N: int) -> torch.Tensor:
     P, nb = b.shape[:2]
-    return b.contiguous().view(torch.float32).reshape(P, nb, 2, GROUP).permute(0, 2, 3, 1).reshape(-1, nb)[:N]
+    dt = torch.float16 if b.shape[2] == 2 * GROUP * 2 else torch.float32
+    return b.contiguous().view(dt).float().reshape(P, nb, 2, GROUP).permute(0, 2, 3, 1).reshape(-1, nb)[:N]
 
 
 def _check_k(K: int) -> None:
@@ -80,11 +87,12 @@ def _check_k(K: int) -> None:
         raise InferdError(f"W4A8/W8A8 layers need an input size that is a multiple of {BLOCK} (got {K})")
 
 
-def pack4(q: torch.Tensor, s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+def pack4(q: torch.Tensor, s: torch.Tensor, m: torch.Tensor, half: bool | None = None) -> torch.Tensor:
     """int4 codes [N, K] (0..15) with w = q s + m per 32-block (s, m [N, K / 32]) -> uint8
-    [ceil(N / 32), K / 32 * 768]: per pair of 16-column groups and 32-block, each group's 256 bytes
-    of codes (chunk c's byte 4l + p holds q[l, 4c + p] in its low nibble and q[l, 16 + 4c + p] in its
-    high one), then both groups' fp32 scales, then their mins."""
+    [ceil(N / 32), K / 32 * (640 or 768)]: per pair of 16-column groups and 32-block, each group's 256
+    bytes of codes (chunk c's byte 4l + p holds q[l, 4c + p] in its low nibble and q[l, 16 + 4c + p]
+    in its high one), then both groups' scales, then their mins: fp16 where all of them are fp16
+    values (GGUF's), else fp32."""
     N, K = q.shape
     _check_k(K)
     if q.numel() and (int(q.min()) < 0 or int(q.max()) > 15):
@@ -92,33 +100,36 @@ def pack4(q: torch.Tensor, s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     g = _pairs(q.to(torch.uint8)).reshape(-1, 2, GROUP, K // BLOCK, 2, 4, 4)  # P, j, l, b, half, c, p
     g = g.permute(0, 3, 1, 5, 2, 6, 4)  # P, b, j, c, l, p, half
     codes = (g[..., 0] | (g[..., 1] << 4)).reshape(g.shape[0], K // BLOCK, -1)
-    return torch.cat([codes, _floats(s), _floats(m)], dim=2).reshape(codes.shape[0], -1).contiguous()
+    half = exactly_half(s, m) if half is None else half
+    return torch.cat([codes, _floats(s, half), _floats(m, half)], dim=2).reshape(codes.shape[0], -1).contiguous()
 
 
 def unpack4(p: torch.Tensor, N: int, K: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The inverse of pack4: (q int32 [N, K], s, m fp32 [N, K / 32])."""
     nb = K // BLOCK
-    r = p.reshape(p.shape[0], nb, 768)
+    r = p.reshape(p.shape[0], nb, -1)
     g = r[..., :512].reshape(-1, nb, 2, 4, GROUP, 4)  # P, b, j, c, l, p
     g = torch.stack([g & 15, g >> 4], dim=-1)  # ..., half
     q = g.permute(0, 2, 4, 1, 6, 3, 5).reshape(-1, K)[:N].to(torch.int32)
-    return q, _unfloats(r[..., 512:640], N), _unfloats(r[..., 640:], N)
+    f = (r.shape[2] - 512) // 2
+    return q, _unfloats(r[..., 512:512 + f], N), _unfloats(r[..., 512 + f:], N)
 
 
-def pack8(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+def pack8(q: torch.Tensor, s: torch.Tensor, half: bool | None = None) -> torch.Tensor:
     """int8 codes [N, K] with one fp32 scale per (row, 32-block) [N, K / 32] -> uint8
     [ceil(N / 32), K / 32 * 1152]: per pair of groups and 32-block each group's 512 code bytes
-    (chunk c's byte 4l + p is q[l, 4c + p]), then both groups' scales."""
+    (chunk c's byte 4l + p is q[l, 4c + p]), then both groups' scales (fp16 where exact)."""
     N, K = q.shape
     _check_k(K)
     g = _pairs(q.to(torch.int8).view(torch.uint8)).reshape(-1, 2, GROUP, K // BLOCK, 8, 4)  # P, j, l, b, c, p
     codes = g.permute(0, 3, 1, 4, 2, 5).reshape(g.shape[0], K // BLOCK, -1)
-    return torch.cat([codes, _floats(s)], dim=2).reshape(codes.shape[0], -1).contiguous()
+    half = exactly_half(s) if half is None else half
+    return torch.cat([codes, _floats(s, half)], dim=2).reshape(codes.shape[0], -1).contiguous()
 
 
 def unpack8(p: torch.Tensor, N: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
     nb = K // BLOCK
-    r = p.reshape(p.shape[0], nb, 1152)
+    r = p.reshape(p.shape[0], nb, -1)
     g = r[..., :1024].reshape(-1, nb, 2, 8, GROUP, 4)  # P, b, j, c, l, p
     q = g.permute(0, 2, 4, 1, 3, 5).reshape(-1, K)[:N].contiguous().view(torch.int8)
     return q, _unfloats(r[..., 1024:], N)
