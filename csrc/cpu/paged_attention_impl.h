@@ -22,54 +22,81 @@ static inline float dot_lanes(const float* __restrict q, const T* __restrict k, 
   return s;
 }
 
+// Keys per task. A sequence's context is cut into chunks of CHUNK keys, each a task over one kv
+// head: at batch 1 a 100-token context makes 6 tasks for 2 threads, not 3. Each chunk keeps its own
+// running max, sum and weighted values; they are merged per head in chunk order. The cut depends
+// only on the sequence's own length, never on the batch, so a row's result does not either.
+static constexpr int64_t CHUNK = 64;
+
 template <typename T>
 static void decode_attention(const float* q, const T* k, const T* v, const int64_t* bt, const int64_t* ctx,
                              float* out, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t max_blocks,
                              int64_t bs, float scale, int64_t window) {
   const int64_t G = H / Hkv;
-  // one task per (sequence, kv head), spread over the threads even at batch 1: the K/V rows come
-  // from DRAM (a decode step streams ~100 MB of weights between two visits of a layer's cache), and
-  // two threads waiting on memory beat one
+  std::vector<int64_t> first(B + 1, 0);  // each sequence's first chunk
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t start = window > 0 ? std::max<int64_t>(0, ctx[b] - window) : 0;
+    first[b + 1] = first[b] + (ctx[b] - start + CHUNK - 1) / CHUNK;
+  }
+  const int64_t chunks = first[B];
+  // per (chunk, kv head): G maxima, G sums, G x D weighted values
+  std::vector<float> part(chunks * Hkv * G * (D + 2));
+  auto slot_of = [&](int64_t b, int64_t t) { return bt[b * max_blocks + t / bs] * bs + t % bs; };
   int64_t work = 0;
   for (int64_t b = 0; b < B; ++b) work += ctx[b];
-  const int64_t grain = work * H * D < (1 << 12) ? B * Hkv : 1;
-  at::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    std::vector<float> acc(G * D);
+  const int64_t grain = work * H * D < (1 << 12) ? chunks * Hkv : 1;
+  at::parallel_for(0, chunks * Hkv, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(G * CHUNK);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / Hkv, hk = task % Hkv;
-      const int64_t n = ctx[b];
-      const int64_t start = window > 0 ? std::max<int64_t>(0, n - window) : 0;
-      const int64_t len = n - start;
-      scores.resize(G * len);
+      const int64_t c = task / Hkv, hk = task % Hkv;
+      const int64_t b = std::upper_bound(first.begin(), first.end(), c) - first.begin() - 1;
+      const int64_t start = window > 0 ? std::max<int64_t>(0, ctx[b] - window) : 0;
+      const int64_t t0 = start + (c - first[b]) * CHUNK, t1 = std::min(ctx[b], t0 + CHUNK), len = t1 - t0;
       const float* qb = q + (b * H + hk * G) * D;
-      const int64_t* table = bt + b * max_blocks;
-      for (int64_t t = start; t < n; ++t) {
-        const int64_t slot = table[t / bs] * bs + t % bs;
-        const T* kr = k + (slot * Hkv + hk) * D;
-        for (int64_t g = 0; g < G; ++g) scores[g * len + (t - start)] = dot_lanes(qb + g * D, kr, D) * scale;
+      for (int64_t t = t0; t < t1; ++t) {
+        const T* kr = k + (slot_of(b, t) * Hkv + hk) * D;
+        for (int64_t g = 0; g < G; ++g) scores[g * len + (t - t0)] = dot_lanes(qb + g * D, kr, D) * scale;
       }
+      float* mx = part.data() + task * G * (D + 2);
+      float* sm = mx + G;
+      float* acc = sm + G;
       for (int64_t g = 0; g < G; ++g) {
         float* sg = scores.data() + g * len;
         float m = sg[0];  // len >= 1
         for (int64_t i = 1; i < len; ++i) m = sg[i] > m ? sg[i] : m;
         float sum = 0.f;
         for (int64_t i = 0; i < len; ++i) { sg[i] = std::exp(sg[i] - m); sum += sg[i]; }
-        const float inv = 1.f / sum;
-        for (int64_t i = 0; i < len; ++i) sg[i] *= inv;
+        mx[g] = m;
+        sm[g] = sum;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = start; t < n; ++t) {
-        const int64_t slot = table[t / bs] * bs + t % bs;
-        const T* __restrict vr = v + (slot * Hkv + hk) * D;
+      std::fill(acc, acc + G * D, 0.f);
+      for (int64_t t = t0; t < t1; ++t) {
+        const T* __restrict vr = v + (slot_of(b, t) * Hkv + hk) * D;
         for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * len + (t - start)];
-          float* __restrict a = acc.data() + g * D;
+          const float p = scores[g * len + (t - t0)];
+          float* __restrict a = acc + g * D;
           for (int64_t d = 0; d < D; ++d) a[d] += p * static_cast<float>(vr[d]);
         }
       }
-      for (int64_t g = 0; g < G; ++g)
-        std::copy(acc.begin() + g * D, acc.begin() + (g + 1) * D, out + (b * H + hk * G + g) * D);
     }
   });
+  // merge each (sequence, head)'s chunks in order: rescale to the largest max, divide by the total
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t hk = 0; hk < Hkv; ++hk)
+      for (int64_t g = 0; g < G; ++g) {
+        auto at = [&](int64_t c) { return part.data() + (c * Hkv + hk) * G * (D + 2); };
+        float m = -INFINITY;
+        for (int64_t c = first[b]; c < first[b + 1]; ++c) m = std::max(m, at(c)[g]);
+        float* o = out + (b * H + hk * G + g) * D;
+        std::fill(o, o + D, 0.f);
+        float total = 0.f;
+        for (int64_t c = first[b]; c < first[b + 1]; ++c) {
+          const float w = std::exp(at(c)[g] - m);
+          total += w * at(c)[G + g];
+          const float* a = at(c) + 2 * G + g * D;
+          for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
+        }
+        const float inv = 1.f / total;
+        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+      }
 }
