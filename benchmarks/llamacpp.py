@@ -147,7 +147,7 @@ def configure_args(src: Path) -> list[str]:
 
 
 # cmake target -> the file it produces
-TARGETS = {"llama-server": "llama-server", "llama": "libllama.so"}
+TARGETS = {"llama-server": "llama-server", "llama": "libllama.so", "llama-bench": "llama-bench"}
 
 
 def build(targets: tuple[str, ...] = ("llama-server", "llama"), jobs: int = 2) -> dict[str, Path]:
@@ -178,6 +178,25 @@ def build(targets: tuple[str, ...] = ("llama-server", "llama"), jobs: int = 2) -
 
 def ensure_llama_server(jobs: int = 2) -> Path:
     return build(("llama-server",), jobs)["llama-server"]
+
+
+def llama_bench(gguf: str, threads: int = 2, prompt: int = 512, gen: int = 128, reps: int = 5,
+                env: dict | None = None) -> dict[str, float]:
+    """llama.cpp's own benchmark, the number its users quote: `llama-bench -t T -p 512 -n 128 -r 5`,
+    as {"pp512": tok/s, "tg128": tok/s} (mean over the repetitions, as llama-bench reports)."""
+    import json as _json
+
+    exe = build(("llama-bench",))["llama-bench"]
+    cmd = [str(exe), "-m", gguf, "-t", str(threads), "-p", str(prompt), "-n", str(gen), "-r", str(reps), "-o", "json"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=llamacpp_env(env),
+                       cwd=str(exe.parent))
+    if r.returncode:
+        raise RuntimeError(f"llama-bench failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
+    out = {}
+    for row in _json.loads(r.stdout):
+        kind = f"pp{row['n_prompt']}" if row["n_prompt"] else f"tg{row['n_gen']}"
+        out[kind] = float(row["avg_ts"])
+    return out
 
 
 def lib_dir(jobs: int = 2) -> Path:

@@ -175,3 +175,20 @@ def test_a_512_token_prefill_runs_the_integer_gemm_and_copies_no_weights(default
     assert after_calls - calls == 4 * L + 1  # four linears a layer, one chunk, and the lm_head
     assert after_rows - rows == 4 * L * 512 + 1  # every prompt row; the lm_head only the last position
     assert w4a8.dequantized_copies == copies
+
+
+def test_the_tied_embedding_is_read_from_the_heads_codes(default_gguf_path):
+    """A tied model's embedding and W8A8 lm_head are one matrix: the embedding reads its rows from
+    the head's Q8_0 codes (GGUF's own, so exactly the float table), and the model's weights come to
+    under half of dense bf16's."""
+    from inferd.loader import load_model
+    from inferd.quant import weight_bytes
+
+    lm = load_model(default_gguf_path, quantization="gguf", quantize_lm_head=True, quantize_activations=True,
+                    with_tokenizer=False)
+    ref = load_model(default_gguf_path, dtype="float32", with_tokenizer=False)
+    assert isinstance(lm.model.embed_tokens, w4a8.PackedEmbedding)
+    ids = torch.tensor([[0, 1, 49151], [31, 32, 12345]])
+    assert torch.equal(lm.model.embed_tokens(ids), ref.model.embed_tokens(ids))
+    dense = load_model(default_gguf_path, dtype="bfloat16", with_tokenizer=False)
+    assert weight_bytes(lm.model) <= 0.5 * weight_bytes(dense.model), (weight_bytes(lm.model), weight_bytes(dense.model))

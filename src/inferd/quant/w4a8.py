@@ -220,6 +220,56 @@ class W8A8Linear(nn.Module):
         return y.view(*shape[:-1], self.out_features)
 
 
+class PackedEmbedding(nn.Module):
+    """The token embedding of a tied model read from its W8A8 lm_head's codes: the one matrix held
+    once, in Q8_0's 1.06 bytes a weight, instead of a float table beside the packed head (for the
+    default model: 113 MB of fp32 embedding gone). Used only where the codes give back the table's
+    own values exactly (GGUF's Q8_0 embedding does)."""
+
+    def __init__(self, head: "W8A8Linear", dtype: torch.dtype):
+        super().__init__()
+        self._head = [head]  # not a submodule: the head is the model's own lm_head
+        self.dtype = dtype
+        K, R = head.in_features, head.packed.shape[1] // (head.in_features // BLOCK)
+        fs = (R - 1024) // (2 * GROUP)  # 2 (fp16) or 4 (fp32) bytes a scale
+        n = torch.arange(PAIR)
+        j, lane = (n // GROUP)[:, None], (n % GROUP)[:, None]
+        k = torch.arange(K)[None]
+        # byte offsets in a pair's records of row n's codes [32, K] and of its block scales [32, nb, fs]
+        self.register_buffer("code_at", (k // BLOCK) * R + j * 512 + 64 * ((k % BLOCK) // 4) + 4 * lane + k % 4,
+                             persistent=False)
+        b = torch.arange(K // BLOCK)[None, :, None]
+        self.register_buffer("scale_at", b * R + 1024 + (j[..., None] * GROUP + lane[..., None]) * fs
+                             + torch.arange(fs), persistent=False)
+        self.scale_dtype = torch.float16 if fs == 2 else torch.float32
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        packed = self._head[0].packed
+        flat = ids.reshape(-1)
+        rec, r = packed[flat // PAIR], flat % PAIR
+        q = torch.gather(rec, 1, self.code_at[r]).view(torch.int8)
+        s = torch.gather(rec, 1, self.scale_at[r].flatten(1)).view(self.scale_dtype)
+        rows = (q.float().view(len(flat), -1, BLOCK) * s.float()[..., None]).view(len(flat), -1)
+        return rows.to(self.dtype).view(*ids.shape, -1)
+
+
+def tie_embedding(model: nn.Module) -> bool:
+    """Swap the float embedding for one read from the W8A8 lm_head's codes, where those give back
+    the table exactly; returns whether it did."""
+    head, emb = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
+    if not isinstance(head, W8A8Linear) or not isinstance(emb, nn.Embedding) or head.bias is not None:
+        return False
+    if emb.weight.shape != (head.out_features, head.in_features) or emb.weight.dtype != torch.float32:
+        return False
+    packed = PackedEmbedding(head, emb.weight.dtype)
+    ids = torch.arange(head.out_features)
+    for i in range(0, head.out_features, 8192):  # the whole table, in slices: exact or nothing
+        if not torch.equal(packed(ids[i:i + 8192]), emb.weight[i:i + 8192]):
+            return False
+    model.embed_tokens = packed
+    return True
+
+
 def quantize_activations(model: nn.Module) -> int:
     """Rewrite every packed linear of the model to take int8 activations: int4 ones into W4A8, and
     int8 ones (the gguf path's lm_head, the int8 methods) into W8A8, same weights (the engine then
@@ -243,4 +293,5 @@ def quantize_activations(model: nn.Module) -> int:
                 n += 1
     if n == 0:
         raise InferdError("--quantize-activations applies to packed int4/int8 weights: this model has none")
+    tie_embedding(model)
     return n
