@@ -93,7 +93,8 @@ def bytes_per_decode_token(model, context: int) -> int:
             if t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
                 total += t.numel() * t.element_size()
-    total += cfg.hidden_size * model.embed_tokens.weight.element_size()
+    emb = getattr(model.embed_tokens, "weight", None)  # a PackedEmbedding reads int8 codes instead
+    total += cfg.hidden_size * (emb.element_size() if emb is not None else 1)
     kv_elem = 4 if model.dtype == torch.float32 else 2
     total += (context + 1) * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * kv_elem
     return total

@@ -5,11 +5,12 @@ max_tokens + ignore_eos, counted from each server's own `usage`), at concurrency
 llama-server: built from the llama.cpp sources vendored in the llama-cpp-python sdist (see
 benchmarks/llamacpp.py), 2 threads, 32 slots (-np 32), prompt caching off (--no-cache-prompt,
 --cache-ram 0), OMP_WAIT_POLICY passive on a busy machine and active on a quiet one unless set (see
-llamacpp.omp_env: the wrong one costs llama.cpp 3-8x). inferd serve: 2 threads, --max-num-seqs 32, prefix caching off to match, once per
---quantization given (default: `gguf`, the file's own Q4_1 blocks, and `none`, dequantized
+llamacpp.omp_env: the wrong one costs llama.cpp 3-8x). inferd serve: 2 threads, --max-num-seqs 32, prefix caching off to match, once per --config
+LABEL=FLAGS given (any `inferd serve` flags), else once per --quantization given (default: `gguf`, the file's own Q4_1 blocks, and `none`, dequantized
 weights in the default dtype), since neither wins at every batch size.
 
 Usage: nice -n 10 .venv/bin/python benchmarks/llamacpp_server_bench.py [--quantization gguf,none]
+       [--config 'w4a8=--quantization gguf --quantize-lm-head --quantize-activations' --config ...]
 An optional benchmark (not part of CI): ~10-15 minutes on a 2-core machine, plus a one-time
 llama.cpp build.
 """
@@ -43,6 +44,23 @@ def llama_server_cmd(binary: str, gguf: str, port: int, threads: int, slots: int
             "--no-webui"]
 
 
+def inferd_configs(quantization: str, configs: list[str]) -> dict[str, list[str]]:
+    """The inferd servers to run, label -> extra `inferd serve` flags: one per --config LABEL=FLAGS
+    (any flag set, e.g. "w4a8=--quantization gguf --quantize-lm-head --quantize-activations"), and
+    one per --quantization entry ("--quantization Q") where no --config is given."""
+    import shlex
+
+    out = {}
+    for c in configs:
+        label, sep, flags = c.partition("=")
+        if not sep or not label:
+            raise SystemExit(f"--config wants LABEL=FLAGS, got {c!r}")
+        out[label] = shlex.split(flags)
+    if not configs:
+        out = {q: ["--quantization", q] for q in quantization.split(",") if q}
+    return out
+
+
 def main() -> None:
     from inferd.loader import default_model_path
 
@@ -54,7 +72,11 @@ def main() -> None:
     ap.add_argument("--input-len", default="128")
     ap.add_argument("--output-len", default="128")
     ap.add_argument("--levels", default=DEFAULT_LEVELS, help="CONCURRENCY:NUM_PROMPTS,...")
-    ap.add_argument("--quantization", default="gguf,none", help="inferd configs to run, comma-separated")
+    ap.add_argument("--quantization", default="gguf,none",
+                    help="inferd configs to run, comma-separated (ignored where --config is given)")
+    ap.add_argument("--config", action="append", default=[], metavar="LABEL=FLAGS",
+                    help="an inferd server with these `inferd serve` flags (repeatable), e.g. "
+                         "'w4a8=--quantization gguf --quantize-lm-head --quantize-activations'")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-llamacpp", action="store_true")
     a = ap.parse_args()
@@ -78,11 +100,11 @@ def main() -> None:
         cmd = llama_server_cmd(binary, gguf, free_port(), a.threads, a.slots, a.ctx_per_slot)
         with server(cmd, "llama-server", env=llamacpp_env()) as url:
             results["llama.cpp"] = bench_all(url)
-    for q in a.quantization.split(","):
+    for label, flags in inferd_configs(a.quantization, a.config).items():
         cmd = inferd_serve_cmd("--model", gguf, "--threads", str(a.threads), "--max-num-seqs", str(a.slots),
-                               "--quantization", q, "--no-prefix-caching", port=free_port())
-        with server(cmd, f"inferd-{q}", env=inferd_env()) as url:
-            results[f"inferd {q}"] = bench_all(url)
+                               "--no-prefix-caching", *flags, port=free_port())
+        with server(cmd, f"inferd-{label}", env=inferd_env()) as url:
+            results[f"inferd {label}"] = bench_all(url)
 
     names = list(results)
     base = "llama.cpp" if "llama.cpp" in results else None

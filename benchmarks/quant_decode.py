@@ -15,6 +15,15 @@ llama.cpp comes from llama-cpp-python, built and installed by benchmarks/llamacp
 both OpenMP wait policies, passive and active, and compared at the faster (its random 64-token prompt
 has the same length as ours).
 
+Also, for the issue's "fastest at every batch size" (#24), in the same run:
+  - batch 8, 16 and 32 decode of the dense models and the W4A8 ones (total tok/s, the quantized
+    model's ratio to the faster dense dtype), with every model's weight memory beside it;
+  - a 512-token prefill (one chunk) of each, against llama.cpp's pp512 (`llama-bench -p 512`), in
+    tok/s and in GOP/s against the measured int8 and fp32 GEMM peaks (oneDNN's torch._int_mm and
+    torch.mm at 512 x 576 x 3072);
+  - `llama-bench -t T -p 512 -n 128 -r 5` itself (the number llama.cpp users quote), one call a
+    round beside the in-process llama.cpp rows, at the wait policy its in-process rows found faster.
+
 With --isa-sweep, the W4A8 rows run again under every kernel variant this CPU executes (INFERD_ISA:
 generic, avx2, avx512, avx512_vnni; inferd.kernels.native), batch 1 and batch 16 (the kernel's most
 rows), in alternating rounds: what each variant is worth on this machine.
@@ -38,7 +47,8 @@ sys.path.insert(0, os.path.join(HERE, "..", "src"))
 sys.path.insert(0, HERE)
 
 from common import bytes_per_decode_token, cpu_features, hf_decode_rate as hf_rate, read_bandwidth_gbs  # noqa: E402
-from inferd.engine.rate import decode_rate  # noqa: E402
+from inferd.engine.rate import decode_rate, prefill_rate  # noqa: E402
+from inferd.quant import weight_bytes  # noqa: E402
 from inferd.loader import default_model_path, load_model  # noqa: E402
 
 CONFIGS = [  # (label, quantization, group size, quantize lm_head, dtype, int8 activations: W4A8)
@@ -81,6 +91,34 @@ def fp32_kernel_penalty(reps: int = 50) -> dict:
     return out
 
 
+def gemm_peaks(threads: int) -> dict:
+    """GOP/s of the best library GEMMs here at a prefill-sized shape (512 x 576 x 3072): oneDNN's int8
+    (torch._int_mm, s8 x s8 -> s32, no scales) and fp32 (torch.mm): the roofline for prefill."""
+    import statistics as st
+
+    M, K, N = 512, 576, 3072
+    a8, b8 = torch.randint(-127, 128, (M, K), dtype=torch.int8), torch.randint(-127, 128, (K, N), dtype=torch.int8)
+    a, b = torch.randn(M, K), torch.randn(K, N)
+    out = {}
+    for name, fn in (("int8", lambda: torch._int_mm(a8, b8)), ("fp32", lambda: a @ b)):
+        fn()
+        runs = []
+        for _ in range(10):
+            t0 = time.perf_counter()
+            fn()
+            runs.append(time.perf_counter() - t0)
+        out[name] = 2 * M * K * N / st.median(runs) / 1e9
+    return out
+
+
+def matmul_params(model) -> int:
+    """Weights a token multiplies by: every linear of the layers and the lm_head (not the embedding)."""
+    cfg = model.cfg
+    per_layer = cfg.hidden_size * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim \
+        + cfg.num_attention_heads * cfg.head_dim * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
+    return cfg.num_hidden_layers * per_layer + cfg.vocab_size * cfg.hidden_size
+
+
 def isa_sweep(models, prompt, a) -> dict:
     """{(variant, label, batch): tok/s} for the W4A8 configs, variants alternating within each round."""
     from inferd.kernels import native
@@ -109,6 +147,9 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--only", default=None, help="run only the inferd configs whose label contains this")
     ap.add_argument("--isa-sweep", action="store_true", help="the W4A8 rows under every runnable kernel variant")
+    ap.add_argument("--batches", default="8,16,32", help="decode batch sizes for the batch table ('' to skip)")
+    ap.add_argument("--skip-prefill", action="store_true")
+    ap.add_argument("--skip-llama-bench", action="store_true")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     path = default_model_path()
@@ -154,7 +195,25 @@ def main():
                 runners[f"llama.cpp Q4_1 (OMP {policy})"] = lambda p=policy: llamacpp_round(p)
         except Exception as e:  # optional competitor: say why it is missing, keep the rest
             llama_note = f"llama.cpp skipped: {type(e).__name__}: {e}"
-    rates = {k: [] for k in runners}
+    bench_pp = []
+    if not a.skip_llama_bench:
+        from llamacpp import llama_bench
+
+        def llama_bench_round() -> float:
+            # the policy llama.cpp's in-process rows found faster so far this run (active on a quiet box)
+            done = {p: statistics.median(rates[f"llama.cpp Q4_1 (OMP {p})"]) for p in ("passive", "active")
+                    if rates.get(f"llama.cpp Q4_1 (OMP {p})")}
+            policy = max(done, key=done.get) if done else "active"
+            r = llama_bench(path, threads=a.threads, env=dict(os.environ, OMP_WAIT_POLICY=policy))
+            bench_pp.append(r["pp512"])
+            return r["tg128"]
+
+        try:
+            llama_bench(path, threads=a.threads, reps=1)  # builds on first use
+            runners["llama-bench tg128 (-r 5)"] = llama_bench_round
+        except Exception as e:
+            llama_note += f" llama-bench skipped: {type(e).__name__}: {e}"
+    rates: dict = {k: [] for k in runners}
     for _ in range(a.rounds):
         for k, fn in runners.items():
             rates[k].append(fn())
@@ -164,8 +223,27 @@ def main():
     bw = read_bandwidth_gbs(a.threads)
     per_token = {k: bytes_per_decode_token(m.model, len(prompt) + a.tokens // 2) for k, m in models.items()}
 
+    batches = [int(b) for b in a.batches.split(",") if b]
+    dense_keys = [k for k in ("inferd bf16", "inferd fp32") if k in models]
+    quant_keys = [k for k in models if "W4A8" in k]
+    batch_rates: dict = {}
+    for _ in range(a.rounds if batches else 0):
+        for bsz in batches:
+            for k in dense_keys + quant_keys:
+                batch_rates.setdefault((k, bsz), []).append(engine_rate(models[k], prompt, 64, batch=bsz))
+    bmed = {k: statistics.median(v) for k, v in batch_rates.items()}
+    prefill: dict = {}
+    peaks = gemm_peaks(a.threads)
+    if not a.skip_prefill:
+        long_prompt = tok.encode("The history of the printing press begins in the fifteenth century, when " * 60)[:512]
+        for _ in range(a.rounds):
+            for k in dense_keys + quant_keys:
+                prefill.setdefault(k, []).append(prefill_rate(models[k], long_prompt, rounds=1))
+    pmed = {k: statistics.median(v) for k, v in prefill.items()}
+    mem = {k: weight_bytes(m.model) for k, m in models.items()}
+
     b32 = {}
-    if not a.skip_batch32:
+    if not a.skip_batch32 and not batches:
         for k in ("inferd bf16", "inferd fp32", "inferd gguf (Q4_1 blocks)", "inferd gguf +lm_head int8",
                   "inferd gguf +lm_head W4A8/W8A8", "inferd int4 g32 +lm_head W4A8"):
             if k not in models:
@@ -204,6 +282,9 @@ def main():
     if llama:
         lk = max(llama, key=med.get)
         print(f"  vs llama.cpp:            {med[best] / med[lk]:.2f}x   ({lk}, its faster OpenMP wait policy here)")
+    if "llama-bench tg128 (-r 5)" in med:
+        print(f"  vs llama-bench tg128:    {med[best] / med['llama-bench tg128 (-r 5)']:.2f}x")
+    print(f"  of measured bandwidth:   {100 * med[best] * per_token[best] / 1e9 / bw:.1f}%")
     if llama_note:
         print("  " + llama_note)
     if b32:
@@ -223,6 +304,30 @@ def main():
     print("\npacked kernels, one 576->3072 layer, batch 1: fp32 vs bf16 activations")
     for k, v in pen.items():
         print(f"  {k}: bf16 {v['bf16_us']:.0f} us, fp32 {v['fp32_us']:.0f} us ({v['fp32_slowdown']:.1f}x slower)")
+    if bmed:
+        print(f"\nbatched decode, total tok/s (64 tokens each, median of {a.rounds} alternating rounds); "
+              "weight memory = every parameter and buffer the model holds")
+        print(f"{'contender':<36} {'MiB':>6} {'x bf16':>7}" + "".join(f" {'b' + str(b):>8}" for b in batches))
+        for k in dense_keys + quant_keys:
+            print(f"{k:<36} {mem[k] / 2**20:>6.0f} {mem[k] / mem['inferd bf16']:>6.2f}x"
+                  + "".join(f" {bmed[(k, b)]:>8.1f}" for b in batches))
+        for k in quant_keys:
+            print(f"  {k}: " + ", ".join(
+                f"b{b} {bmed[(k, b)] / max(bmed[(d, b)] for d in dense_keys):.2f}x" for b in batches)
+                + " the faster dense dtype at each batch")
+    if pmed:
+        n = matmul_params(models["inferd bf16"].model)
+        print(f"\nprefill, one 512-token chunk, prompt tok/s (median of {a.rounds} rounds); GOP/s = 2 x "
+              f"{n / 1e6:.0f}M matmul weights x tokens / s; measured GEMM peaks here at 512x576x3072: "
+              f"int8 {peaks['int8']:.0f} GOP/s (torch._int_mm), fp32 {peaks['fp32']:.0f} GFLOP/s (torch.mm)")
+        pp = statistics.median(bench_pp) if bench_pp else None
+        print(f"{'contender':<36} {'tok/s':>8} {'GOP/s':>7} {'% int8 peak':>12} {'x fp32':>7}" + (f" {'x pp512':>8}" if pp else ""))
+        for k, v in pmed.items():
+            gops = 2 * n * v / 1e9
+            print(f"{k:<36} {v:>8.1f} {gops:>7.0f} {100 * gops / peaks['int8']:>11.1f}% "
+                  f"{v / pmed['inferd fp32']:>6.2f}x" + (f" {v / pp:>7.2f}x" if pp else ""))
+        if pp:
+            print(f"{'llama-bench pp512 (-r 5)':<36} {pp:>8.1f} {2 * n * pp / 1e9:>7.0f}   rounds {[round(x, 1) for x in bench_pp]}")
     if sweep:
         print(f"\nW4A8 decode tok/s per kernel variant (median of {a.rounds} alternating rounds; "
               f"batch 16: 32 tokens each)")
@@ -232,7 +337,10 @@ def main():
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"read_bandwidth_gbs": bw, "bytes_per_token": per_token, "isa_sweep": {f"{v}|{lab}|b{b}": r for (v, lab, b), r in sweep.items()},"cpu": cpu_features(), "cpu_capability": torch.backends.cpu.get_cpu_capability(), "batch1_tok_s": med, "rounds": rates, "fastest_4bit": best, "batch32_tok_s": b32,
-                       "fp32_kernel_penalty": pen, "llamacpp_note": llama_note}, f, indent=2)
+                       "fp32_kernel_penalty": pen, "llamacpp_note": llama_note,
+                       "batched_tok_s": {f"{k}|b{b}": v for (k, b), v in bmed.items()},
+                       "prefill_tok_s": pmed, "llama_bench_pp512": bench_pp, "gemm_peaks_gops": peaks,
+                       "weight_bytes": mem}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -104,3 +104,22 @@ def test_decode_only_step_matches_dense(window, use_kernel):
     assert (attn.decode_args() is not None) == use_kernel
     torch.testing.assert_close(attn(0, q, k, v).float(), want, atol=1e-5, rtol=1e-5)
     assert attn.kernel_calls == (1 if use_kernel else 0)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("start", [0, 3])
+def test_a_fresh_prompt_runs_causal_sdpa_and_matches_dense(window, start):
+    """One prompt from position 0 takes SDPA's is_causal (its kernel skips the blocks above the
+    diagonal); a chunk after earlier keys, or a sliding window, keeps the explicit mask. Both against
+    the dense reference."""
+    rng_pool = KVPool(1, 16, 4, 2, 16, torch.float32, "cpu")
+    g = torch.Generator().manual_seed(7)
+    rng_pool.k.copy_(torch.randn(rng_pool.k.shape, generator=g))
+    rng_pool.v.copy_(torch.randn(rng_pool.v.shape, generator=g))
+    tables, starts, lens = [[3, 1, 4, 0, 2]], [start], [19 - start]
+    q, k, v = torch.randn(lens[0], 6, 16), torch.randn(lens[0], 2, 16), torch.randn(lens[0], 2, 16)
+    want = _dense_reference(rng_pool, tables, starts, lens, q, k, v, (6, 2, 16), window)
+    attn = PagedAttention(rng_pool, 16, sliding_window=window)
+    attn.prepare(tables, starts, lens)
+    assert [gr.causal for gr in attn.groups] == [start == 0 and window is None]
+    torch.testing.assert_close(attn(0, q, k, v).float(), want, atol=1e-5, rtol=1e-5)

@@ -65,7 +65,8 @@ static void decode_attention(const float* q, const T* k, const T* v, const int64
         float m = sg[0];  // len >= 1
         for (int64_t i = 1; i < len; ++i) m = sg[i] > m ? sg[i] : m;
         float sum = 0.f;
-        for (int64_t i = 0; i < len; ++i) { sg[i] = std::exp(sg[i] - m); sum += sg[i]; }
+        for (int64_t i = 0; i < len; ++i) sg[i] = expf_lanes(sg[i] - m);
+        for (int64_t i = 0; i < len; ++i) sum += sg[i];
         mx[g] = m;
         sm[g] = sum;
       }
@@ -91,7 +92,7 @@ static void decode_attention(const float* q, const T* k, const T* v, const int64
         std::fill(o, o + D, 0.f);
         float total = 0.f;
         for (int64_t c = first[b]; c < first[b + 1]; ++c) {
-          const float w = std::exp(at(c)[g] - m);
+          const float w = expf_lanes(at(c)[g] - m);
           total += w * at(c)[G + g];
           const float* a = at(c) + 2 * G + g * D;
           for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];

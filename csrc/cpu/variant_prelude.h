@@ -5,6 +5,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>

@@ -31,6 +31,9 @@ class _Group:
     out_sel: torch.Tensor | None  # [N] positions in the flattened [B*Q] output that are valid
     block_tables: torch.Tensor | None = None  # [B, max_blocks] (decode group, for the kernel)
     ctx_lens: torch.Tensor | None = None  # [B]
+    # one fresh prompt (its queries are keys 0..Q-1, no window): SDPA's is_causal, whose kernel skips
+    # the blocks above the diagonal that an explicit mask makes it compute (2x a 512-token prefill)
+    causal: bool = False
 
 
 class PagedAttention:
@@ -124,7 +127,10 @@ class PagedAttention:
         qg = qc[g.q_index].permute(0, 2, 1, 3)  # [B, H, Q, D]
         kg = kc[g.kv_slots].permute(0, 2, 1, 3)  # [B, Hkv, K, D]
         vg = vc[g.kv_slots].permute(0, 2, 1, 3)
-        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.scale, enable_gqa=True)
+        if g.causal:
+            o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=self.scale, enable_gqa=True)
+        else:
+            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.scale, enable_gqa=True)
         o = o.permute(0, 2, 1, 3).reshape(B * Q, H * D)
         if g.out_sel is not None:
             o = o[g.out_sel]
@@ -155,6 +161,7 @@ class PagedAttention:
             out_sel=None if Q == 1 else torch.nonzero(flat_valid).flatten().to(dev),
             block_tables=bt.contiguous().to(dev) if Q == 1 else None,
             ctx_lens=ctx.contiguous().to(dev) if Q == 1 else None,
+            causal=B == 1 and Q > 1 and int(starts[0]) == 0 and int(lens[0]) == int(ctx[0]) and self.window is None,
         )
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
