@@ -5,22 +5,54 @@
 // the G query heads sharing a kv head reuse each K row while it is in cache.
 // Included once per ISA variant, inside its namespace (variant_*.cpp).
 
-// q . k over D as 16 lane sums added at the end in a fixed order: the lanes are independent, so the
-// compiler vectorises the loop without reassociating anything (a plain `s += q[d] * k[d]` is a
-// serial chain it may not reorder: it ran ~4x slower), and every variant sums in the same order.
-static constexpr int64_t LANE = 16;
-
+// q . k over D. In registers on AVX2/AVX-512 (16 or 8 lanes, one horizontal sum a dot): a plain
+// `s += q[d] * k[d]` is a serial chain the compiler may not reorder, and lane sums kept in an
+// array went through memory (a vector store, then scalar reloads stalling on store forwarding).
+#if INFERD_ISA_LEVEL >= 2
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const bf16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
 template <typename T>
-static inline float dot_lanes(const float* __restrict q, const T* __restrict k, int64_t D) {
-  float part[LANE] = {};
+static inline float dot_lanes(const float* q, const T* k, int64_t D) {
+  __m512 a = _mm512_setzero_ps();
   int64_t d = 0;
-  for (; d + LANE <= D; d += LANE)
-    for (int64_t l = 0; l < LANE; ++l) part[l] += q[d + l] * static_cast<float>(k[d + l]);
-  for (; d < D; ++d) part[d % LANE] += q[d] * static_cast<float>(k[d]);
-  float s = 0.f;
-  for (int64_t l = 0; l < LANE; ++l) s += part[l];
+  for (; d + 16 <= D; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), a);
+  float s = _mm512_reduce_add_ps(a);
+  for (; d < D; ++d) s += q[d] * static_cast<float>(k[d]);
   return s;
 }
+#elif INFERD_ISA_LEVEL == 1
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const bf16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+template <typename T>
+static inline float dot_lanes(const float* q, const T* k, int64_t D) {
+  __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) {
+    a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), a);
+    b = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), load8(k + d + 8), b);
+  }
+  a = _mm256_add_ps(a, b);
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  float s = _mm_cvtss_f32(h);
+  for (; d < D; ++d) s += q[d] * static_cast<float>(k[d]);
+  return s;
+}
+#else
+template <typename T>
+static inline float dot_lanes(const float* q, const T* k, int64_t D) {
+  float s = 0.f;
+  for (int64_t d = 0; d < D; ++d) s += q[d] * static_cast<float>(k[d]);
+  return s;
+}
+#endif
 
 // Keys per task. A sequence's context is cut into chunks of CHUNK keys, each a task over one kv
 // head: at batch 1 a 100-token context makes 6 tasks for 2 threads, not 3. Each chunk keeps its own
@@ -41,20 +73,30 @@ static void decode_attention(const float* q, const T* k, const T* v, const int64
   const int64_t chunks = first[B];
   // per (chunk, kv head): G maxima, G sums, G x D weighted values
   std::vector<float> part(chunks * Hkv * G * (D + 2));
-  auto slot_of = [&](int64_t b, int64_t t) { return bt[b * max_blocks + t / bs] * bs + t % bs; };
+  // the cache slots of keys t0..t1 of sequence b, walked without a division per key
+  auto slots_of = [&](int64_t b, int64_t t0, int64_t t1, int64_t* out) {
+    const int64_t* table = bt + b * max_blocks;
+    int64_t blk = t0 / bs, off = t0 % bs;
+    for (int64_t t = t0; t < t1; ++t) {
+      out[t - t0] = table[blk] * bs + off;
+      if (++off == bs) off = 0, ++blk;
+    }
+  };
   int64_t work = 0;
   for (int64_t b = 0; b < B; ++b) work += ctx[b];
   const int64_t grain = work * H * D < (1 << 12) ? chunks * Hkv : 1;
   at::parallel_for(0, chunks * Hkv, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(G * CHUNK);
+    int64_t slot[CHUNK];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t c = task / Hkv, hk = task % Hkv;
       const int64_t b = std::upper_bound(first.begin(), first.end(), c) - first.begin() - 1;
       const int64_t start = window > 0 ? std::max<int64_t>(0, ctx[b] - window) : 0;
       const int64_t t0 = start + (c - first[b]) * CHUNK, t1 = std::min(ctx[b], t0 + CHUNK), len = t1 - t0;
       const float* qb = q + (b * H + hk * G) * D;
+      slots_of(b, t0, t1, slot);
       for (int64_t t = t0; t < t1; ++t) {
-        const T* kr = k + (slot_of(b, t) * Hkv + hk) * D;
+        const T* kr = k + (slot[t - t0] * Hkv + hk) * D;
         for (int64_t g = 0; g < G; ++g) scores[g * len + (t - t0)] = dot_lanes(qb + g * D, kr, D) * scale;
       }
       float* mx = part.data() + task * G * (D + 2);
@@ -72,7 +114,7 @@ static void decode_attention(const float* q, const T* k, const T* v, const int64
       }
       std::fill(acc, acc + G * D, 0.f);
       for (int64_t t = t0; t < t1; ++t) {
-        const T* __restrict vr = v + (slot_of(b, t) * Hkv + hk) * D;
+        const T* __restrict vr = v + (slot[t - t0] * Hkv + hk) * D;
         for (int64_t g = 0; g < G; ++g) {
           const float p = scores[g * len + (t - t0)];
           float* __restrict a = acc + g * D;
@@ -82,10 +124,11 @@ static void decode_attention(const float* q, const T* k, const T* v, const int64
     }
   });
   // merge each (sequence, head)'s chunks in order: rescale to the largest max, divide by the total
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t hk = 0; hk < Hkv; ++hk)
+  at::parallel_for(0, B * Hkv, grain == 1 ? 1 : B * Hkv, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / Hkv, hk = task % Hkv;
+      auto at = [&](int64_t c) { return part.data() + (c * Hkv + hk) * G * (D + 2); };
       for (int64_t g = 0; g < G; ++g) {
-        auto at = [&](int64_t c) { return part.data() + (c * Hkv + hk) * G * (D + 2); };
         float m = -INFINITY;
         for (int64_t c = first[b]; c < first[b + 1]; ++c) m = std::max(m, at(c)[g]);
         float* o = out + (b * H + hk * G + g) * D;
@@ -100,4 +143,6 @@ static void decode_attention(const float* q, const T* k, const T* v, const int64
         const float inv = 1.f / total;
         for (int64_t d = 0; d < D; ++d) o[d] *= inv;
       }
+    }
+  });
 }
