@@ -8,40 +8,17 @@
 // q . k over D. In registers on AVX2/AVX-512 (16 or 8 lanes, one horizontal sum a dot): a plain
 // `s += q[d] * k[d]` is a serial chain the compiler may not reorder, and lane sums kept in an
 // array went through memory (a vector store, then scalar reloads stalling on store forwarding).
-#if INFERD_ISA_LEVEL >= 2
-static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-static inline __m512 load16(const bf16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+#if INFERD_ISA_LEVEL >= 1
 template <typename T>
 static inline float dot_lanes(const float* q, const T* k, int64_t D) {
-  __m512 a = _mm512_setzero_ps();
+  VF a = fzero(), b = fzero();  // two chains: a head of 64 is 2 or 4 steps
   int64_t d = 0;
-  for (; d + 16 <= D; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), a);
-  float s = _mm512_reduce_add_ps(a);
-  for (; d < D; ++d) s += q[d] * static_cast<float>(k[d]);
-  return s;
-}
-#elif INFERD_ISA_LEVEL == 1
-static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-static inline __m256 load8(const bf16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-template <typename T>
-static inline float dot_lanes(const float* q, const T* k, int64_t D) {
-  __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
-  int64_t d = 0;
-  for (; d + 16 <= D; d += 16) {
-    a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), a);
-    b = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), load8(k + d + 8), b);
+  for (; d + 2 * LANES <= D; d += 2 * LANES) {
+    a = ffma(fload(q + d), fload(k + d), a);
+    b = ffma(fload(q + d + LANES), fload(k + d + LANES), b);
   }
-  a = _mm256_add_ps(a, b);
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_movehdup_ps(h));
-  float s = _mm_cvtss_f32(h);
+  for (; d + LANES <= D; d += LANES) a = ffma(fload(q + d), fload(k + d), a);
+  float s = fsum(fadd(a, b));
   for (; d < D; ++d) s += q[d] * static_cast<float>(k[d]);
   return s;
 }

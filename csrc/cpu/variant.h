@@ -10,6 +10,7 @@
 namespace inferd {
 namespace INFERD_VARIANT {
 
+#include "simd.h"
 #include "elementwise_impl.h"
 #include "paged_attention_impl.h"
 #include "w4a8_impl.h"

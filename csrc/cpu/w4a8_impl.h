@@ -93,74 +93,9 @@ static inline int32_t load4(const int8_t* p) {
 // AVX-512: 8 rows x 16 columns of int sums and of float totals; 16 on AVX2).
 static constexpr int TILE = INFERD_ISA_LEVEL >= 2 ? 8 : INFERD_ISA_LEVEL == 1 ? 2 : 1;
 
-#if INFERD_ISA_LEVEL >= 2
-using VF = __m512;
-using VI = __m512i;
-static constexpr int HALVES = 1;  // vectors per group
-static inline VI vload(const uint8_t* p) { return _mm512_loadu_si512(p); }
-static inline VI vset1(int32_t v) { return _mm512_set1_epi32(v); }
-static inline VI vzero() { return _mm512_setzero_si512(); }
-static inline VI vand(VI a, VI b) { return _mm512_and_si512(a, b); }
-static inline VI vsrl4(VI a) { return _mm512_srli_epi16(a, 4); }
-static inline VI vadd16(VI a, VI b) { return _mm512_add_epi16(a, b); }
-static inline VI vadd32(VI a, VI b) { return _mm512_add_epi32(a, b); }
-static inline VI vsub32(VI a, VI b) { return _mm512_sub_epi32(a, b); }
-static inline VI vmaddubs(VI u, VI s) { return _mm512_maddubs_epi16(u, s); }
-static inline VI vmadd1(VI a) { return _mm512_madd_epi16(a, _mm512_set1_epi16(1)); }
-static inline VI vbyte(int8_t v) { return _mm512_set1_epi8(v); }
-static inline VF fzero() { return _mm512_setzero_ps(); }
-static inline VF fload(const float* p) { return _mm512_loadu_ps(p); }
-static inline VF fload(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-static inline VF fset1(float v) { return _mm512_set1_ps(v); }
-static inline VF fmul(VF a, VF b) { return _mm512_mul_ps(a, b); }
-static inline VF ffma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
-static inline VF fcvt(VI a) { return _mm512_cvtepi32_ps(a); }
-static inline void fstore(float* p, VF v, int64_t n) {
-  if (n >= 16) _mm512_storeu_ps(p, v);
-  else _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1), v);
-}
-// W8 on AVX-512 without VNNI: |w| (u8) times x negated where w < 0 (there is no vpsignb)
-static inline VI vabs8(VI w) { return _mm512_abs_epi8(w); }
-static inline VI vsign8(VI x, VI w) {
-  return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
-}
-#elif INFERD_ISA_LEVEL == 1
-using VF = __m256;
-using VI = __m256i;
-static constexpr int HALVES = 2;
-static inline VI vload(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-static inline VI vset1(int32_t v) { return _mm256_set1_epi32(v); }
-static inline VI vzero() { return _mm256_setzero_si256(); }
-static inline VI vand(VI a, VI b) { return _mm256_and_si256(a, b); }
-static inline VI vsrl4(VI a) { return _mm256_srli_epi16(a, 4); }
-static inline VI vadd16(VI a, VI b) { return _mm256_add_epi16(a, b); }
-static inline VI vadd32(VI a, VI b) { return _mm256_add_epi32(a, b); }
-static inline VI vsub32(VI a, VI b) { return _mm256_sub_epi32(a, b); }
-static inline VI vmaddubs(VI u, VI s) { return _mm256_maddubs_epi16(u, s); }
-static inline VI vmadd1(VI a) { return _mm256_madd_epi16(a, _mm256_set1_epi16(1)); }
-static inline VI vbyte(int8_t v) { return _mm256_set1_epi8(v); }
-static inline VF fzero() { return _mm256_setzero_ps(); }
-static inline VF fload(const float* p) { return _mm256_loadu_ps(p); }
-static inline VF fload(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-static inline VF fset1(float v) { return _mm256_set1_ps(v); }
-static inline VF fmul(VF a, VF b) { return _mm256_mul_ps(a, b); }
-static inline VF ffma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
-static inline VF fcvt(VI a) { return _mm256_cvtepi32_ps(a); }
-static inline void fstore(float* p, VF v, int64_t n) {
-  if (n >= 8) {
-    _mm256_storeu_ps(p, v);
-    return;
-  }
-  float t[8];
-  _mm256_storeu_ps(t, v);
-  for (int64_t j = 0; j < n; ++j) p[j] = t[j];
-}
-static inline VI vabs8(VI w) { return _mm256_sign_epi8(w, w); }
-static inline VI vsign8(VI x, VI w) { return _mm256_sign_epi8(x, w); }
-#endif
 
 #if INFERD_ISA_LEVEL >= 1
-static constexpr int64_t LANES = GW / HALVES;  // columns per vector
+static constexpr int HALVES = GW / LANES;  // vectors per group
 
 // MR rows i0.. times NG groups g0.. of W4: every output of the tile, over all of K.
 template <typename S, int MR, int NG>
