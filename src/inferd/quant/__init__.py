@@ -1,9 +1,9 @@
 """Weight-only quantization: each method is one function that rewrites a model's linear layers.
 
-    quantize(model, "int8")                  symmetric, per output channel
+    quantize(model, "int8")                  symmetric, one scale per 32-block (Q8_0's form)
     quantize(model, "int4", group_size=64)   asymmetric, group-wise, round to nearest
 
-GPTQ rounding (`int8-gptq`, `int4-gptq`: the same layouts, codes chosen with a calibration pass at
+GPTQ rounding (`int8-gptq`: one scale per output row; `int4-gptq`: the int4 layout; codes chosen with a calibration pass at
 load) lives in `gptq.py`. AWQ (calibrated, saved as a Hugging Face AWQ folder, loaded onto the same int4 kernel) lives in
 `awq.py` and `awq_checkpoint.py`.
 

@@ -68,7 +68,7 @@ def apply_gguf_int4(model, reader, cfg, dense: bool = False) -> int:
 
 
 def apply(model, ctx) -> str:
-    """The registry's entry for `gguf` (`--quantize-lm-head`: the Q8_0 output layer to per-row int8)."""
+    """The registry's entry for `gguf` (`--quantize-lm-head`: the Q8_0 output layer to int8 with its own block scales)."""
     from inferd.quant.linear import weight_bytes
     from inferd.quant.rtn import quantize_lm_head_int8
 
