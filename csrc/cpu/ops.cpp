@@ -205,7 +205,10 @@ Tensor w8_linear(Tensor x, Tensor q, Tensor s) {
   const at::Half* sp = s.data_ptr<at::Half>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, (N + P - 1) / P, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> w(P * K), out(M * P);
+    // per thread, kept between calls: a decode step makes ~120 of them
+    thread_local std::vector<float> w, out;
+    w.resize(P * K);
+    out.resize(M * P);
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * P, n = std::min(P, N - n0);
       for (int64_t r = 0; r < n; ++r)

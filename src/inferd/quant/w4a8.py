@@ -183,8 +183,9 @@ class W4A8Linear(nn.Module):
     def dequantized(self) -> torch.Tensor:
         global dequantized_copies
         dequantized_copies += 1
-        q, s, m = self.codes()
-        return (q.float().reshape(q.shape[0], -1, BLOCK) * s[..., None] + m[..., None]).reshape(q.shape)
+        from inferd.quant.linear import dequantize_int4
+
+        return dequantize_int4(*self.codes(), BLOCK)
 
 
 class W8A8Linear(nn.Module):
@@ -209,8 +210,9 @@ class W8A8Linear(nn.Module):
     def dequantized(self) -> torch.Tensor:
         global dequantized_copies
         dequantized_copies += 1
-        q, s = self.codes()
-        return (q.float().reshape(q.shape[0], -1, BLOCK) * s[..., None]).reshape(q.shape)
+        from inferd.quant.linear import dequantize_int8
+
+        return dequantize_int8(*self.codes())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -244,13 +246,14 @@ class PackedEmbedding(nn.Module):
         self.scale_dtype = torch.float16 if fs == 2 else torch.float32
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        from inferd.quant.linear import dequantize_int8
+
         packed = self._head[0].packed
         flat = ids.reshape(-1)
         rec, r = packed[flat // PAIR], flat % PAIR
         q = torch.gather(rec, 1, self.code_at[r]).view(torch.int8)
         s = torch.gather(rec, 1, self.scale_at[r].flatten(1)).view(self.scale_dtype)
-        rows = (q.float().view(len(flat), -1, BLOCK) * s.float()[..., None]).view(len(flat), -1)
-        return rows.to(self.dtype).view(*ids.shape, -1)
+        return dequantize_int8(q, s.float()).to(self.dtype).view(*ids.shape, -1)
 
 
 def tie_embedding(model: nn.Module) -> bool:
