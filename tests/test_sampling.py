@@ -76,6 +76,27 @@ def test_presence_frequency_openai_formula(logits):
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
 
 
+def test_argmax_is_torchs_on_ties_and_nan():
+    x = torch.zeros(4, 49152)
+    x[0, [5, 700, 40000]] = 3.0  # ties: the first
+    x[1, 5], x[1, 100] = 9.0, float("nan")  # NaN wins, as in torch.argmax
+    x[2] = 1.0
+    x[3, [49151, 3]] = 2.0
+    for t in (x, x.bfloat16()):
+        assert S.argmax(t).tolist() == torch.argmax(t, dim=-1).tolist() == [5, 100, 0, 3]
+
+
+def test_process_logits_never_writes_the_callers_logits(logits):
+    raw = logits.clone()
+    b = S.SamplingBatch(torch.zeros(R), torch.zeros(R, dtype=torch.long), torch.ones(R), torch.zeros(R), [None] * R)
+    assert S.process_logits(logits, b) is logits  # greedy, nothing to apply: no copy
+    b.bias_rows = [(0, torch.tensor([1, 2]), torch.tensor([5.0, -5.0]))]
+    b.masked_rows = [(1, torch.tensor([3]))]
+    out = S.process_logits(logits, b)
+    assert torch.equal(logits, raw)
+    assert out[0, 1] == raw[0, 1] + 5 and out[1, 3] == S.NEG_INF
+
+
 CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52}
 
 

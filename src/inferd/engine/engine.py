@@ -274,7 +274,9 @@ class LLMEngine:
                 self._fork(parent)
         if keep:
             reqs = [r for _, r in keep]
-            logits = logits[[j for j, _ in keep]]
+            rows = [j for j, _ in keep]
+            if rows != list(range(logits.shape[0])):  # a copy of [rows, vocab] only when some row left
+                logits = logits[rows]
             for req, tok, lp in self._sample(reqs, logits, outputs):
                 try:
                     outputs.append(self._append(req, tok, time.monotonic(), lp))
