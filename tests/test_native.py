@@ -47,6 +47,8 @@ def test_the_best_variant_is_chosen_and_the_generic_one_always_runs():
     feats = set(torch.ops.inferd.cpu_features())
     assert ("avx2" in r) == ({"avx2", "fma", "f16c"} <= feats)
     assert ("avx512_vnni" in r) == ("avx512" in r and "avx512vnni" in feats)
+    # AMX needs the CPU's tiles and Linux's permission to use them (arch_prctl)
+    assert ("avx512_amx" in r) == ("avx512_vnni" in r and {"amx-tile", "amx-int8", "amx-os"} <= feats)
 
 
 def w8_block_codes(N, K, seed):
@@ -121,6 +123,8 @@ def test_every_variant_computes_the_same_floats():
             w4a8.W8A8Linear(q8, s8.half().float(), None, torch.float32)]
     assert [w4a8.exactly_half(lin.codes()[1]) for lin in lins] == [False, False, True, True]
     x = torch.randn(37, 160) * 3
+    # a block whose scale is 1.0 exactly, so x / d lands on .5: every variant rounds half to even
+    x[0, :32] = torch.tensor([127.0, 2.5, -3.5, 0.5, -0.5, 1.5, 126.5, -126.5] * 4)
     got = {}
     for v in runnable():
         native.use_isa(v)
@@ -211,12 +215,12 @@ def _instructions_by_variant() -> dict[str, Counter]:
         m = re.match(r"^[0-9a-f]+ <(.*)>:$", line)
         if m:
             # the innermost inferd::<variant>:: namespace of the function (lambdas included)
-            found = re.findall(r"inferd::(generic|avx2|avx512|avx512_vnni)::", m.group(1))
+            found = re.findall(r"inferd::(generic|avx2|avx512|avx512_vnni|avx512_amx)::", m.group(1))
             where = found[0] if found else None
             continue
         if where and "\t" in line:
             stats[where]["insn"] += 1
-            for what in ("zmm", "ymm", "vpdpbusd", "vpmaddubsw"):
+            for what in ("zmm", "ymm", "vpdpbusd", "vpmaddubsw", "tdpbsud", "tdpbssd"):
                 stats[where][what] += what in line
     return stats
 
@@ -229,6 +233,9 @@ def test_the_variants_are_different_code():
     assert s["avx2"]["ymm"] > 0 and s["avx2"]["vpmaddubsw"] > 0 and s["avx2"]["zmm"] == 0
     assert s["avx512"]["zmm"] > 0 and s["avx512"]["vpdpbusd"] == 0
     assert s["avx512_vnni"]["zmm"] > 0 and s["avx512_vnni"]["vpdpbusd"] > 0
+    assert s["avx512_vnni"]["tdpbsud"] == s["avx512_vnni"]["tdpbssd"] == 0
+    assert s["avx512_amx"]["tdpbsud"] > 0 and s["avx512_amx"]["tdpbssd"] > 0  # W4 and W8 tiles
+    assert s["avx512_amx"]["vpdpbusd"] > 0  # steps of fewer than 16 rows stay on VNNI
     assert s["avx2"]["vpdpbusd"] == 0
 
 

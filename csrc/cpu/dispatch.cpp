@@ -9,6 +9,11 @@
 #include <cstring>
 #include <sstream>
 
+#ifdef __linux__
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace inferd {
 namespace {
 
@@ -25,6 +30,9 @@ const std::vector<Variant>& variants() {  // lowest first
       {"avx512", kernels_avx512, {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"}},
       {"avx512_vnni", kernels_avx512_vnni,
        {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni"}},
+      {"avx512_amx", kernels_avx512_amx,
+       {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni", "amx-tile", "amx-int8",
+        "amx-os"}},
   };
   return v;
 }
@@ -41,6 +49,18 @@ bool hidden(const char* feature) {
   return false;
 }
 
+// CPUID listing AMX is not enough: Linux hands a process the 8 KB of tile state only on request
+// (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA, since 5.16), and a tile instruction without it
+// faults. Asked once; a kernel or hypervisor that refuses it makes the variant unrunnable, not a crash.
+bool amx_granted() {
+#if defined(__linux__) && (defined(__x86_64__) || defined(_M_X64))
+  static const bool ok = __builtin_cpu_supports("amx-tile") && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+#else
+  return false;
+#endif
+}
+
 bool cpu_has(const char* f) {
   if (hidden(f)) return false;
 #if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__)
@@ -55,6 +75,8 @@ bool cpu_has(const char* f) {
   if (!std::strcmp(f, "avx512vnni")) return __builtin_cpu_supports("avx512vnni");
   if (!std::strcmp(f, "avx512bf16")) return __builtin_cpu_supports("avx512bf16");
   if (!std::strcmp(f, "amx-tile")) return __builtin_cpu_supports("amx-tile");
+  if (!std::strcmp(f, "amx-int8")) return __builtin_cpu_supports("amx-int8");
+  if (!std::strcmp(f, "amx-os")) return amx_granted();
 #endif
   return false;
 }
@@ -80,7 +102,7 @@ std::atomic<const Kernels*> g_active{nullptr};
 std::vector<std::string> cpu_features() {
   std::vector<std::string> out;
   for (const char* f : {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni",
-                        "avx512bf16", "amx-tile"})
+                        "avx512bf16", "amx-tile", "amx-int8", "amx-os"})
     if (cpu_has(f)) out.emplace_back(f);
   return out;
 }

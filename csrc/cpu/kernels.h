@@ -49,6 +49,7 @@ const Kernels* kernels_generic();
 const Kernels* kernels_avx2();
 const Kernels* kernels_avx512();
 const Kernels* kernels_avx512_vnni();
+const Kernels* kernels_avx512_amx();
 
 const Kernels& active();
 // Select a variant by name ("auto" = the best this CPU runs); throws a one-line error naming what

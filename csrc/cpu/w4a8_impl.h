@@ -23,6 +23,7 @@
 //   1 avx2     256-bit: a group is two halves; vpmaddubsw, int16 sums over a block, one vpmaddwd
 //   2 avx512   the same on 512-bit registers
 //   3 vnni     512-bit vpdpbusd (u8 x s8 -> s32 in one instruction)
+//   4 amx      vnni plus AMX tiles for every whole 16 rows of a step (tdpbsud / tdpbssd)
 // Every variant computes, per output (row i, column n), the same integer block sums and then, block
 // by block in order, y = fma(float(isum), s * dx, y) and (W4) y = fma(m, xs, y): the same floats on
 // every ISA, whatever the tile, the number of rows or a row's place among them (batch invariance).
@@ -31,6 +32,60 @@ static constexpr int64_t GW = 16;
 
 // x [M, K] fp32 -> xq int8, dx [M, K/32] (block scale), xs = dx * sum(xq), xi = sum(xq) as int
 static void quantize_blocks(const float* x, int64_t b0, int64_t b1, int8_t* xq, float* dx, float* xs, int32_t* xi) {
+#if INFERD_ISA_LEVEL >= 2
+  // the same roundings in vectors: an exact IEEE division, round half to even (nearbyint's default
+  // mode), so every variant rounds a block to the same codes. Scalar, the divisions were ~0.8 ns an
+  // activation: half of a 32-row down_proj call.
+  const __m512 sign = _mm512_set1_ps(-0.f);
+  for (int64_t i = b0; i < b1; ++i) {
+    const float* xb = x + i * 32;
+    const __m512 a0 = _mm512_loadu_ps(xb), a1 = _mm512_loadu_ps(xb + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a0), _mm512_andnot_ps(sign, a1)));
+    const float d = amax / 127.f;
+    __m512i q0 = _mm512_setzero_si512(), q1 = q0;
+    if (d > 0.f) {
+      const __m512 dv = _mm512_set1_ps(d);
+      constexpr int RN = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+      q0 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_div_ps(a0, dv), RN));
+      q1 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_div_ps(a1, dv), RN));
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + i * 32), _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + i * 32 + 16), _mm512_cvtepi32_epi8(q1));
+    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    dx[i] = d;
+    xs[i] = d * static_cast<float>(sum);
+    xi[i] = sum;
+  }
+#elif INFERD_ISA_LEVEL == 1
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int64_t i = b0; i < b1; ++i) {
+    const float* xb = x + i * 32;
+    __m256 a[4], m = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) a[j] = _mm256_loadu_ps(xb + 8 * j), m = _mm256_max_ps(m, _mm256_andnot_ps(sign, a[j]));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float d = _mm_cvtss_f32(h) / 127.f;
+    __m256i q[4] = {};
+    if (d > 0.f) {
+      const __m256 dv = _mm256_set1_ps(d);
+      for (int j = 0; j < 4; ++j)
+        q[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_div_ps(a[j], dv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+    // int32 -> int8 (|q| <= 127, no saturation): the packs interleave 128-bit lanes, the permute undoes it
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + i * 32),
+                        _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    const __m256i s4 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    const int32_t sum = _mm_cvtsi128_si32(s);
+    dx[i] = d;
+    xs[i] = d * static_cast<float>(sum);
+    xi[i] = sum;
+  }
+#else
   for (int64_t i = b0; i < b1; ++i) {
     const float* xb = x + i * 32;
     float amax = 0.f;
@@ -47,6 +102,7 @@ static void quantize_blocks(const float* x, int64_t b0, int64_t b1, int8_t* xq, 
     xs[i] = d * static_cast<float>(sum);
     xi[i] = sum;
   }
+#endif
 }
 
 static void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* xs, int32_t* xi) {
@@ -260,9 +316,122 @@ static void down(const Operands& o, int64_t M, int64_t i, int64_t g0, int64_t g1
 // row tile passes over them, so a step reads each weight from DRAM once whatever M is.
 static constexpr int64_t PANEL = 8;
 
+#if INFERD_ISA_LEVEL >= 4
+// AMX: 16 rows x one group (16 columns) a tile pass. Per 32-block one tile op computes the 256
+// exact int32 block sums (A: 16 rows x 32 int8 of x; B: 8 rows of 4 k x 16 columns, the VNNI
+// order the records already use), stored and then scaled by the same fma's as every other variant,
+// so the floats are theirs bit for bit. B of W8 is read straight from the records (signed x signed:
+// tdpbssd); W4's nibbles are first split into a per-group buffer of unsigned bytes (tdpbsud), once
+// for all of the step's row tiles.
+static constexpr int64_t AMX_ROWS = 16;
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+static void amx_configure() {
+  TileConfig c;
+  c.rows[0] = AMX_ROWS, c.colsb[0] = GW * 4;  // C: 16 rows x 16 int32
+  c.rows[1] = AMX_ROWS, c.colsb[1] = 32;      // A: 16 rows x one 32-block of int8
+  c.rows[2] = 8, c.colsb[2] = GW * 4;         // B: 32 k as 8 rows of 4, x 16 columns
+  for (int t = 0; t < 3; ++t) c.rows[3 + t] = c.rows[t], c.colsb[3 + t] = c.colsb[t];  // the second set
+  _tile_loadconfig(&c);
+}
+
+// W4 group g's codes as bytes 0..15, 512 a block: rows 0-3 the low nibbles (k = 4c + p), rows 4-7
+// the high ones (k = 16 + 4c + p)
+template <typename S>
+static void amx_unpack4(const Operands& o, int64_t g, uint8_t* out) {
+  const VI low = vbyte(0x0F);
+  for (int64_t b = 0; b < o.nb; ++b)
+    for (int c = 0; c < 4; ++c) {
+      const VI raw = vload(Layout<false, S>::codes(o, g, b) + 64 * c);
+      _mm512_storeu_si512(out + b * 512 + 64 * c, vand(raw, low));
+      _mm512_storeu_si512(out + b * 512 + 256 + 64 * c, vand(vsrl4(raw), low));
+    }
+}
+
+// One block's tile op into tile C from tiles A and B. Two sets of tiles, so that the next block's
+// op runs while this one's sums are stored and scaled (tiles are not renamed). A macro: GCC's tile
+// intrinsics paste the tile number into the instruction text, so it cannot be a template argument.
+#define INFERD_AMX_BLOCK(C, A, B, b)                                                      \
+  do {                                                                                    \
+    const uint8_t* w_ = W8 ? Layout<true, S>::codes(o, g, b) : unpacked + (b) * 512;      \
+    _tile_zero(C);                                                                        \
+    _tile_loadd(A, o.xq + i0 * o.K + (b) * 32, o.K);                                      \
+    _tile_loadd(B, w_, GW * 4);                                                           \
+    if constexpr (W8) _tile_dpbssd(C, A, B);                                              \
+    else _tile_dpbsud(C, A, B);                                                           \
+  } while (0)
+
+// Block b's stored sums c into the row totals: the same fma's as the other variants'
+template <bool W8, typename S>
+static inline void amx_scale(const Operands& o, int64_t i0, int64_t g, int64_t b, const int32_t* c, VF* acc) {
+  const VF sv = fload(Layout<W8, S>::scale(o, g, b));
+  if constexpr (W8) {
+    for (int r = 0; r < AMX_ROWS; ++r) {
+      const int64_t xb = (i0 + r) * o.nb + b;
+      acc[r] = ffma(fcvt(_mm512_load_si512(c + r * GW)), fmul(sv, fset1(o.dx[xb])), acc[r]);
+    }
+  } else {
+    const VF mv = fload(Layout<false, S>::min(o, g, b));
+    for (int r = 0; r < AMX_ROWS; ++r) {
+      const int64_t xb = (i0 + r) * o.nb + b;
+      acc[r] = ffma(fcvt(_mm512_load_si512(c + r * GW)), fmul(sv, fset1(o.dx[xb])), acc[r]);
+      acc[r] = ffma(mv, fset1(o.xs[xb]), acc[r]);
+    }
+  }
+}
+
+template <bool W8, typename S>
+static void amx_tile(const Operands& o, int64_t i0, int64_t g, const uint8_t* unpacked, int32_t* c) {
+  VF acc[AMX_ROWS];
+  for (int r = 0; r < AMX_ROWS; ++r) acc[r] = fzero();
+  int64_t b = 0;
+  for (; b + 2 <= o.nb; b += 2) {
+    INFERD_AMX_BLOCK(0, 1, 2, b);
+    INFERD_AMX_BLOCK(3, 4, 5, b + 1);
+    _tile_stored(0, c, GW * 4);
+    amx_scale<W8, S>(o, i0, g, b, c, acc);
+    _tile_stored(3, c + AMX_ROWS * GW, GW * 4);
+    amx_scale<W8, S>(o, i0, g, b + 1, c + AMX_ROWS * GW, acc);
+  }
+  if (b < o.nb) {
+    INFERD_AMX_BLOCK(0, 1, 2, b);
+    _tile_stored(0, c, GW * 4);
+    amx_scale<W8, S>(o, i0, g, b, c, acc);
+  }
+  for (int r = 0; r < AMX_ROWS; ++r) fstore(o.y + (i0 + r) * o.N + g * GW, acc[r], o.N - g * GW);
+}
+#undef INFERD_AMX_BLOCK
+#endif
+
 template <bool W8, typename S>
 static void gemm(const Operands& o, int64_t M) {
   const int64_t G = (o.N + GW - 1) / GW;
+#if INFERD_ISA_LEVEL >= 4
+  // whole 16-row tiles through AMX, the rest (and a step of fewer rows) as on avx512_vnni: both
+  // give the same floats, so a row's result still does not depend on where the cut falls
+  const int64_t M16 = M / AMX_ROWS * AMX_ROWS;
+  if (M16 > 0) {
+    at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+      amx_configure();
+      alignas(64) int32_t c[2 * AMX_ROWS * GW];
+      std::vector<uint8_t> unpacked(W8 ? 0 : o.nb * 512 + 64);
+      uint8_t* u = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(unpacked.data()) + 63) & ~uintptr_t(63));
+      for (int64_t g = g0; g < g1; ++g) {
+        if constexpr (!W8) amx_unpack4<S>(o, g, u);
+        for (int64_t i = 0; i < M16; i += AMX_ROWS) amx_tile<W8, S>(o, i, g, u, c);
+      }
+      _tile_release();
+      if (M16 < M)
+        for (int64_t p = g0; p < g1; p += PANEL) down<W8, S, TILE>(o, M, M16, p, std::min(g1, p + PANEL));
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t p = g0; p < g1; p += PANEL) down<W8, S, TILE>(o, M, 0, p, std::min(g1, p + PANEL));
   });

@@ -276,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     rt.set_defaults(func=cmd_router)
 
     en = sub.add_parser("env", help="this machine and build: CPU features, the kernel variant chosen, torch, threads "
-                                    "(INFERD_ISA=generic|avx2|avx512|avx512_vnni forces a variant)")
+                                    "(INFERD_ISA=generic|avx2|avx512|avx512_vnni|avx512_amx forces a variant)")
     en.add_argument("--json", action="store_true")
     en.set_defaults(func=cmd_env)
 

@@ -8,7 +8,8 @@ versioned by hand. The build has no -march flag: every hot kernel is compiled on
 any x86-64 CPU and one machine can test every variant it executes.
 
 Environment:
-  INFERD_ISA=auto|generic|avx2|avx512|avx512_vnni   force a variant (a lower one, to test it); one the
+  INFERD_ISA=auto|generic|avx2|avx512|avx512_vnni|avx512_amx
+                                                    force a variant (a lower one, to test it); one the
                                                     CPU lacks is an error, never SIGILL
   INFERD_NO_NATIVE=1                                no native code: the torch fallbacks everywhere
   INFERD_CPU_HIDE=avx512f,...                       pretend the CPU lacks features (tests of the above)
@@ -28,7 +29,7 @@ CSRC = Path(__file__).resolve().parents[3] / "csrc" / "cpu"
 # one set of flags for every source; the ISA of each variant is set in its own file (see above)
 CFLAGS = ["-O3", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
-ISAS = ("generic", "avx2", "avx512", "avx512_vnni")
+ISAS = ("generic", "avx2", "avx512", "avx512_vnni", "avx512_amx")
 BLOCK = 32  # the int8 activation block of the W4A8/W8A8 kernels
 
 _state: dict = {}
