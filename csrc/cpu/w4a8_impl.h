@@ -23,7 +23,7 @@
 //   1 avx2     256-bit: a group is two halves; vpmaddubsw, int16 sums over a block, one vpmaddwd
 //   2 avx512   the same on 512-bit registers
 //   3 vnni     512-bit vpdpbusd (u8 x s8 -> s32 in one instruction)
-//   4 amx      vnni plus AMX tiles for every whole 16 rows of a step (tdpbsud / tdpbssd)
+//   4 amx      vnni, plus AMX tiles (tdpbssd) for every whole 16 rows of a W8 step
 // Every variant computes, per output (row i, column n), the same integer block sums and then, block
 // by block in order, y = fma(float(isum), s * dx, y) and (W4) y = fma(m, xs, y): the same floats on
 // every ISA, whatever the tile, the number of rows or a row's place among them (batch invariance).
@@ -317,12 +317,13 @@ static void down(const Operands& o, int64_t M, int64_t i, int64_t g0, int64_t g1
 static constexpr int64_t PANEL = 8;
 
 #if INFERD_ISA_LEVEL >= 4
-// AMX: 16 rows x one group (16 columns) a tile pass. Per 32-block one tile op computes the 256
-// exact int32 block sums (A: 16 rows x 32 int8 of x; B: 8 rows of 4 k x 16 columns, the VNNI
-// order the records already use), stored and then scaled by the same fma's as every other variant,
-// so the floats are theirs bit for bit. B of W8 is read straight from the records (signed x signed:
-// tdpbssd); W4's nibbles are first split into a per-group buffer of unsigned bytes (tdpbsud), once
-// for all of the step's row tiles.
+// AMX, for W8: 16 rows x one group (16 columns) a tile pass. Per 32-block one tdpbssd computes the
+// 256 exact int32 block sums (A: 16 rows x 32 int8 of x; B: 8 rows of 4 k x 16 columns, read
+// straight from the records, whose order is the tiles' own), stored and then scaled by the same
+// fma's as every other variant, so the floats are theirs bit for bit.
+// Not for W4: splitting the nibbles into a tile buffer (tdpbsud) worked, but measured no faster
+// than vpdpbusd at any M (0.85-1.17x; W8 1.1-1.8x): per block the scale-and-min epilogue, the same
+// in both, is what a W4 tile waits on.
 static constexpr int64_t AMX_ROWS = 16;
 
 struct alignas(64) TileConfig {
@@ -340,53 +341,30 @@ static void amx_configure() {
   _tile_loadconfig(&c);
 }
 
-// W4 group g's codes as bytes 0..15, 512 a block: rows 0-3 the low nibbles (k = 4c + p), rows 4-7
-// the high ones (k = 16 + 4c + p)
-template <typename S>
-static void amx_unpack4(const Operands& o, int64_t g, uint8_t* out) {
-  const VI low = vbyte(0x0F);
-  for (int64_t b = 0; b < o.nb; ++b)
-    for (int c = 0; c < 4; ++c) {
-      const VI raw = vload(Layout<false, S>::codes(o, g, b) + 64 * c);
-      _mm512_storeu_si512(out + b * 512 + 64 * c, vand(raw, low));
-      _mm512_storeu_si512(out + b * 512 + 256 + 64 * c, vand(vsrl4(raw), low));
-    }
-}
-
 // One block's tile op into tile C from tiles A and B. Two sets of tiles, so that the next block's
 // op runs while this one's sums are stored and scaled (tiles are not renamed). A macro: GCC's tile
 // intrinsics paste the tile number into the instruction text, so it cannot be a template argument.
-#define INFERD_AMX_BLOCK(C, A, B, b)                                                      \
-  do {                                                                                    \
-    const uint8_t* w_ = W8 ? Layout<true, S>::codes(o, g, b) : unpacked + (b) * 512;      \
-    _tile_zero(C);                                                                        \
-    _tile_loadd(A, o.xq + i0 * o.K + (b) * 32, o.K);                                      \
-    _tile_loadd(B, w_, GW * 4);                                                           \
-    if constexpr (W8) _tile_dpbssd(C, A, B);                                              \
-    else _tile_dpbsud(C, A, B);                                                           \
+#define INFERD_AMX_BLOCK(C, A, B, b)                                \
+  do {                                                              \
+    const uint8_t* w_ = Layout<true, S>::codes(o, g, b);            \
+    _tile_zero(C);                                                  \
+    _tile_loadd(A, o.xq + i0 * o.K + (b) * 32, o.K);                \
+    _tile_loadd(B, w_, GW * 4);                                     \
+    _tile_dpbssd(C, A, B);                                          \
   } while (0)
 
 // Block b's stored sums c into the row totals: the same fma's as the other variants'
-template <bool W8, typename S>
+template <typename S>
 static inline void amx_scale(const Operands& o, int64_t i0, int64_t g, int64_t b, const int32_t* c, VF* acc) {
-  const VF sv = fload(Layout<W8, S>::scale(o, g, b));
-  if constexpr (W8) {
-    for (int r = 0; r < AMX_ROWS; ++r) {
-      const int64_t xb = (i0 + r) * o.nb + b;
-      acc[r] = ffma(fcvt(_mm512_load_si512(c + r * GW)), fmul(sv, fset1(o.dx[xb])), acc[r]);
-    }
-  } else {
-    const VF mv = fload(Layout<false, S>::min(o, g, b));
-    for (int r = 0; r < AMX_ROWS; ++r) {
-      const int64_t xb = (i0 + r) * o.nb + b;
-      acc[r] = ffma(fcvt(_mm512_load_si512(c + r * GW)), fmul(sv, fset1(o.dx[xb])), acc[r]);
-      acc[r] = ffma(mv, fset1(o.xs[xb]), acc[r]);
-    }
+  const VF sv = fload(Layout<true, S>::scale(o, g, b));
+  for (int r = 0; r < AMX_ROWS; ++r) {
+    const int64_t xb = (i0 + r) * o.nb + b;
+    acc[r] = ffma(fcvt(_mm512_load_si512(c + r * GW)), fmul(sv, fset1(o.dx[xb])), acc[r]);
   }
 }
 
-template <bool W8, typename S>
-static void amx_tile(const Operands& o, int64_t i0, int64_t g, const uint8_t* unpacked, int32_t* c) {
+template <typename S>
+static void amx_tile(const Operands& o, int64_t i0, int64_t g, int32_t* c) {
   VF acc[AMX_ROWS];
   for (int r = 0; r < AMX_ROWS; ++r) acc[r] = fzero();
   int64_t b = 0;
@@ -394,14 +372,14 @@ static void amx_tile(const Operands& o, int64_t i0, int64_t g, const uint8_t* un
     INFERD_AMX_BLOCK(0, 1, 2, b);
     INFERD_AMX_BLOCK(3, 4, 5, b + 1);
     _tile_stored(0, c, GW * 4);
-    amx_scale<W8, S>(o, i0, g, b, c, acc);
+    amx_scale<S>(o, i0, g, b, c, acc);
     _tile_stored(3, c + AMX_ROWS * GW, GW * 4);
-    amx_scale<W8, S>(o, i0, g, b + 1, c + AMX_ROWS * GW, acc);
+    amx_scale<S>(o, i0, g, b + 1, c + AMX_ROWS * GW, acc);
   }
   if (b < o.nb) {
     INFERD_AMX_BLOCK(0, 1, 2, b);
     _tile_stored(0, c, GW * 4);
-    amx_scale<W8, S>(o, i0, g, b, c, acc);
+    amx_scale<S>(o, i0, g, b, c, acc);
   }
   for (int r = 0; r < AMX_ROWS; ++r) fstore(o.y + (i0 + r) * o.N + g * GW, acc[r], o.N - g * GW);
 }
@@ -412,19 +390,15 @@ template <bool W8, typename S>
 static void gemm(const Operands& o, int64_t M) {
   const int64_t G = (o.N + GW - 1) / GW;
 #if INFERD_ISA_LEVEL >= 4
-  // whole 16-row tiles through AMX, the rest (and a step of fewer rows) as on avx512_vnni: both
+  // W8: whole 16-row tiles through AMX, the rest (and a step of fewer rows) as on avx512_vnni: both
   // give the same floats, so a row's result still does not depend on where the cut falls
   const int64_t M16 = M / AMX_ROWS * AMX_ROWS;
-  if (M16 > 0) {
+  if (W8 && M16 > 0) {
     at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
       amx_configure();
       alignas(64) int32_t c[2 * AMX_ROWS * GW];
-      std::vector<uint8_t> unpacked(W8 ? 0 : o.nb * 512 + 64);
-      uint8_t* u = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(unpacked.data()) + 63) & ~uintptr_t(63));
-      for (int64_t g = g0; g < g1; ++g) {
-        if constexpr (!W8) amx_unpack4<S>(o, g, u);
-        for (int64_t i = 0; i < M16; i += AMX_ROWS) amx_tile<W8, S>(o, i, g, u, c);
-      }
+      for (int64_t g = g0; g < g1; ++g)
+        for (int64_t i = 0; i < M16; i += AMX_ROWS) amx_tile<S>(o, i, g, c);
       _tile_release();
       if (M16 < M)
         for (int64_t p = g0; p < g1; p += PANEL) down<W8, S, TILE>(o, M, M16, p, std::min(g1, p + PANEL));
