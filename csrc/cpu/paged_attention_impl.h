@@ -31,6 +31,46 @@ static inline float dot_lanes(const float* q, const T* k, int64_t D) {
 }
 #endif
 
+// acc[g] = sum over the chunk's keys t of p[g][t] * v_t, for each of the G heads of kv head hk. With
+// vectors, a head's D values stay in registers across the keys (NV vectors: D = 64 or 128); a
+// plain loop kept them in memory, a load and a store per element and key.
+#if INFERD_ISA_LEVEL >= 1
+template <int NV, typename T>
+static void weigh_values_nv(const T* v, const int64_t* slot, int64_t len, int64_t Hkv, int64_t hk, int64_t G,
+                            const float* p, float* acc) {
+  constexpr int64_t D = NV * LANES;
+  for (int64_t g = 0; g < G; ++g) {
+    VF a[NV];
+    for (int j = 0; j < NV; ++j) a[j] = fzero();
+    const float* pg = p + g * len;
+    for (int64_t t = 0; t < len; ++t) {
+      const T* vr = v + (slot[t] * Hkv + hk) * D;
+      const VF w = fset1(pg[t]);
+      for (int j = 0; j < NV; ++j) a[j] = ffma(w, fload(vr + j * LANES), a[j]);
+    }
+    for (int j = 0; j < NV; ++j) fstore(acc + g * D + j * LANES, a[j], LANES);
+  }
+}
+#endif
+
+template <typename T>
+static void weigh_values(const T* v, const int64_t* slot, int64_t len, int64_t Hkv, int64_t hk, int64_t G, int64_t D,
+                         const float* p, float* acc) {
+#if INFERD_ISA_LEVEL >= 1
+  if (D == 4 * LANES) return weigh_values_nv<4>(v, slot, len, Hkv, hk, G, p, acc);
+  if (D == 8 * LANES) return weigh_values_nv<8>(v, slot, len, Hkv, hk, G, p, acc);
+#endif
+  std::fill(acc, acc + G * D, 0.f);
+  for (int64_t t = 0; t < len; ++t) {
+    const T* __restrict vr = v + (slot[t] * Hkv + hk) * D;
+    for (int64_t g = 0; g < G; ++g) {
+      const float pt = p[g * len + t];
+      float* __restrict a = acc + g * D;
+      for (int64_t d = 0; d < D; ++d) a[d] += pt * static_cast<float>(vr[d]);
+    }
+  }
+}
+
 // Keys per task. A sequence's context is cut into chunks of CHUNK keys, each a task over one kv
 // head: at batch 1 a 100-token context makes 6 tasks for 2 threads, not 3. Each chunk keeps its own
 // running max, sum and weighted values; they are merged per head in chunk order. The cut depends
@@ -49,7 +89,11 @@ static void decode_attention(const float* q, const T* k, const T* v, const int64
   }
   const int64_t chunks = first[B];
   // per (chunk, kv head): G maxima, G sums, G x D weighted values
-  std::vector<float> part(chunks * Hkv * G * (D + 2));
+  // kept between calls: at batch 32 this is ~150 KB, which malloc maps fresh (and the kernel
+  // zero-fills page by page) every call; every task writes its own part whole
+  static thread_local std::vector<float> part_buf;  // (the caller's: the tasks below get a pointer)
+  part_buf.resize(std::max<size_t>(part_buf.size(), chunks * Hkv * G * (D + 2)));
+  float* const part = part_buf.data();
   // the cache slots of keys t0..t1 of sequence b, walked without a division per key
   auto slots_of = [&](int64_t b, int64_t t0, int64_t t1, int64_t* out) {
     const int64_t* table = bt + b * max_blocks;
@@ -62,41 +106,38 @@ static void decode_attention(const float* q, const T* k, const T* v, const int64
   int64_t work = 0;
   for (int64_t b = 0; b < B; ++b) work += ctx[b];
   const int64_t grain = work * H * D < (1 << 12) ? chunks * Hkv : 1;
-  at::parallel_for(0, chunks * Hkv, grain, [&](int64_t begin, int64_t end) {
+  // one task a chunk, all its kv heads: a slot's heads are adjacent in the cache, so the chunk's
+  // slots (64 x every head, 48 KB in fp32) come from memory once, whole and in order, and stay in
+  // cache for the other heads (one task a kv head read a third of each slot, on either core)
+  at::parallel_for(0, chunks, grain == 1 ? 1 : chunks, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(G * CHUNK);
     int64_t slot[CHUNK];
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t c = task / Hkv, hk = task % Hkv;
+    for (int64_t c = begin; c < end; ++c) {
       const int64_t b = std::upper_bound(first.begin(), first.end(), c) - first.begin() - 1;
       const int64_t start = window > 0 ? std::max<int64_t>(0, ctx[b] - window) : 0;
       const int64_t t0 = start + (c - first[b]) * CHUNK, t1 = std::min(ctx[b], t0 + CHUNK), len = t1 - t0;
-      const float* qb = q + (b * H + hk * G) * D;
       slots_of(b, t0, t1, slot);
-      for (int64_t t = t0; t < t1; ++t) {
-        const T* kr = k + (slot[t - t0] * Hkv + hk) * D;
-        for (int64_t g = 0; g < G; ++g) scores[g * len + (t - t0)] = dot_lanes(qb + g * D, kr, D) * scale;
-      }
-      float* mx = part.data() + task * G * (D + 2);
-      float* sm = mx + G;
-      float* acc = sm + G;
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * len;
-        float m = sg[0];  // len >= 1
-        for (int64_t i = 1; i < len; ++i) m = sg[i] > m ? sg[i] : m;
-        float sum = 0.f;
-        for (int64_t i = 0; i < len; ++i) sg[i] = expf_lanes(sg[i] - m);
-        for (int64_t i = 0; i < len; ++i) sum += sg[i];
-        mx[g] = m;
-        sm[g] = sum;
-      }
-      std::fill(acc, acc + G * D, 0.f);
-      for (int64_t t = t0; t < t1; ++t) {
-        const T* __restrict vr = v + (slot[t - t0] * Hkv + hk) * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * len + (t - t0)];
-          float* __restrict a = acc + g * D;
-          for (int64_t d = 0; d < D; ++d) a[d] += p * static_cast<float>(vr[d]);
+      for (int64_t hk = 0; hk < Hkv; ++hk) {
+        const int64_t task = c * Hkv + hk;
+        const float* qb = q + (b * H + hk * G) * D;
+        for (int64_t t = t0; t < t1; ++t) {
+          const T* kr = k + (slot[t - t0] * Hkv + hk) * D;
+          for (int64_t g = 0; g < G; ++g) scores[g * len + (t - t0)] = dot_lanes(qb + g * D, kr, D) * scale;
         }
+        float* mx = part + task * G * (D + 2);
+        float* sm = mx + G;
+        float* acc = sm + G;
+        for (int64_t g = 0; g < G; ++g) {
+          float* sg = scores.data() + g * len;
+          float m = sg[0];  // len >= 1
+          for (int64_t i = 1; i < len; ++i) m = sg[i] > m ? sg[i] : m;
+          float sum = 0.f;
+          for (int64_t i = 0; i < len; ++i) sg[i] = expf_lanes(sg[i] - m);
+          for (int64_t i = 0; i < len; ++i) sum += sg[i];
+          mx[g] = m;
+          sm[g] = sum;
+        }
+        weigh_values(v, slot, len, Hkv, hk, G, D, scores.data(), acc);
       }
     }
   });
@@ -104,7 +145,7 @@ static void decode_attention(const float* q, const T* k, const T* v, const int64
   at::parallel_for(0, B * Hkv, grain == 1 ? 1 : B * Hkv, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, hk = task % Hkv;
-      auto at = [&](int64_t c) { return part.data() + (c * Hkv + hk) * G * (D + 2); };
+      auto at = [&](int64_t c) { return part + (c * Hkv + hk) * G * (D + 2); };
       for (int64_t g = 0; g < G; ++g) {
         float m = -INFINITY;
         for (int64_t c = first[b]; c < first[b + 1]; ++c) m = std::max(m, at(c)[g]);
