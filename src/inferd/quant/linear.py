@@ -21,8 +21,9 @@ INT8_BLOCK = 32  # GGUF Q8_0's block: one scale per 32 consecutive weights of a 
 
 def quantize_int8(w: torch.Tensor, block: int | None = INT8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, K] float -> int8 [N, K] and scales, w ~= q * scale, symmetric round-to-nearest: one scale
-    per 32-block [N, K / 32] (Q8_0's form; of a Q8_0 tensor's dequantized weights it gives back the
-    file's own codes and scales exactly), or with block=None one per row [N] (PyTorch's int8 kernel)."""
+    per 32-block [N, K / 32] (Q8_0's form, the scale searched per block: _best_block_scale; of a
+    Q8_0 tensor's dequantized weights it gives back the file's own codes and scales exactly), or with
+    block=None one per row [N], amax / 127 (PyTorch's int8 kernel)."""
     w = w.float()
     N, K = w.shape
     if block is None:
@@ -32,9 +33,42 @@ def quantize_int8(w: torch.Tensor, block: int | None = INT8_BLOCK) -> tuple[torc
         raise InferdError(f"int8 blocks of {block} do not divide the layer's input size {K}")
     g = w.reshape(N, K // block, block)
     # fp16-representable scales, as Q8_0 stores them: a layer holds them in 2 bytes with no loss
-    scale = (g.abs().amax(dim=-1) / 127).clamp(min=2**-24).half().float()
+    scale = _block_scales(w, g)
     q = torch.round(g / scale[..., None]).clamp(-127, 127).to(torch.int8)
     return q.reshape(N, K), scale
+
+
+SEARCH_ROWS = 2048  # rows a pass of the torch scale search: [rows, blocks, 17 candidates, 32] floats at once
+
+
+def _block_scales(w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """_best_block_scale of every block: the native op where it built (the same search, ~15x faster),
+    else torch ops."""
+    from inferd.kernels import native
+
+    if g.shape[-1] == 32 and native.load() is not None:
+        return torch.ops.inferd.int8_block_scales(w.contiguous())
+    return torch.cat([_best_block_scale(part) for part in g.split(SEARCH_ROWS)])
+
+
+def _best_block_scale(g: torch.Tensor) -> torch.Tensor:
+    """Per 32-block of g [rows, blocks, 32], the fp16 scale whose round-to-nearest codes leave the
+    least squared error: round-to-nearest's own amax / 127, or a fraction d / n (n = 1..16) of the
+    spacing d = (max - min) / 15 that a block on a 16-level grid has. Weights dequantized from a
+    4-bit file (Q4_0/Q4_1: the default model) are on such a grid, and a step d / n puts every level
+    on the int8 grid up to one shared offset (on the default model's layers: 0.16x the squared error
+    of amax / 127; on Gaussian weights ~0.93x). Only scales whose codes fit int8 unclipped count, so
+    every weight stays within half a step. A tie keeps round-to-nearest's, so Q8_0 weights get their
+    own codes and scales back exactly."""
+    amax = g.abs().amax(dim=-1)
+    d = (g.amax(dim=-1) - g.amin(dim=-1)) / 15
+    n = torch.arange(1, 17, dtype=g.dtype)
+    cand = torch.cat([(amax / 127)[..., None], d[..., None] / n], dim=-1).clamp(min=2**-24).half().float()
+    q = torch.round(g[..., None, :] / cand[..., None])
+    err = (q * cand[..., None] - g[..., None, :]).pow(2).sum(dim=-1)
+    # no clipping: a scale whose codes leave int8 is no candidate (every weight stays within half a step)
+    err = err.masked_fill(q.abs().amax(dim=-1) > 127, float("inf"))
+    return cand.gather(-1, err.argmin(dim=-1, keepdim=True)).squeeze(-1)
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
