@@ -52,9 +52,17 @@ bool hidden(const char* feature) {
 // CPUID listing AMX is not enough: Linux hands a process the 8 KB of tile state only on request
 // (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA, since 5.16), and a tile instruction without it
 // faults. Asked once; a kernel or hypervisor that refuses it makes the variant unrunnable, not a crash.
+// The OS must also have turned the tile state on in XCR0 (bits 17, 18), as oneDNN checks too.
 bool amx_granted() {
-#if defined(__linux__) && (defined(__x86_64__) || defined(_M_X64))
-  static const bool ok = __builtin_cpu_supports("amx-tile") && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+#if defined(__linux__) && (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__)
+  static const bool ok = [] {
+    // avx512f: libgcc has already checked the OS saves vector state, so xgetbv is there to run
+    if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("avx512f")) return false;
+    uint32_t lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo & (3u << 17)) != (3u << 17)) return false;
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  }();
   return ok;
 #else
   return false;

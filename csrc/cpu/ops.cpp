@@ -234,7 +234,7 @@ Tensor w8_linear(Tensor x, Tensor q, Tensor s) {
 // squared error, among amax / 127 and d / n (n = 1..16) of the block's 16-level spacing d =
 // (max - min) / 15; scales whose codes leave int8 do not count, a tie keeps the earlier candidate.
 // What inferd.quant.linear._best_block_scale computes with torch ops, one block in registers instead of
-// [rows, blocks, 17, 32] temporaries: the whole default model's int8 rewrite in ~1 s, not ~15.
+// [rows, blocks, 17, 32] temporaries: the whole default model's int8 rewrite in ~2 s, not ~16.
 Tensor int8_block_scales(Tensor w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(1) % 32 == 0,
               "int8_block_scales: w must be contiguous float32 [N, K], K a multiple of 32");

@@ -42,7 +42,7 @@ SEARCH_ROWS = 2048  # rows a pass of the torch scale search: [rows, blocks, 17 c
 
 
 def _block_scales(w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """_best_block_scale of every block: the native op where it built (the same search, ~15x faster),
+    """_best_block_scale of every block: the native op where it built (the same search, ~7x faster),
     else torch ops."""
     from inferd.kernels import native
 
