@@ -31,6 +31,59 @@ static inline float dot_lanes(const float* q, const T* k, int64_t D) {
 }
 #endif
 
+// scores[g][t] = scale * q_g . k_t for the chunk's keys, each of the G heads of kv head hk. On AVX-512
+// with D = 64 or 128, 16 keys at a time: their 16 product vectors are summed across lanes together
+// (45 shuffles and adds for 16 dots, where one horizontal sum a dot is 8), the rest one dot at a time.
+#if INFERD_ISA_LEVEL >= 2
+static inline __m512 sum_lanes16(const __m512* v) {  // lane j = the sum of v[j]'s 16 lanes
+  __m512 r[8], s[4];
+  // within each 128-bit lane: [A0+A2, B0+B2, A1+A3, B1+B3] for A, B = v[2i], v[2i+1]
+  for (int i = 0; i < 8; ++i)
+    r[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  // then each 128-bit lane's sums of v[4i..4i+3]
+  for (int i = 0; i < 4; ++i)
+    s[i] = _mm512_add_ps(_mm512_shuffle_ps(r[2 * i], r[2 * i + 1], 0x44), _mm512_shuffle_ps(r[2 * i], r[2 * i + 1], 0xEE));
+  // then across the four 128-bit lanes: lane block i of the result holds v[4i..4i+3]'s totals
+  const __m512 a01 = _mm512_add_ps(_mm512_shuffle_f32x4(s[0], s[1], 0x44), _mm512_shuffle_f32x4(s[0], s[1], 0xEE));
+  const __m512 a23 = _mm512_add_ps(_mm512_shuffle_f32x4(s[2], s[3], 0x44), _mm512_shuffle_f32x4(s[2], s[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a01, a23, 0x88), _mm512_shuffle_f32x4(a01, a23, 0xDD));
+}
+
+template <int NV, typename T>
+static int64_t score16(const float* qb, const T* k, const int64_t* slot, int64_t len, int64_t Hkv, int64_t hk,
+                       int64_t G, float scale, float* scores) {
+  constexpr int64_t D = NV * LANES;
+  int64_t t = 0;
+  for (; t + 16 <= len; t += 16)
+    for (int64_t g = 0; g < G; ++g) {
+      VF q[NV], a[16];
+      for (int j = 0; j < NV; ++j) q[j] = fload(qb + g * D + j * LANES);
+      for (int i = 0; i < 16; ++i) {
+        const T* kr = k + (slot[t + i] * Hkv + hk) * D;
+        VF d = fmul(q[0], fload(kr));
+        for (int j = 1; j < NV; ++j) d = ffma(q[j], fload(kr + j * LANES), d);
+        a[i] = d;
+      }
+      _mm512_storeu_ps(scores + g * len + t, fmul(sum_lanes16(a), fset1(scale)));
+    }
+  return t;
+}
+#endif
+
+template <typename T>
+static void score_keys(const float* qb, const T* k, const int64_t* slot, int64_t len, int64_t Hkv, int64_t hk,
+                       int64_t G, int64_t D, float scale, float* scores) {
+  int64_t t = 0;
+#if INFERD_ISA_LEVEL >= 2
+  if (D == 4 * LANES) t = score16<4>(qb, k, slot, len, Hkv, hk, G, scale, scores);
+  else if (D == 8 * LANES) t = score16<8>(qb, k, slot, len, Hkv, hk, G, scale, scores);
+#endif
+  for (; t < len; ++t) {
+    const T* kr = k + (slot[t] * Hkv + hk) * D;
+    for (int64_t g = 0; g < G; ++g) scores[g * len + t] = dot_lanes(qb + g * D, kr, D) * scale;
+  }
+}
+
 // acc[g] = sum over the chunk's keys t of p[g][t] * v_t, for each of the G heads of kv head hk. With
 // vectors, a head's D values stay in registers across the keys (NV vectors: D = 64 or 128); a
 // plain loop kept them in memory, a load and a store per element and key.
@@ -120,10 +173,7 @@ static void decode_attention(const float* q, const T* k, const T* v, const int64
       for (int64_t hk = 0; hk < Hkv; ++hk) {
         const int64_t task = c * Hkv + hk;
         const float* qb = q + (b * H + hk * G) * D;
-        for (int64_t t = t0; t < t1; ++t) {
-          const T* kr = k + (slot[t - t0] * Hkv + hk) * D;
-          for (int64_t g = 0; g < G; ++g) scores[g * len + (t - t0)] = dot_lanes(qb + g * D, kr, D) * scale;
-        }
+        score_keys(qb, k, slot, len, Hkv, hk, G, D, scale, scores.data());
         float* mx = part + task * G * (D + 2);
         float* sm = mx + G;
         float* acc = sm + G;
