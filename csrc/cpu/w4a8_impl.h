@@ -392,18 +392,20 @@ static void gemm(const Operands& o, int64_t M) {
 #if INFERD_ISA_LEVEL >= 4
   // W8: whole 16-row tiles through AMX, the rest (and a step of fewer rows) as on avx512_vnni: both
   // give the same floats, so a row's result still does not depend on where the cut falls
-  const int64_t M16 = M / AMX_ROWS * AMX_ROWS;
-  if (W8 && M16 > 0) {
-    at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
-      amx_configure();
-      alignas(64) int32_t c[2 * AMX_ROWS * GW];
-      for (int64_t g = g0; g < g1; ++g)
-        for (int64_t i = 0; i < M16; i += AMX_ROWS) amx_tile<S>(o, i, g, c);
-      _tile_release();
-      if (M16 < M)
-        for (int64_t p = g0; p < g1; p += PANEL) down<W8, S, TILE>(o, M, M16, p, std::min(g1, p + PANEL));
-    });
-    return;
+  if constexpr (W8) {
+    const int64_t M16 = M / AMX_ROWS * AMX_ROWS;
+    if (M16 > 0) {
+      at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+        amx_configure();
+        alignas(64) int32_t c[2 * AMX_ROWS * GW];
+        for (int64_t g = g0; g < g1; ++g)
+          for (int64_t i = 0; i < M16; i += AMX_ROWS) amx_tile<S>(o, i, g, c);
+        _tile_release();
+        if (M16 < M)
+          for (int64_t p = g0; p < g1; p += PANEL) down<W8, S, TILE>(o, M, M16, p, std::min(g1, p + PANEL));
+      });
+      return;
+    }
   }
 #endif
   at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
