@@ -250,11 +250,12 @@ def test_inferd_env_names_the_variant_and_forcing_one_the_cpu_lacks_is_exit_2():
         pytest.skip("this CPU has no AVX2: " + r.stderr.strip())
     assert r.returncode == 0, r.stderr
     assert re.search(r"^kernel variant\s+avx2$", r.stdout, re.M) and "cpu features" in r.stdout
-    # what an AVX2-only machine says when told to run AVX-512 (the features hidden from CPUID here)
-    r = _inferd_env(INFERD_ISA="avx512", INFERD_CPU_HIDE="avx512f,avx512bw")
+    # what an AVX2-only machine says when told to run AVX-512 (the features hidden from CPUID here;
+    # all four, so that the line is the same on an AVX2 machine, which lacks them all)
+    r = _inferd_env(INFERD_ISA="avx512", INFERD_CPU_HIDE="avx512f,avx512bw,avx512vl,avx512dq")
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
-        "inferd: error: INFERD_ISA=avx512: this CPU lacks avx512f, avx512bw (it runs: generic, avx2)"]
+        "inferd: error: INFERD_ISA=avx512: this CPU lacks avx512f, avx512bw, avx512vl, avx512dq (it runs: generic, avx2)"]
     assert r.stdout == ""
     r = _inferd_env(INFERD_ISA="sse9")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "not a kernel variant" in r.stderr

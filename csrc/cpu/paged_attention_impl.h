@@ -70,6 +70,41 @@ static int64_t score16(const float* qb, const T* k, const int64_t* slot, int64_t
 }
 #endif
 
+#if INFERD_ISA_LEVEL == 1
+static inline __m256 sum_lanes8(const __m256* v) {  // lane j = the sum of v[j]'s 8 lanes
+  // within each 128-bit half: hadd twice leaves [v0, v1, v2, v3] partial sums (v4.. in the second)
+  const __m256 b0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  // then the two halves added: lanes 0-3 from b0, 4-7 from b1
+  return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+
+// 8 keys at a time on AVX2 (D = 64 or 128): 21 shuffles and adds for 8 dots, where one horizontal
+// sum a dot is 6
+template <int NV, typename T>
+static int64_t score8(const float* qb, const T* k, const int64_t* slot, int64_t len, int64_t Hkv, int64_t hk,
+                      int64_t G, float scale, float* scores) {
+  constexpr int64_t D = NV * LANES;
+  int64_t t = 0;
+  for (; t + 8 <= len; t += 8)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* q = qb + g * D;
+      VF a[8];
+      for (int i = 0; i < 8; ++i) {
+        const T* kr = k + (slot[t + i] * Hkv + hk) * D;
+        VF d0 = fmul(fload(q), fload(kr)), d1 = fmul(fload(q + LANES), fload(kr + LANES));
+        for (int j = 2; j < NV; j += 2) {
+          d0 = ffma(fload(q + j * LANES), fload(kr + j * LANES), d0);
+          d1 = ffma(fload(q + (j + 1) * LANES), fload(kr + (j + 1) * LANES), d1);
+        }
+        a[i] = fadd(d0, d1);
+      }
+      _mm256_storeu_ps(scores + g * len + t, fmul(sum_lanes8(a), fset1(scale)));
+    }
+  return t;
+}
+#endif
+
 template <typename T>
 static void score_keys(const float* qb, const T* k, const int64_t* slot, int64_t len, int64_t Hkv, int64_t hk,
                        int64_t G, int64_t D, float scale, float* scores) {
@@ -77,6 +112,9 @@ static void score_keys(const float* qb, const T* k, const int64_t* slot, int64_t
 #if INFERD_ISA_LEVEL >= 2
   if (D == 4 * LANES) t = score16<4>(qb, k, slot, len, Hkv, hk, G, scale, scores);
   else if (D == 8 * LANES) t = score16<8>(qb, k, slot, len, Hkv, hk, G, scale, scores);
+#elif INFERD_ISA_LEVEL == 1
+  if (D == 8 * LANES) t = score8<8>(qb, k, slot, len, Hkv, hk, G, scale, scores);
+  else if (D == 16 * LANES) t = score8<16>(qb, k, slot, len, Hkv, hk, G, scale, scores);
 #endif
   for (; t < len; ++t) {
     const T* kr = k + (slot[t] * Hkv + hk) * D;
@@ -182,7 +220,7 @@ static void decode_attention(const float* q, const T* k, const T* v, const int64
           float m = sg[0];  // len >= 1
           for (int64_t i = 1; i < len; ++i) m = sg[i] > m ? sg[i] : m;
           float sum = 0.f;
-          for (int64_t i = 0; i < len; ++i) sg[i] = expf_lanes(sg[i] - m);
+          exp_shifted(sg, len, m);
           for (int64_t i = 0; i < len; ++i) sum += sg[i];
           mx[g] = m;
           sm[g] = sum;
