@@ -147,37 +147,44 @@ static inline int32_t load4(const int8_t* p) {
 
 // Rows per tile x groups per tile: the tile's accumulators fill the vector registers (32 on
 // AVX-512: 8 rows x 16 columns of int sums and of float totals; 16 on AVX2).
+// A tile's columns come in units of one vector (a group on AVX-512, half a group on AVX2; a group
+// in the generic variant). On AVX-512 a tile is 8 rows x 1 unit .. 1 row x 8 units. On AVX2, with
+// 16 registers, a tile of 2 or 4 rows is one unit wide (each row: an int16 sum and a float total,
+// 8 + 8 registers, plus the nibbles and a broadcast x) and a single row 4 units: wider tiles spilled
+// their sums to the stack inside the block loop.
 static constexpr int TILE = INFERD_ISA_LEVEL >= 2 ? 8 : INFERD_ISA_LEVEL == 1 ? 4 : 1;
-// Groups per tile of MR rows: on AVX-512 the tile keeps TILE x 16 columns; on AVX2 (16 registers)
-// a tile of several rows takes one group, its float totals spilled to L1 (touched once a block), and
-// a single row two.
 template <int MR>
-static constexpr int groups_per_tile() { return INFERD_ISA_LEVEL == 1 ? (MR > 1 ? 1 : 2) : TILE / MR; }
-
+static constexpr int units_per_tile() { return INFERD_ISA_LEVEL == 1 ? (MR > 1 ? 1 : 4) : TILE / MR; }
+#if INFERD_ISA_LEVEL >= 1
+static constexpr int HALVES = GW / LANES;  // units (vectors) per group
+#else
+static constexpr int HALVES = 1;
+#endif
 
 #if INFERD_ISA_LEVEL >= 1
-static constexpr int HALVES = GW / LANES;  // vectors per group
 
 // Records a few blocks ahead into L1, a line at a time. A tile walks its pair's records in order, so
 // the hardware prefetcher should see the stream; measured on a 2-core AMD EPYC VM it does not keep a
 // decode step (one row: little work per byte) at DRAM speed without this.
 static constexpr int64_t PREFETCH_BLOCKS = 4;
+// Issued by the first tile of a pair (its first unit) on the first rows: later row tiles find the
+// panel in L2.
 template <bool W8, typename S>
-static inline void prefetch_record(const Operands& o, int64_t g, int64_t b) {
-  const char* p = reinterpret_cast<const char*>(Layout<W8, S>::codes(o, g & ~int64_t(1), b + PREFETCH_BLOCKS));
+static inline void prefetch_record(const Operands& o, int64_t i0, int64_t u0, int64_t b) {
+  if (i0 != 0 || u0 % (2 * HALVES) != 0) return;
+  const char* p = reinterpret_cast<const char*>(Layout<W8, S>::codes(o, u0 / HALVES, b + PREFETCH_BLOCKS));
   for (int64_t off = 0; off < Layout<W8, S>::RECORD; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
 }
 
-// MR rows i0.. times NG groups g0.. of W4: every output of the tile, over all of K.
-template <typename S, int MR, int NG>
-static void tile4(const Operands& o, int64_t i0, int64_t g0) {
-  constexpr int NV = NG * HALVES;  // vectors across the tile's columns
+// MR rows i0.. times NV units u0.. of W4: every output of the tile, over all of K.
+template <typename S, int MR, int NV>
+static void tile4(const Operands& o, int64_t i0, int64_t u0) {
   VF acc[MR][NV];
   for (int r = 0; r < MR; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = fzero();
   const VI low = vbyte(0x0F);
   for (int64_t b = 0; b < o.nb; ++b) {
-    prefetch_record<false, S>(o, g0, b);
+    prefetch_record<false, S>(o, i0, u0, b);
     VI sum[MR][NV];  // int16 pairs below VNNI (at most 8 x 2 x 15 x 127 = 30480: no overflow), int32 with it
     for (int r = 0; r < MR; ++r)
       for (int v = 0; v < NV; ++v) sum[r][v] = vzero();
@@ -189,7 +196,7 @@ static void tile4(const Operands& o, int64_t i0, int64_t g0) {
         xh[r] = vset1(load4(xr + 16));
       }
       for (int v = 0; v < NV; ++v) {
-        const VI raw = vload(Layout<false, S>::codes(o, g0 + v / HALVES, b) + 64 * c + (v % HALVES) * 32);
+        const VI raw = vload(Layout<false, S>::codes(o, (u0 + v) / HALVES, b) + 64 * c + (u0 + v) % HALVES * 32);
         const VI lo = vand(raw, low), hi = vand(vsrl4(raw), low);
         for (int r = 0; r < MR; ++r) {
 #if INFERD_ISA_LEVEL >= 3
@@ -201,9 +208,9 @@ static void tile4(const Operands& o, int64_t i0, int64_t g0) {
       }
     }
     for (int v = 0; v < NV; ++v) {
-      const int64_t h = (v % HALVES) * LANES;
-      const VF sv = fload(Layout<false, S>::scale(o, g0 + v / HALVES, b) + h);
-      const VF mv = fload(Layout<false, S>::min(o, g0 + v / HALVES, b) + h);
+      const int64_t g = (u0 + v) / HALVES, h = (u0 + v) % HALVES * LANES;
+      const VF sv = fload(Layout<false, S>::scale(o, g, b) + h);
+      const VF mv = fload(Layout<false, S>::min(o, g, b) + h);
       for (int r = 0; r < MR; ++r) {
 #if INFERD_ISA_LEVEL >= 3
         const VI isum = sum[r][v];
@@ -217,20 +224,19 @@ static void tile4(const Operands& o, int64_t i0, int64_t g0) {
     }
   }
   for (int v = 0; v < NV; ++v) {
-    const int64_t n = (g0 + v / HALVES) * GW + (v % HALVES) * LANES;
+    const int64_t n = (u0 + v) * LANES;
     for (int r = 0; r < MR; ++r) fstore(o.y + (i0 + r) * o.N + n, acc[r][v], o.N - n);
   }
 }
 
 // The same for W8: 8 chunks a block, signed weights, no min.
-template <typename S, int MR, int NG>
-static void tile8(const Operands& o, int64_t i0, int64_t g0) {
-  constexpr int NV = NG * HALVES;
+template <typename S, int MR, int NV>
+static void tile8(const Operands& o, int64_t i0, int64_t u0) {
   VF acc[MR][NV];
   for (int r = 0; r < MR; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = fzero();
   for (int64_t b = 0; b < o.nb; ++b) {
-    prefetch_record<true, S>(o, g0, b);
+    prefetch_record<true, S>(o, i0, u0, b);
     VI sum[MR][NV];
     for (int r = 0; r < MR; ++r)
       for (int v = 0; v < NV; ++v) sum[r][v] = vzero();
@@ -238,7 +244,7 @@ static void tile8(const Operands& o, int64_t i0, int64_t g0) {
       VI xb[MR];
       for (int r = 0; r < MR; ++r) xb[r] = vset1(load4(o.xq + (i0 + r) * o.K + b * 32 + 4 * c));
       for (int v = 0; v < NV; ++v) {
-        const VI w = vload(Layout<true, S>::codes(o, g0 + v / HALVES, b) + 64 * c + (v % HALVES) * 32);
+        const VI w = vload(Layout<true, S>::codes(o, (u0 + v) / HALVES, b) + 64 * c + (u0 + v) % HALVES * 32);
 #if INFERD_ISA_LEVEL >= 3
         // vpdpbusd wants the unsigned side: w + 128 (w ^ 0x80); the 128 * sum(x) is taken off below
         const VI u = _mm512_xor_si512(w, vbyte(static_cast<int8_t>(0x80)));
@@ -251,7 +257,7 @@ static void tile8(const Operands& o, int64_t i0, int64_t g0) {
       }
     }
     for (int v = 0; v < NV; ++v) {
-      const VF sv = fload(Layout<true, S>::scale(o, g0 + v / HALVES, b) + (v % HALVES) * LANES);
+      const VF sv = fload(Layout<true, S>::scale(o, (u0 + v) / HALVES, b) + (u0 + v) % HALVES * LANES);
       for (int r = 0; r < MR; ++r) {
         const int64_t xb = (i0 + r) * o.nb + b;
 #if INFERD_ISA_LEVEL >= 3
@@ -264,7 +270,7 @@ static void tile8(const Operands& o, int64_t i0, int64_t g0) {
     }
   }
   for (int v = 0; v < NV; ++v) {
-    const int64_t n = (g0 + v / HALVES) * GW + (v % HALVES) * LANES;
+    const int64_t n = (u0 + v) * LANES;
     for (int r = 0; r < MR; ++r) fstore(o.y + (i0 + r) * o.N + n, acc[r][v], o.N - n);
   }
 }
@@ -312,20 +318,20 @@ static void tile8(const Operands& o, int64_t i0, int64_t g0) {
 }
 #endif
 
-// Groups g..g1 for rows i0..i0+MR: tiles of NG groups while they fit, then narrower ones.
-template <bool W8, typename S, int MR, int NG>
-static void across(const Operands& o, int64_t i0, int64_t g, int64_t g1) {
-  for (; g + NG <= g1; g += NG) {
-    if constexpr (W8) tile8<S, MR, NG>(o, i0, g);
-    else tile4<S, MR, NG>(o, i0, g);
+// Units u..u1 for rows i0..i0+MR: tiles of NV units while they fit, then narrower ones.
+template <bool W8, typename S, int MR, int NV>
+static void across(const Operands& o, int64_t i0, int64_t u, int64_t u1) {
+  for (; u + NV <= u1; u += NV) {
+    if constexpr (W8) tile8<S, MR, NV>(o, i0, u);
+    else tile4<S, MR, NV>(o, i0, u);
   }
-  if constexpr (NG > 1) across<W8, S, MR, NG / 2>(o, i0, g, g1);
+  if constexpr (NV > 1) across<W8, S, MR, NV / 2>(o, i0, u, u1);
 }
 
-// Rows i..M over groups g0..g1: tiles of MR rows (and TILE / MR groups) while they fit, then fewer rows.
+// Rows i..M over groups g0..g1: tiles of MR rows while they fit, then fewer rows.
 template <bool W8, typename S, int MR>
 static void down(const Operands& o, int64_t M, int64_t i, int64_t g0, int64_t g1) {
-  for (; i + MR <= M; i += MR) across<W8, S, MR, groups_per_tile<MR>()>(o, i, g0, g1);
+  for (; i + MR <= M; i += MR) across<W8, S, MR, units_per_tile<MR>()>(o, i, g0 * HALVES, g1 * HALVES);
   if constexpr (MR > 1) down<W8, S, MR / 2>(o, M, i, g0, g1);
 }
 
