@@ -98,3 +98,28 @@ def bytes_per_decode_token(model, context: int) -> int:
     kv_elem = 4 if model.dtype == torch.float32 else 2
     total += (context + 1) * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * kv_elem
     return total
+
+
+def int8_peak_gops(threads: int) -> tuple[str, float]:
+    """(isa, GOP/s): the int8 dot-product instruction's peak at `threads` threads, no memory traffic
+    (csrc/bench/int8_peak.c, built with the system C compiler into the benchmark cache on first use).
+    The roofline for the integer GEMMs where no library GEMM is a ceiling (oneDNN's int8 GEMM runs
+    at a few GOP/s on an AVX2-only CPU); ("none", 0.0) without a compiler."""
+    import hashlib
+    import os
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[1] / "csrc" / "bench" / "int8_peak.c"
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return "none", 0.0
+    cache = Path(os.environ.get("INFERD_BENCH_CACHE", Path.home() / ".cache" / "inferd-bench"))
+    exe = cache / f"int8_peak-{hashlib.sha256(src.read_bytes()).hexdigest()[:12]}"
+    if not exe.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        subprocess.run([cc, "-O2", "-fopenmp", str(src), "-o", str(exe)], check=True)
+    isa, gops, _ = subprocess.run([str(exe), str(threads)], check=True, capture_output=True,
+                                  text=True).stdout.split()
+    return isa, float(gops)

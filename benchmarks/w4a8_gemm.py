@@ -7,7 +7,9 @@ lm_head 49152x576) and M = 1 .. 512 rows, in one process, 2 threads, median of -
   - w8a8 kernel:  the same shape with int8 codes (one scale per 32-block, Q8_0's form)
   - dense fp32:   x @ W.t() on the dequantized weights (PyTorch's GEMM, oneDNN/MKL)
   - int8 peak:    torch._int_mm (oneDNN's s8 x s8 -> s32 GEMM, no scales) on the same shape: the
-                  machine's int8 GEMM rate as the best library here reaches it
+                  machine's int8 GEMM rate as the best library here reaches it (a few GOP/s on an
+                  AVX2-only CPU, where oneDNN has no int8 kernel: the header's instruction peak,
+                  common.int8_peak_gops, is the ceiling there)
 printed as ms and G(FL)OP/s (2*M*N*K), with the kernel variant and CPU features in the header.
 
 Usage: .venv/bin/python benchmarks/w4a8_gemm.py [--threads 2] [--reps 5]
@@ -26,7 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 sys.path.insert(0, HERE)
 
-from common import cpu_features  # noqa: E402
+from common import cpu_features, int8_peak_gops  # noqa: E402
 from inferd.kernels import native  # noqa: E402
 from inferd.quant import quantize_int4, quantize_int8, w4a8  # noqa: E402
 
@@ -54,6 +56,8 @@ def main():
     ops = torch.ops.inferd
     print(cpu_features())
     print(f"inferd kernels: {ops.isa()} variant; {a.threads} threads; median of {a.reps} calls; ms (G(FL)OP/s)")
+    isa, peak = int8_peak_gops(a.threads)
+    print(f"int8 dot-product instruction peak here ({isa}, {a.threads} threads, no memory traffic): {peak:.0f} GOP/s")
     print(f"{'layer':<8} {'N x K':>11} {'M':>4} {'w4a8 kernel':>17} {'old route':>17} {'w8a8 kernel':>17} "
           f"{'dense fp32':>17} {'int8 peak':>17} {'w4a8/fp32':>9} {'w8a8/fp32':>9}")
     for name, N, K in SHAPES:
