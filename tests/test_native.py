@@ -164,15 +164,18 @@ def test_norm_rope_silu_in_each_variant(variant, dtype):
     torch.testing.assert_close(got_r, want_r, **tol)
 
 
+@pytest.mark.parametrize("D", [16, 64, 128])  # 64, 128: the paths that score 8 (AVX2) or 16 (AVX-512) keys at once
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_decode_in_each_variant(variant, dtype):
+def test_paged_decode_in_each_variant(variant, dtype, D):
     torch.manual_seed(2)
-    B, H, Hkv, D, bs = 3, 6, 2, 16, 4
-    ctx = [5, 1, 11]
-    tables = [[7, 2], [0], [3, 9, 4]]
-    kc, vc = torch.randn(40, Hkv, D).to(dtype), torch.randn(40, Hkv, D).to(dtype)
+    B, H, Hkv, bs = 4, 6, 2, 4
+    ctx = [5, 1, 11, 83]  # 83: two 64-key chunks, whole groups of 8 and 16 keys and a remainder
+    nblk = [(c + bs - 1) // bs for c in ctx]
+    perm = torch.randperm(sum(nblk) + 3).tolist()  # the blocks scattered over the pool
+    tables = [perm[sum(nblk[:b]):sum(nblk[:b + 1])] for b in range(B)]
+    kc, vc = (torch.randn(len(perm) * bs, Hkv, D).to(dtype) for _ in range(2))
     q = torch.randn(B, H, D)
-    bt = torch.tensor([t + [0] * (3 - len(t)) for t in tables])
+    bt = torch.tensor([t + [0] * (max(nblk) - len(t)) for t in tables])
     out = torch.ops.inferd.paged_decode(q, kc, vc, bt, torch.tensor(ctx), bs, D ** -0.5, 0)
     for b in range(B):
         slots = torch.tensor([tables[b][t // bs] * bs + t % bs for t in range(ctx[b])])
