@@ -134,6 +134,15 @@ struct Layout {
     return reinterpret_cast<const S*>(o.w + ((g >> 1) * o.nb + b) * RECORD + 2 * CODES) + (g & 1) * GW;
   }
   static const S* min(const Operands& o, int64_t g, int64_t b) { return scale(o, g, b) + 2 * GW; }
+  // the same for unit u, a vector of `width` columns (a group, or half a group on AVX2)
+  template <int64_t width>
+  static const uint8_t* unit_codes(const Operands& o, int64_t u, int64_t b) {
+    return codes(o, u / (GW / width), b) + u % (GW / width) * width * 4;
+  }
+  template <int64_t width>
+  static const S* unit_scale(const Operands& o, int64_t u, int64_t b) {
+    return scale(o, u / (GW / width), b) + u % (GW / width) * width;
+  }
 };
 
 static inline float scalar(float v) { return v; }
@@ -145,9 +154,8 @@ static inline int32_t load4(const int8_t* p) {
   return v;
 }
 
-// Rows per tile x groups per tile: the tile's accumulators fill the vector registers (32 on
-// AVX-512: 8 rows x 16 columns of int sums and of float totals; 16 on AVX2).
-// A tile's columns come in units of one vector (a group on AVX-512, half a group on AVX2; a group
+// Rows per tile x columns per tile: the tile's int sums and float totals fill the vector registers
+// (32 on AVX-512, 16 on AVX2). A tile's columns come in units of one vector (a group on AVX-512, half a group on AVX2; a group
 // in the generic variant). On AVX-512 a tile is 8 rows x 1 unit .. 1 row x 8 units. On AVX2, with
 // 16 registers, a tile of 2 or 4 rows is one unit wide (each row: an int16 sum and a float total,
 // 8 + 8 registers, plus the nibbles and a broadcast x) and a single row 4 units: wider tiles spilled
@@ -168,7 +176,7 @@ static constexpr int HALVES = 1;
 // decode step (one row: little work per byte) at DRAM speed without this.
 static constexpr int64_t PREFETCH_BLOCKS = 4;
 // Issued by the first tile of a pair (its first unit) on the first rows: later row tiles find the
-// panel in L2.
+// panel in L2. Past the last record it asks for nothing that exists, which a prefetch may.
 template <bool W8, typename S>
 static inline void prefetch_record(const Operands& o, int64_t i0, int64_t u0, int64_t b) {
   if (i0 != 0 || u0 % (2 * HALVES) != 0) return;
@@ -196,7 +204,7 @@ static void tile4(const Operands& o, int64_t i0, int64_t u0) {
         xh[r] = vset1(load4(xr + 16));
       }
       for (int v = 0; v < NV; ++v) {
-        const VI raw = vload(Layout<false, S>::codes(o, (u0 + v) / HALVES, b) + 64 * c + (u0 + v) % HALVES * 32);
+        const VI raw = vload(Layout<false, S>::template unit_codes<LANES>(o, u0 + v, b) + 64 * c);
         const VI lo = vand(raw, low), hi = vand(vsrl4(raw), low);
         for (int r = 0; r < MR; ++r) {
 #if INFERD_ISA_LEVEL >= 3
@@ -208,9 +216,8 @@ static void tile4(const Operands& o, int64_t i0, int64_t u0) {
       }
     }
     for (int v = 0; v < NV; ++v) {
-      const int64_t g = (u0 + v) / HALVES, h = (u0 + v) % HALVES * LANES;
-      const VF sv = fload(Layout<false, S>::scale(o, g, b) + h);
-      const VF mv = fload(Layout<false, S>::min(o, g, b) + h);
+      const S* s = Layout<false, S>::template unit_scale<LANES>(o, u0 + v, b);
+      const VF sv = fload(s), mv = fload(s + 2 * GW);  // the mins follow the pair's scales
       for (int r = 0; r < MR; ++r) {
 #if INFERD_ISA_LEVEL >= 3
         const VI isum = sum[r][v];
@@ -244,7 +251,7 @@ static void tile8(const Operands& o, int64_t i0, int64_t u0) {
       VI xb[MR];
       for (int r = 0; r < MR; ++r) xb[r] = vset1(load4(o.xq + (i0 + r) * o.K + b * 32 + 4 * c));
       for (int v = 0; v < NV; ++v) {
-        const VI w = vload(Layout<true, S>::codes(o, (u0 + v) / HALVES, b) + 64 * c + (u0 + v) % HALVES * 32);
+        const VI w = vload(Layout<true, S>::template unit_codes<LANES>(o, u0 + v, b) + 64 * c);
 #if INFERD_ISA_LEVEL >= 3
         // vpdpbusd wants the unsigned side: w + 128 (w ^ 0x80); the 128 * sum(x) is taken off below
         const VI u = _mm512_xor_si512(w, vbyte(static_cast<int8_t>(0x80)));
@@ -257,7 +264,7 @@ static void tile8(const Operands& o, int64_t i0, int64_t u0) {
       }
     }
     for (int v = 0; v < NV; ++v) {
-      const VF sv = fload(Layout<true, S>::scale(o, (u0 + v) / HALVES, b) + (u0 + v) % HALVES * LANES);
+      const VF sv = fload(Layout<true, S>::template unit_scale<LANES>(o, u0 + v, b));
       for (int r = 0; r < MR; ++r) {
         const int64_t xb = (i0 + r) * o.nb + b;
 #if INFERD_ISA_LEVEL >= 3
