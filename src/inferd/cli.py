@@ -58,6 +58,12 @@ def add_engine_args(p: argparse.ArgumentParser):
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn off automatic prefix caching")
     g.add_argument("--scheduling", default="continuous", choices=["continuous", "static"])
+    g = p.add_argument_group("tensor parallelism")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over N ranks (processes started by inferd, each on its own cores)")
+    g.add_argument("--tensor-parallel-backend", default="auto", choices=["auto", "shm", "gloo", "nccl"],
+                   help="how ranks all-reduce: auto = shm (shared memory, one host) on CPU, nccl on CUDA; "
+                        "gloo = torch.distributed over TCP")
     add_spec_args(p)
 
 

@@ -63,6 +63,9 @@ class EngineConfig:
     # (parsed by inferd.engine.kv_transfer.config, which this layer cannot import)
     kv_transfer_config: str | dict | None = None
     role: str | None = None  # prefill | decode | both
+    # tensor parallelism (inferd.engine.parallel): ranks, and how they talk (auto: shm on CPU, nccl on CUDA)
+    tensor_parallel_size: int = 1
+    tensor_parallel_backend: str = "auto"  # auto | shm | gloo | nccl
 
     def validate(self):
         if self.block_size < 1:
@@ -92,6 +95,18 @@ class EngineConfig:
             raise InferdError(f"unknown draft quantization {self.draft_quantization!r} (choose none, int8, int4)")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        if self.tensor_parallel_size is None or self.tensor_parallel_size < 1:
+            raise InferdError("tensor_parallel_size must be at least 1")
+        if self.tensor_parallel_backend not in ("auto", "shm", "gloo", "nccl"):
+            raise InferdError(f"unknown tensor-parallel backend {self.tensor_parallel_backend!r} "
+                              "(choose auto, shm, gloo, nccl)")
+        if self.tensor_parallel_size > 1:
+            if self.kv_transfer_config is not None or self.role is not None:
+                raise InferdError("tensor parallelism does not combine with disaggregated prefill/decode yet "
+                                  "(the KV connector reads one pool): drop --tensor-parallel-size or --role")
+            if self.speculative_method == "draft" and str(self.draft_model).startswith("self:"):
+                raise InferdError("a self-draft shares the target's layers, which tensor parallelism splits: "
+                                  "use --speculative-method ngram or a separate --draft-model")
         return self
 
     @classmethod

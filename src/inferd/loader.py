@@ -236,19 +236,21 @@ class LoadedModel:
     source: ModelSource
 
 
-def load_model(model=None, **options) -> LoadedModel:
+def load_model(model=None, shard=None, **options) -> LoadedModel:
     """Build a model from a LoadConfig (`model` may be one), or from its fields as keywords (the
-    model path and options; keywords override a given config). See LoadConfig for each option."""
+    model path and options; keywords override a given config). See LoadConfig for each option.
+    `shard(model)`: a rewrite applied after quantizing and before the codes are packed for a kernel
+    (tensor parallelism's `apply_tp`: the codes are cut, not the kernels' layouts)."""
     cfg = model if isinstance(model, LoadConfig) else LoadConfig(model=model)
     if options:
         unknown = set(options) - LoadConfig.field_names()
         if unknown:
             raise TypeError(f"load_model() got unexpected options {sorted(unknown)}")
         cfg = dataclasses.replace(cfg, **options)
-    return _load(cfg)
+    return _load(cfg, shard)
 
 
-def _load(lc: LoadConfig) -> LoadedModel:
+def _load(lc: LoadConfig, shard=None) -> LoadedModel:
     from inferd import quant
 
     if lc.load_format not in ("auto", "gguf", "safetensors", "dummy"):
@@ -316,7 +318,7 @@ def _load(lc: LoadConfig) -> LoadedModel:
     ctx = quant.QuantContext(name, lc.quant_group_size, lc.quantize_lm_head, lc.dense_quant, lc.quantize_activations,
                              cfg, reader, checkpoint, calibration if tok is not None else None,
                              fp32_copy, (src.kind, src.path or src.name))
-    for line in quant.apply(net, ctx):
+    for line in quant.apply(net, ctx, shard):
         log.info("%s", line)
     return LoadedModel(net, cfg, tok, src)
 

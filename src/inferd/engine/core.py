@@ -132,10 +132,13 @@ def run_core(cfg, to_core: str, from_core: str, threads: int | None, log_level: 
         finally:
             engine.close()
     except Exception as e:  # the engine cannot go on: say why, then exit non-zero
-        if not isinstance(e, InferdError):  # a user-facing error is the API process's one line
+        from inferd.engine.parallel.comm import CollectiveError
+
+        one_line = isinstance(e, (InferdError, CollectiveError))  # the reason is the whole story
+        if not one_line:  # a user-facing error is the API process's one line
             log.exception("engine core died")
         try:
-            send(Fault(str(e) if isinstance(e, InferdError) else f"{type(e).__name__}: {e}"))
+            send(Fault(str(e) if one_line else f"{type(e).__name__}: {e}"))
         except Exception:
             pass
         raise SystemExit(1)

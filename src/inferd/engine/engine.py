@@ -18,6 +18,7 @@ from inferd.engine.attention import PagedAttention
 from inferd.engine.faults import Faults
 from inferd.engine.kv_cache import BlockManager, KVPool
 from inferd.engine.output import detokenize, record_token
+from inferd.engine.parallel.comm import CollectiveError
 from inferd.engine.processor import check_request
 from inferd.engine.request import Request, RequestOutput, SamplingParams, Status
 from inferd.engine.runner import ModelRunner
@@ -43,10 +44,25 @@ class LLMEngine:
         self.config = cfg.validate()
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
+        self.tp = None  # TensorParallelGroup: rank 0's end, when the model is split over ranks
+        if cfg.tensor_parallel_size > 1:
+            if loaded is not None:
+                raise InferdError("tensor parallelism loads the model on every rank: pass a model path, not a loaded model")
+            from inferd.engine.parallel.group import TensorParallelGroup
+
+            self.tp = TensorParallelGroup(cfg, cfg.tensor_parallel_size)
+        try:
+            self._build(cfg, loaded, draft_loaded)
+        except BaseException:
+            if self.tp is not None:
+                self.tp.close()
+            raise
+
+    def _build(self, cfg: EngineConfig, loaded, draft_loaded):
         if loaded is None:
             from inferd.loader import load_model
 
-            loaded = load_model(cfg.load_config())
+            loaded = load_model(cfg.load_config(), shard=self.tp.shard if self.tp is not None else None)
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -57,15 +73,16 @@ class LLMEngine:
             raise InferdError(f"max_model_len {self.max_model_len} exceeds the model's context "
                               f"length {mcfg.max_position_embeddings}")
         kv_dtype = self._kv_dtype()
-        per_block = KVPool.bytes_per_block(mcfg.num_hidden_layers, cfg.block_size, mcfg.num_key_value_heads,
-                                           mcfg.head_dim, kv_dtype)
+        # under tensor parallelism, this rank's KV heads (the pool of every rank has the same blocks)
+        n_kv = self.model.layers[0].n_kv if self.tp is not None else mcfg.num_key_value_heads
+        per_block = KVPool.bytes_per_block(mcfg.num_hidden_layers, cfg.block_size, n_kv, mcfg.head_dim, kv_dtype)
         num_blocks = cfg.num_kv_blocks or max(1, self._kv_bytes() // per_block)
         from inferd.engine.kv_transfer import parse_kv_transfer_config
         from inferd.engine.kv_transfer.transfer import KVTransfer
 
         kv_cfg = parse_kv_transfer_config(cfg.kv_transfer_config, cfg.role)
         shared = kv_cfg is not None and kv_cfg.producer and kv_cfg.kv_connector == "SharedMemoryConnector"
-        self.pool = KVPool(mcfg.num_hidden_layers, num_blocks, cfg.block_size, mcfg.num_key_value_heads,
+        self.pool = KVPool(mcfg.num_hidden_layers, num_blocks, cfg.block_size, n_kv,
                            mcfg.head_dim, kv_dtype, self.model.device, shared=shared)
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
@@ -73,7 +90,12 @@ class LLMEngine:
         window = mcfg.sliding_window if mcfg.sliding_window and mcfg.sliding_window < self.max_model_len else None
         # with speculation, verify chunks (k + 1 query rows) go through the decode kernel as single rows
         attention = SpecPagedAttention if cfg.speculative_method is not None else PagedAttention
-        self.runner = ModelRunner(self.model, attention(self.pool, mcfg.head_dim, window), cfg.enforce_eager)
+        if self.tp is not None:
+            self.tp.setup({"num_blocks": num_blocks, "block_size": cfg.block_size, "window": window,
+                           "kv_dtype": str(kv_dtype).replace("torch.", ""),
+                           "speculative": cfg.speculative_method is not None})
+        self.runner = ModelRunner(self.model, attention(self.pool, mcfg.head_dim, window), cfg.enforce_eager,
+                                  comm=self.tp.comm if self.tp is not None else None)
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, set[str]] = {}  # client request id -> live sequence ids
         self.stats = EngineStats()
@@ -163,6 +185,8 @@ class LLMEngine:
     def close(self):
         if self.kv is not None:
             self.kv.close()
+        if self.tp is not None:
+            self.tp.close()
 
     def _attach(self, req: Request):
         self.requests[req.request_id] = req
@@ -242,7 +266,11 @@ class LLMEngine:
         try:
             self.faults.hit("forward")
             logits, idx, prompt_rows = self.runner.execute(batch.requests, batch.num_new)
+        except CollectiveError:  # a tensor-parallel rank is gone: the engine cannot go on
+            raise
         except Exception as e:  # noqa: BLE001 - the step's requests fail; the engine goes on
+            if self.tp is not None:  # rank 0 failed mid-step: its ranks are out of step
+                raise CollectiveError(f"tensor-parallel step failed on rank 0: {type(e).__name__}: {e}") from e
             return self._fail(batch.requests, e, "the forward pass")
         outputs: list[RequestOutput] = []
         if spec is not None and any(batch.requests[i].spec_tokens for i in idx):

@@ -1,9 +1,10 @@
 """Batch -> tensors -> forward -> logits: the only place the scheduler's plan meets the model."""
 from __future__ import annotations
 
-import torch
-
 import logging
+from dataclasses import dataclass, field
+
+import torch
 
 from inferd.engine.attention import PagedAttention
 from inferd.engine.request import Request
@@ -13,16 +14,42 @@ from inferd.model.llama import LlamaModel
 log = logging.getLogger("inferd")
 
 
+@dataclass
+class StepPlan:
+    """One step as the model sees it: picklable, so that rank 0 can hand it to the other ranks of a
+    tensor-parallel group, which run exactly the same forward."""
+    ids: list[int]
+    block_tables: list[list[int]]
+    starts: list[int]
+    num_new: list[int]
+    sample_rows: list[int]  # rows of the flat batch whose logits are sampled
+    sample_idx: list[int]  # their requests' batch indices
+    prompt_spans: dict = field(default_factory=dict)  # batch index -> (first prompt position, row a, row b)
+
+
 class ModelRunner:
-    def __init__(self, model: LlamaModel, attention: PagedAttention, enforce_eager: bool = False):
+    def __init__(self, model: LlamaModel, attention: PagedAttention, enforce_eager: bool = False, comm=None):
         self.model = model
         self.attn = attention
         self.device = model.device
+        # tensor parallelism (inferd.engine.parallel): this rank's collectives; rank 0 also sends each
+        # step's plan to the others and receives the gathered logits
+        self.comm = comm
         # The one place that decides fused vs eager (as nano-vllm's runner owns eager vs CUDA graph):
         # a qualifying model runs its decode-only steps as one C++ call, every other step eagerly.
-        self.fused = None if enforce_eager else fused_decode.build(model)
+        # Under tensor parallelism always eagerly: the fused step has no all-reduce inside its layer loop.
+        self.fused = None if enforce_eager or comm is not None else fused_decode.build(model)
         if self.fused is not None:
             log.info("decode-only steps: one fused C++ call (--enforce-eager: eager)")
+        shard = getattr(model, "tp_shard", None)
+        self.vocab_widths = None
+        if shard is not None:
+            from inferd.model.tensor_parallel import plan
+
+            cfg = model.cfg
+            self.vocab_widths = [b - a for s in plan(cfg.num_attention_heads, cfg.num_key_value_heads,
+                                                      cfg.intermediate_size, cfg.vocab_size, shard.world)
+                                 for a, b in [s.vocab]]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.fused is not None:
@@ -31,12 +58,8 @@ class ModelRunner:
                 return hidden
         return self.model(input_ids, positions, self.attn)
 
-    @torch.inference_mode()
-    def execute(self, requests: list[Request], num_new: list[int]):
-        """Compute num_new[i] tokens of each request. Returns logits [S, vocab] (fp32) for the
-        requests whose last known token was computed (they sample next; one row each, or
-        1 + len(spec_tokens) rows for a request verifying guesses), their batch indices, and
-        {batch index: (first prompt position, logits rows)} for requests that want prompt logprobs."""
+    def plan(self, requests: list[Request], num_new: list[int]) -> StepPlan:
+        """Which token each row of the flat batch is, and which rows' logits are wanted."""
         ids: list[int] = []
         starts = []
         sample_rows, sample_idx = [], []
@@ -64,10 +87,39 @@ class ModelRunner:
                 # with guesses, every row of the chunk is a position to verify: k + 1 rows
                 sample_rows.extend(range(row - 1 - len(spec), row))
                 sample_idx.append(i)
-        positions = self.attn.prepare([r.block_table for r in requests], starts, num_new)
-        hidden = self.forward(torch.tensor(ids, dtype=torch.long, device=self.device), positions.to(self.device))
-        prompt_rows = {i: (c, self.model.compute_logits(hidden[a:b])) for i, (c, a, b) in prompt_spans.items()}
-        if not sample_rows:
-            return hidden.new_zeros(0, self.model.cfg.vocab_size, dtype=torch.float32), [], prompt_rows
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-        return logits, sample_idx, prompt_rows
+        return StepPlan(ids, [r.block_table for r in requests], starts, list(num_new), sample_rows, sample_idx,
+                        prompt_spans)
+
+    @torch.inference_mode()
+    def execute(self, requests: list[Request], num_new: list[int]):
+        """Compute num_new[i] tokens of each request. Returns logits [S, vocab] (fp32) for the
+        requests whose last known token was computed (they sample next; one row each, or
+        1 + len(spec_tokens) rows for a request verifying guesses), their batch indices, and
+        {batch index: (first prompt position, logits rows)} for requests that want prompt logprobs."""
+        plan = self.plan(requests, num_new)
+        if self.comm is not None:
+            self.comm.send_obj(plan)
+        return self.run(plan)
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan):
+        """The forward of one plan (every rank of a tensor-parallel group runs it; only rank 0 gets
+        logits back)."""
+        positions = self.attn.prepare(plan.block_tables, plan.starts, plan.num_new)
+        hidden = self.forward(torch.tensor(plan.ids, dtype=torch.long, device=self.device), positions.to(self.device))
+        spans = plan.prompt_spans
+        if not spans and not plan.sample_rows:
+            return hidden.new_zeros(0, self.model.cfg.vocab_size, dtype=torch.float32), [], {}
+        # one lm_head call (and under tensor parallelism one gather) for every row wanted
+        rows = [r for _, a, b in spans.values() for r in range(a, b)] + plan.sample_rows
+        sel = hidden if rows == list(range(hidden.shape[0])) else hidden[torch.tensor(rows, device=self.device)]
+        logits = self.model.compute_logits(sel)
+        if self.comm is not None:
+            logits = self.comm.gather_cols(logits, self.vocab_widths)
+            if logits is None:  # not rank 0
+                return None
+        prompt_rows, off = {}, 0
+        for i, (c, a, b) in spans.items():
+            prompt_rows[i] = (c, logits[off: off + b - a])
+            off += b - a
+        return logits[off:], plan.sample_idx, prompt_rows

@@ -91,8 +91,9 @@ def method(name: str) -> Method | None:
     return METHODS[name]
 
 
-def apply(model, ctx: QuantContext) -> list[str]:
-    """Quantize the model in place as `ctx` says; returns what was done, one line each (for the log)."""
+def apply(model, ctx: QuantContext, shard=None) -> list[str]:
+    """Quantize the model in place as `ctx` says; returns what was done, one line each (for the log).
+    `shard(model)` runs between the method (codes) and the packing for kernels (tensor parallelism)."""
     from inferd.quant import w4a8
     from inferd.quant.linear import hand_over, weight_bytes
 
@@ -102,6 +103,8 @@ def apply(model, ctx: QuantContext) -> list[str]:
                           "int4, int4-gptq, gguf, awq (W4A8) or int8, int8-gptq (W8A8)" if m is None else
                           "--quantize-activations is a CPU kernel for packed weights")
     lines = [] if m is None else [m.apply(model, ctx)]
+    if shard is not None:
+        shard(model)
     if not ctx.activations:
         hand_over(model)  # int4 codes to PyTorch's kernel now: final weights from the start
         return lines

@@ -1,0 +1,181 @@
+"""A tensor-parallel group as rank 0 sees it: start the other ranks, connect, shard, hand over steps.
+
+Rank 0 is the engine (scheduler, KV block tables, sampler); ranks 1..N-1 are worker processes
+(`inferd.engine.parallel.worker`) that hold their shard of the weights and of the KV pool and run
+whatever step rank 0 sends (`ModelRunner.run` of a `StepPlan`). Sampling happens on rank 0 only,
+from the gathered logits: one sampler, so seeded streams need no agreement between ranks.
+
+Ranks are processes started with `subprocess` (not multiprocessing: an engine core process is
+itself a daemonic child, which multiprocessing forbids to have children), each pinned to its own
+cores. A torch.distributed process group (gloo; nccl on CUDA) connects them in every mode; with the
+shared-memory backend the hot collectives bypass it. Any rank that dies makes the others' next
+collective fail (`CollectiveError`): an unrecoverable engine fault.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import torch
+
+from inferd.engine.parallel.comm import DEFAULT_TIMEOUT, CollectiveError, DistComm, ShmComm, process_group
+from inferd.errors import InferdError
+
+log = logging.getLogger("inferd")
+
+BACKENDS = ("auto", "shm", "gloo", "nccl")
+
+
+def resolve_backend(backend: str, device: str) -> str:
+    if backend not in BACKENDS:
+        raise InferdError(f"unknown tensor-parallel backend {backend!r} (choose {', '.join(BACKENDS)})")
+    if device.startswith("cuda"):
+        if backend not in ("auto", "nccl"):
+            raise InferdError("on CUDA tensor parallelism runs over nccl")
+        return "nccl"
+    if backend == "nccl":
+        raise InferdError("nccl is for CUDA: on CPU use --tensor-parallel-backend shm or gloo")
+    if backend == "auto":
+        from inferd.kernels import native
+
+        return "shm" if native.ops() is not None else "gloo"
+    return backend
+
+
+def core_sets(world: int, cpus: list[int] | None = None) -> list[list[int] | None]:
+    """Disjoint cores for each rank (their OpenMP workers must not preempt each other at every
+    barrier); None for every rank when there are fewer cores than ranks."""
+    cpus = sorted(os.sched_getaffinity(0)) if cpus is None else cpus
+    per = len(cpus) // world
+    if per == 0:
+        return [None] * world
+    return [cpus[r * per:(r + 1) * per] for r in range(world)]
+
+
+def connect(backend: str, rank: int, world: int, store_path: str, shm_path: str | None, device: torch.device,
+            timeout: float = DEFAULT_TIMEOUT):
+    """(process group, comm) of one rank; every rank calls it, rank 0 first creating the segment."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(store_path, world)
+    # ranks spawned here talk over loopback only; torchrun's multi-host ranks set GLOO_SOCKET_IFNAME
+    pg = process_group("nccl" if backend == "nccl" else "gloo", store, rank, world, timeout,
+                       os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
+    if backend == "shm":
+        return pg, ShmComm(rank, world, shm_path, timeout=timeout)
+    return pg, DistComm(pg, rank, world, device)
+
+
+class TensorParallelGroup:
+    """Rank 0's end: `shard` (the model rewrite for load_model), `setup` (the KV pool's size, sent
+    once loaded), `comm` (for the ModelRunner), `close`."""
+
+    def __init__(self, cfg, world: int):
+        self.world = world
+        self.backend = resolve_backend(cfg.tensor_parallel_backend, cfg.device)
+        self.failed: str | None = None
+        self._closing = False
+        self.procs: list[subprocess.Popen] = []
+        self._dir = tempfile.mkdtemp(prefix="inferd-tp-")
+        cores = core_sets(world)
+        self.threads = cfg.threads or (len(cores[0]) if cores[0] else 1)
+        self._threads_before = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        device = torch.device(f"cuda:{0}" if cfg.device.startswith("cuda") else "cpu")
+        shm = ShmComm(0, world) if self.backend == "shm" else None
+        store_path = os.path.join(self._dir, "store")
+        try:
+            for r in range(1, world):
+                self.procs.append(self._spawn(cfg, r, cores[r], store_path, shm.path if shm else None))
+            self.pg, comm = connect(self.backend, 0, world, store_path, None, device)
+        except Exception:
+            self.close()
+            raise
+        if shm is not None:
+            comm.close()
+            comm = shm
+        self.comm = comm
+        self._watch = threading.Thread(target=self._watchdog, name="inferd-tp-watchdog", daemon=True)
+        self._watch.start()
+        log.info("tensor parallel: %d ranks over %s, %d thread(s) each%s", world, self.backend, self.threads,
+                 "" if cores[0] else " (fewer cores than ranks: not pinned)")
+
+    def _spawn(self, cfg, rank: int, cpus, store_path: str, shm_path: str | None) -> subprocess.Popen:
+        spec = {"cfg": cfg, "rank": rank, "world": self.world, "backend": self.backend, "store": store_path,
+                "shm": shm_path, "cpus": cpus, "threads": self.threads, "parent": os.getpid(),
+                "log_level": logging.getLogger().getEffectiveLevel()}
+        env = dict(os.environ)
+        for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # before torch loads in the worker
+            env[k] = str(self.threads)
+        p = subprocess.Popen([sys.executable, "-m", "inferd.engine.parallel.worker"], stdin=subprocess.PIPE, env=env)
+        p.stdin.write(pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL))
+        p.stdin.close()
+        return p
+
+    def shard(self, model):
+        """The rewrite load_model applies between quantizing and packing (rank 0's share)."""
+        from inferd.model.tensor_parallel import apply_tp, shard_of
+
+        shard = shard_of(model.cfg, 0, self.world)
+        from inferd.model.tensor_parallel import plan
+
+        cfg = model.cfg
+        for s in plan(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size, cfg.vocab_size,
+                      self.world):
+            log.info("tensor parallel %s", s.describe(cfg.head_dim))
+        return apply_tp(model, shard, self.comm)
+
+    def setup(self, info: dict):
+        """Send the KV pool's shape to the other ranks and wait until each has built its pool."""
+        self.comm.send_obj(info)
+        self.comm.all_reduce_(torch.zeros(1))  # every rank ready
+        self.comm.counts.clear()
+
+    def _watchdog(self):
+        while not self._closing:
+            for r, p in enumerate(self.procs, start=1):
+                code = p.poll()
+                if code is not None and not self._closing:
+                    self.failed = f"tensor-parallel rank {r} exited with {code}"
+                    log.error("%s", self.failed)
+                    self.comm.abort()
+                    return
+            time.sleep(0.1)
+
+    def check(self):
+        if self.failed:
+            raise CollectiveError(self.failed)
+
+    def close(self):
+        if self._closing:
+            return
+        self._closing = True
+        comm = getattr(self, "comm", None)
+        if comm is not None and self.failed is None and all(p.poll() is None for p in self.procs):
+            try:
+                comm.send_obj(None)  # the workers' loop ends
+            except Exception:  # noqa: BLE001 - a rank is already gone
+                pass
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+        if comm is not None:
+            comm.close()
+        pg = getattr(self, "pg", None)
+        if pg is not None and pg is not getattr(comm, "pg", None):
+            try:
+                pg.shutdown()
+            except Exception:  # noqa: BLE001
+                pass
+        shutil.rmtree(self._dir, ignore_errors=True)
+        torch.set_num_threads(self._threads_before)

@@ -1,0 +1,99 @@
+"""A tensor-parallel rank other than 0: load its shard, build its share of the KV pool, then run
+every step rank 0 sends until rank 0 says stop (or goes away).
+
+Started by `TensorParallelGroup` as `python -m inferd.engine.parallel.worker` with its spec pickled
+on standard input. It exits non-zero with one line if anything fails, which rank 0 sees as a dead
+rank; it exits (zero) when rank 0's process is gone.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import sys
+
+
+def _die_with_parent():
+    """SIGKILL when the process that started us dies (Linux), so no rank outlives its engine."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def serve(spec: dict) -> int:
+    import signal
+
+    # the server decides when ranks stop: a Ctrl-C to the process group must not kill a rank mid-step
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    rank, world, cfg = spec["rank"], spec["world"], spec["cfg"]
+    log = logging.getLogger("inferd")
+    parent = spec["parent"]
+
+    def alive() -> bool:
+        return os.getppid() == parent
+
+    import torch
+
+    from inferd.engine.parallel.comm import CollectiveError
+    from inferd.engine.parallel.group import connect
+
+    torch.set_num_threads(spec["threads"])
+    device = torch.device(f"cuda:{rank}" if cfg.device.startswith("cuda") else "cpu")
+    try:
+        pg, comm = connect(spec["backend"], rank, world, spec["store"], spec["shm"], device)
+        from inferd.engine.attention import PagedAttention
+        from inferd.engine.kv_cache import KVPool
+        from inferd.engine.runner import ModelRunner
+        from inferd.engine.spec.attention import SpecPagedAttention
+        from inferd.loader import load_model, resolve_dtype
+        from inferd.model.tensor_parallel import apply_tp, shard_of
+
+        lc = cfg.load_config(with_tokenizer=False)
+        if device.type == "cuda":
+            lc.device = str(device)
+        loaded = load_model(lc, shard=lambda m: apply_tp(m, shard_of(m.cfg, rank, world), comm))
+        model, mcfg = loaded.model, loaded.config
+        setup = comm.recv_obj(alive)
+        if setup is None:
+            return 0
+        kv_dtype = resolve_dtype(setup["kv_dtype"])
+        pool = KVPool(mcfg.num_hidden_layers, setup["num_blocks"], setup["block_size"], model.layers[0].n_kv,
+                      mcfg.head_dim, kv_dtype, model.device)
+        attention = SpecPagedAttention if setup["speculative"] else PagedAttention
+        runner = ModelRunner(model, attention(pool, mcfg.head_dim, setup["window"]), enforce_eager=True, comm=comm)
+        comm.all_reduce_(torch.zeros(1))  # ready
+        comm.counts.clear()
+        log.info("rank %d of %d ready", rank, world)
+        while True:
+            step = comm.recv_obj(alive)
+            if step is None:
+                return 0
+            runner.run(step)
+    except CollectiveError as e:
+        if not alive():  # rank 0 went first: nothing to report
+            return 0
+        log.error("tensor-parallel rank %d: %s", rank, e)
+        return 1
+    except Exception as e:  # noqa: BLE001 - one line for the log; rank 0 reports the fault
+        log.error("tensor-parallel rank %d failed: %s: %s", rank, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return 1
+
+
+def main():
+    spec = pickle.loads(sys.stdin.buffer.read())
+    _die_with_parent()
+    if spec.get("cpus"):
+        os.sched_setaffinity(0, spec["cpus"])
+    logging.basicConfig(level=spec.get("log_level", logging.INFO), stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s %(name)s (tp rank {spec['rank']}): %(message)s")
+    code = serve(spec)
+    sys.stdout.flush()
+    os._exit(code)  # no interpreter teardown: torch's threads and the mapped segment go with the process
+
+
+if __name__ == "__main__":
+    main()
