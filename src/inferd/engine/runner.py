@@ -42,14 +42,11 @@ class ModelRunner:
         if self.fused is not None:
             log.info("decode-only steps: one fused C++ call (--enforce-eager: eager)")
         shard = getattr(model, "tp_shard", None)
-        self.vocab_widths = None
+        self.vocab_widths = None  # each rank's slice of the vocabulary, for the logits gather
         if shard is not None:
-            from inferd.model.tensor_parallel import plan
+            from inferd.model.tensor_parallel import plan_of
 
-            cfg = model.cfg
-            self.vocab_widths = [b - a for s in plan(cfg.num_attention_heads, cfg.num_key_value_heads,
-                                                      cfg.intermediate_size, cfg.vocab_size, shard.world)
-                                 for a, b in [s.vocab]]
+            self.vocab_widths = [s.vocab[1] - s.vocab[0] for s in plan_of(model.cfg, shard.world)]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.fused is not None:

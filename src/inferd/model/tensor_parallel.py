@@ -55,7 +55,7 @@ class Shard:
     ff: tuple[int, int]
     vocab: tuple[int, int]
 
-    def describe(self, head_dim: int) -> str:
+    def describe(self) -> str:
         return (f"rank {self.rank}: {len(self.q_heads)} query heads {_span(self.q_heads)}, "
                 f"{len(self.kv_heads)} KV heads {_span(self.kv_heads)}, MLP {self.ff[0]}:{self.ff[1]}, "
                 f"vocab {self.vocab[0]}:{self.vocab[1]}")
@@ -96,8 +96,13 @@ def plan(n_heads: int, n_kv: int, intermediate: int, vocab: int, world: int, ali
     return [Shard(r, world, heads[r][0], heads[r][1], ffs[r], vocabs[r]) for r in range(world)]
 
 
+def plan_of(cfg, world: int) -> list[Shard]:
+    """`plan` for a ModelConfig."""
+    return plan(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size, cfg.vocab_size, world)
+
+
 def shard_of(cfg, rank: int, world: int) -> Shard:
-    return plan(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size, cfg.vocab_size, world)[rank]
+    return plan_of(cfg, world)[rank]
 
 
 # -- slicing a linear of any kind by shape ---------------------------------------------------------

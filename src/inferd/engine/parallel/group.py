@@ -27,6 +27,7 @@ import torch
 
 from inferd.engine.parallel.comm import DEFAULT_TIMEOUT, CollectiveError, DistComm, ShmComm, process_group
 from inferd.errors import InferdError
+from inferd.quant.linear import weight_bytes
 
 log = logging.getLogger("inferd")
 
@@ -121,21 +122,21 @@ class TensorParallelGroup:
 
     def shard(self, model):
         """The rewrite load_model applies between quantizing and packing (rank 0's share)."""
-        from inferd.model.tensor_parallel import apply_tp, shard_of
+        from inferd.model.tensor_parallel import apply_tp, plan_of
 
-        shard = shard_of(model.cfg, 0, self.world)
-        from inferd.model.tensor_parallel import plan
-
-        cfg = model.cfg
-        for s in plan(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size, cfg.vocab_size,
-                      self.world):
-            log.info("tensor parallel %s", s.describe(cfg.head_dim))
-        return apply_tp(model, shard, self.comm)
+        shards = plan_of(model.cfg, self.world)
+        for s in shards:
+            log.info("tensor parallel %s", s.describe())
+        self.model = model
+        return apply_tp(model, shards[0], self.comm)
 
     def setup(self, info: dict):
         """Send the KV pool's shape to the other ranks and wait until each has built its pool."""
         self.comm.send_obj(info)
-        self.comm.all_reduce_(torch.zeros(1))  # every rank ready
+        ready = torch.zeros(self.world)
+        ready[0] = weight_bytes(self.model)
+        self.comm.all_reduce_(ready)  # returns when every rank is ready
+        self.rank_weight_bytes = [int(b) for b in ready.tolist()]  # each rank's share, as each rank counts it
         self.comm.counts.clear()
 
     def _watchdog(self):

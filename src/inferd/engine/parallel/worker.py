@@ -65,7 +65,11 @@ def serve(spec: dict) -> int:
                       mcfg.head_dim, kv_dtype, model.device)
         attention = SpecPagedAttention if setup["speculative"] else PagedAttention
         runner = ModelRunner(model, attention(pool, mcfg.head_dim, setup["window"]), enforce_eager=True, comm=comm)
-        comm.all_reduce_(torch.zeros(1))  # ready
+        from inferd.quant.linear import weight_bytes
+
+        ready = torch.zeros(world)  # each rank's weight bytes: rank 0 learns that every rank is ready
+        ready[rank] = weight_bytes(model)
+        comm.all_reduce_(ready)
         comm.counts.clear()
         log.info("rank %d of %d ready", rank, world)
         while True:
