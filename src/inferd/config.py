@@ -39,6 +39,7 @@ class EngineConfig:
     quant_group_size: int = 32
     quantize_lm_head: bool = False
     quantize_activations: bool = False  # int4 weights x int8 activations (W4A8 kernel)
+    dense_quant: bool = False  # quantized layers keep their exact dequantized weights (fp32 evaluation; no flag)
     enforce_eager: bool = False  # no fused C++ decode step (inferd.model.fused_decode): read by the ModelRunner only
     threads: int | None = None
     max_model_len: int | None = None
