@@ -16,6 +16,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def add_model_args(p: argparse.ArgumentParser):
+    add_parallel_args(p)
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None,
                    help="embedded default (smollm2-135m), a .gguf file, or a Hugging Face model folder")
@@ -43,6 +44,15 @@ def add_model_args(p: argparse.ArgumentParser):
                         "--quantize-activations models use for decode-only steps)")
 
 
+def add_parallel_args(p: argparse.ArgumentParser):
+    g = p.add_argument_group("tensor parallelism")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over N ranks (processes started by inferd, each on its own cores)")
+    g.add_argument("--tensor-parallel-backend", default="auto", choices=["auto", "shm", "gloo", "nccl"],
+                   help="how ranks all-reduce: auto = shm (shared memory, one host) on CPU, nccl on CUDA; "
+                        "gloo = torch.distributed over TCP")
+
+
 def add_engine_args(p: argparse.ArgumentParser):
     g = p.add_argument_group("engine")
     g.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one step")
@@ -58,12 +68,6 @@ def add_engine_args(p: argparse.ArgumentParser):
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn off automatic prefix caching")
     g.add_argument("--scheduling", default="continuous", choices=["continuous", "static"])
-    g = p.add_argument_group("tensor parallelism")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="split the model over N ranks (processes started by inferd, each on its own cores)")
-    g.add_argument("--tensor-parallel-backend", default="auto", choices=["auto", "shm", "gloo", "nccl"],
-                   help="how ranks all-reduce: auto = shm (shared memory, one host) on CPU, nccl on CUDA; "
-                        "gloo = torch.distributed over TCP")
     add_spec_args(p)
 
 
@@ -385,6 +389,15 @@ def main(argv=None) -> int:
     try:
         if getattr(args, "config", None):
             args = apply_yaml_config(parser, argv, args)
+        if (getattr(args, "tensor_parallel_size", 1) or 1) > 1:
+            from inferd.engine.parallel.comm import torchrun_rank
+            from inferd.engine.parallel.worker import run_torchrun_rank
+
+            launched = torchrun_rank()
+            if launched is not None and launched[0] != 0:  # torchrun's other ranks serve rank 0's engine
+                from inferd.config import EngineConfig
+
+                return run_torchrun_rank(EngineConfig.from_args(args), *launched)
         return args.func(args) or 0
     except InferdError as e:
         sys.stderr.write(f"inferd: error: {e}\n")

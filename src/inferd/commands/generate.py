@@ -19,6 +19,16 @@ def _setup(args):
     cfg.seed = EngineConfig.seed  # --seed here seeds the sampling (SamplingParams), not the engine
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    if cfg.tensor_parallel_size > 1:  # every rank loads its own share: no model loaded here first
+        if args.max_model_len:
+            cfg.max_model_len = args.max_model_len
+        cfg.max_num_seqs = 1
+        cfg.kv_cache_memory = cfg.kv_cache_memory or "256MiB"
+        llm = LLM(config=cfg)
+        if llm.tokenizer is None:
+            llm.close()
+            raise InferdError("this model has no tokenizer (tokenizer.json or GGUF vocabulary); text generation needs one")
+        return llm, llm.engine.max_model_len
     lm = load_model(cfg.load_config())
     if lm.tokenizer is None:
         raise InferdError("this model has no tokenizer (tokenizer.json or GGUF vocabulary); text generation needs one")
@@ -64,19 +74,22 @@ def run_generate(args) -> int:
     if not prompt:
         raise InferdError("empty prompt")
     lm, max_len = _setup(args)
-    tok = lm.tokenizer
-    if args.chat_template:
-        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                      tokenize=True)
-    else:
-        ids = tok.encode(prompt)
-    if args.stream:
-        for d in _stream(lm, ids, args, max_len):
-            sys.stdout.write(d)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
-    else:
-        print("".join(_stream(lm, ids, args, max_len)))
+    try:
+        tok = lm.tokenizer
+        if args.chat_template:
+            ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                          tokenize=True)
+        else:
+            ids = tok.encode(prompt)
+        if args.stream:
+            for d in _stream(lm, ids, args, max_len):
+                sys.stdout.write(d)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+        else:
+            print("".join(_stream(lm, ids, args, max_len)))
+    finally:
+        lm.close()
     return 0
 
 

@@ -32,6 +32,16 @@ class LLM:
         self.engine = LLMEngine(config or EngineConfig(model=model), loaded=loaded, **engine_options)
         self.tokenizer = self.engine.tokenizer
 
+    def close(self):
+        """Stop what the engine started (tensor-parallel ranks, KV transfer servers)."""
+        self.engine.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[CompletionOutput]:
         """One CompletionOutput per prompt (with n > 1, its `samples` holds all n, best first

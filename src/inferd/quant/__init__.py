@@ -35,6 +35,9 @@ from inferd.errors import InferdError
 class Method:
     module: str  # the module whose apply(model, QuantContext) -> str (a log line) quantizes
     needs: tuple[str, ...] = ()  # "gguf": the file's own blocks; "checkpoint": a quantized folder; "calibration": text
+    # each weight's codes depend on that weight alone (block-wise round-to-nearest): a tensor-parallel
+    # rank may cut the model first and quantize only its share (same codes, 1/N of the work)
+    local: bool = False
 
     def apply(self, model, ctx) -> str:
         return importlib.import_module(self.module).apply(model, ctx)
@@ -43,8 +46,8 @@ class Method:
 # by name, not by import: the CLI reads the names without loading torch
 METHODS: dict[str, Method | None] = {
     "none": None,
-    "int8": Method("inferd.quant.rtn"),
-    "int4": Method("inferd.quant.rtn"),
+    "int8": Method("inferd.quant.rtn", local=True),
+    "int4": Method("inferd.quant.rtn", local=True),
     "int8-gptq": Method("inferd.quant.gptq", ("calibration",)),
     "int4-gptq": Method("inferd.quant.gptq", ("calibration",)),
     "gguf": Method("inferd.quant.gguf_native", ("gguf",)),
@@ -102,8 +105,11 @@ def apply(model, ctx: QuantContext, shard=None) -> list[str]:
         raise InferdError("--quantize-activations applies to quantized weights: add --quantization "
                           "int4, int4-gptq, gguf, awq (W4A8) or int8, int8-gptq (W8A8)" if m is None else
                           "--quantize-activations is a CPU kernel for packed weights")
+    first = shard is not None and (m is None or m.local)
+    if first:
+        shard(model)
     lines = [] if m is None else [m.apply(model, ctx)]
-    if shard is not None:
+    if shard is not None and not first:
         shard(model)
     if not ctx.activations:
         hand_over(model)  # int4 codes to PyTorch's kernel now: final weights from the start

@@ -12,7 +12,11 @@ from inferd.quant.linear import Int4Linear, Int8Linear, quantize_int4, quantize_
 def _targets(model: nn.Module, include_lm_head: bool):
     for layer in model.layers:
         for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-            yield layer, name
+            lin = getattr(layer, name)
+            if not hasattr(lin, "weight") and hasattr(lin, "inner"):  # a tensor-parallel wrapper: its linear
+                yield lin, "inner"
+            else:
+                yield layer, name
     if include_lm_head:
         yield model, "lm_head"
 

@@ -39,6 +39,7 @@ class Comm:
 
     def __init__(self):
         self.counts: Counter = Counter()
+        self.abort_reason: str | None = None  # what the rank that aborted saw (e.g. which rank died)
 
     def gather_cols(self, x: torch.Tensor, widths: list[int]) -> torch.Tensor | None:
         """Rank r's x [rows, widths[r]] -> on rank 0 the concatenation [rows, sum(widths)]; else None."""
@@ -92,11 +93,14 @@ class ShmComm(Comm):
         off = HEADER + ((seq & 1) * self.world + r) * self.slot
         return self.buf[off: off + self.slot]
 
+    def _error(self, e: RuntimeError) -> CollectiveError:
+        return CollectiveError(self.abort_reason or str(e).splitlines()[0])
+
     def _barrier(self):
         try:
             self.ops.tp_barrier(self.buf, self.world, self.seq, self.timeout)
         except RuntimeError as e:
-            raise CollectiveError(str(e).splitlines()[0]) from None
+            raise self._error(e) from None
         self.seq += 1
 
     def all_reduce_(self, x: torch.Tensor) -> None:
@@ -106,7 +110,7 @@ class ShmComm(Comm):
         try:
             self.seq = self.ops.tp_all_reduce_(x, self.buf, self.rank, self.world, self.seq, self.slot, self.timeout)
         except RuntimeError as e:
-            raise CollectiveError(str(e).splitlines()[0]) from None
+            raise self._error(e) from None
 
     def gather_cols(self, x: torch.Tensor, widths: list[int]) -> torch.Tensor | None:
         self.counts["gather"] += 1
@@ -146,7 +150,7 @@ class ShmComm(Comm):
                 if r == 0:
                     break
                 if r == 2:
-                    raise CollectiveError("tensor-parallel collective aborted: a rank stopped")
+                    raise CollectiveError(self.abort_reason or "tensor-parallel collective aborted: a rank stopped")
                 if alive is not None and not alive():
                     return None
             self.seq += 1
@@ -181,7 +185,7 @@ class DistComm(Comm):
         try:
             work_fn().wait()
         except RuntimeError as e:
-            raise CollectiveError(f"tensor-parallel {what} failed: {str(e).splitlines()[0]}") from None
+            raise CollectiveError(self.abort_reason or f"tensor-parallel {what} failed: {str(e).splitlines()[0]}") from None
 
     def all_reduce_(self, x: torch.Tensor) -> None:
         self.counts["all_reduce"] += 1
@@ -257,3 +261,60 @@ def process_group(backend: str, store, rank: int, world: int, timeout: float, in
         opts._timeout = timedelta(seconds=timeout)
         return dist.ProcessGroupNCCL(store, rank, world, opts)
     raise InferdError(f"unknown tensor-parallel backend {backend!r}")
+
+
+BACKENDS = ("auto", "shm", "gloo", "nccl")
+
+
+def resolve_backend(backend: str, device: str) -> str:
+    if backend not in BACKENDS:
+        raise InferdError(f"unknown tensor-parallel backend {backend!r} (choose {', '.join(BACKENDS)})")
+    if device.startswith("cuda"):
+        if backend not in ("auto", "nccl"):
+            raise InferdError("on CUDA tensor parallelism runs over nccl")
+        return "nccl"
+    if backend == "nccl":
+        raise InferdError("nccl is for CUDA: on CPU use --tensor-parallel-backend shm or gloo")
+    if backend == "auto":
+        from inferd.kernels import native
+
+        return "shm" if native.ops() is not None else "gloo"
+    return backend
+
+
+def torchrun_backend(backend: str, device: str) -> str:
+    """The backend of ranks torchrun started (possibly on several hosts): gloo or nccl, never shm."""
+    if device.startswith("cuda"):
+        return resolve_backend(backend, device)
+    if backend == "shm":
+        raise InferdError("the shared-memory all-reduce is for ranks inferd starts on one host: under torchrun "
+                          "use --tensor-parallel-backend gloo (or auto)")
+    return resolve_backend("gloo" if backend == "auto" else backend, device)
+
+
+def torchrun_rank() -> tuple[int, int] | None:
+    """(rank, world) when torchrun started this process (its env:// variables), else None."""
+    env = os.environ
+    if all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        return int(env["RANK"]), int(env["WORLD_SIZE"])
+    return None
+
+
+def connect(backend: str, rank: int, world: int, store_path: str | None, shm_path: str | None, device: torch.device,
+            timeout: float = DEFAULT_TIMEOUT):
+    """(process group, comm) of one rank; every rank calls it. store_path None: torchrun's env://
+    rendezvous (ranks possibly on other hosts: gloo picks the interface from GLOO_SOCKET_IFNAME or
+    the hostname); else a file store of ranks inferd started on this host (loopback)."""
+    import torch.distributed as dist
+
+    if backend == "shm":  # the segment is the rendezvous: nothing to wait for before loading
+        return None, ShmComm(rank, world, shm_path, timeout=timeout)
+    if store_path is None:
+        from datetime import timedelta
+
+        store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timedelta(seconds=timeout)))
+        interface = os.environ.get("GLOO_SOCKET_IFNAME")
+    else:
+        store, interface = dist.FileStore(store_path, world), os.environ.get("GLOO_SOCKET_IFNAME", "lo")
+    pg = process_group(backend, store, rank, world, timeout, interface)
+    return pg, DistComm(pg, rank, world, device)

@@ -7,8 +7,8 @@ from the gathered logits: one sampler, so seeded streams need no agreement betwe
 
 Ranks are processes started with `subprocess` (not multiprocessing: an engine core process is
 itself a daemonic child, which multiprocessing forbids to have children), each pinned to its own
-cores. A torch.distributed process group (gloo; nccl on CUDA) connects them in every mode; with the
-shared-memory backend the hot collectives bypass it. Any rank that dies makes the others' next
+cores. They talk through a shared-memory segment (`--tensor-parallel-backend shm`, the default on
+CPU), or a torch.distributed process group (gloo; nccl on CUDA). Any rank that dies makes the others' next
 collective fail (`CollectiveError`): an unrecoverable engine fault.
 """
 from __future__ import annotations
@@ -25,30 +25,11 @@ import time
 
 import torch
 
-from inferd.engine.parallel.comm import DEFAULT_TIMEOUT, CollectiveError, DistComm, ShmComm, process_group
+from inferd.engine.parallel.comm import ShmComm, connect, resolve_backend, torchrun_backend, torchrun_rank
 from inferd.errors import InferdError
 from inferd.quant.linear import weight_bytes
 
 log = logging.getLogger("inferd")
-
-BACKENDS = ("auto", "shm", "gloo", "nccl")
-
-
-def resolve_backend(backend: str, device: str) -> str:
-    if backend not in BACKENDS:
-        raise InferdError(f"unknown tensor-parallel backend {backend!r} (choose {', '.join(BACKENDS)})")
-    if device.startswith("cuda"):
-        if backend not in ("auto", "nccl"):
-            raise InferdError("on CUDA tensor parallelism runs over nccl")
-        return "nccl"
-    if backend == "nccl":
-        raise InferdError("nccl is for CUDA: on CPU use --tensor-parallel-backend shm or gloo")
-    if backend == "auto":
-        from inferd.kernels import native
-
-        return "shm" if native.ops() is not None else "gloo"
-    return backend
-
 
 def core_sets(world: int, cpus: list[int] | None = None) -> list[list[int] | None]:
     """Disjoint cores for each rank (their OpenMP workers must not preempt each other at every
@@ -60,49 +41,43 @@ def core_sets(world: int, cpus: list[int] | None = None) -> list[list[int] | Non
     return [cpus[r * per:(r + 1) * per] for r in range(world)]
 
 
-def connect(backend: str, rank: int, world: int, store_path: str, shm_path: str | None, device: torch.device,
-            timeout: float = DEFAULT_TIMEOUT):
-    """(process group, comm) of one rank; every rank calls it, rank 0 first creating the segment."""
-    import torch.distributed as dist
-
-    store = dist.FileStore(store_path, world)
-    # ranks spawned here talk over loopback only; torchrun's multi-host ranks set GLOO_SOCKET_IFNAME
-    pg = process_group("nccl" if backend == "nccl" else "gloo", store, rank, world, timeout,
-                       os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
-    if backend == "shm":
-        return pg, ShmComm(rank, world, shm_path, timeout=timeout)
-    return pg, DistComm(pg, rank, world, device)
-
-
 class TensorParallelGroup:
     """Rank 0's end: `shard` (the model rewrite for load_model), `setup` (the KV pool's size, sent
     once loaded), `comm` (for the ModelRunner), `close`."""
 
     def __init__(self, cfg, world: int):
         self.world = world
-        self.backend = resolve_backend(cfg.tensor_parallel_backend, cfg.device)
+        launched = torchrun_rank()
+        if launched is not None:
+            if launched != (0, world):
+                raise InferdError(f"torchrun started rank {launched[0]} of {launched[1]} as the engine: "
+                                  f"--tensor-parallel-size {world} needs exactly {world} processes")
+            self.backend = torchrun_backend(cfg.tensor_parallel_backend, cfg.device)
+        else:
+            self.backend = resolve_backend(cfg.tensor_parallel_backend, cfg.device)
         self.failed: str | None = None
         self._closing = False
         self.procs: list[subprocess.Popen] = []
         self._dir = tempfile.mkdtemp(prefix="inferd-tp-")
-        cores = core_sets(world)
+        cores = core_sets(int(os.environ.get("LOCAL_WORLD_SIZE", world)) if launched else world)
         self.threads = cfg.threads or (len(cores[0]) if cores[0] else 1)
         self._threads_before = torch.get_num_threads()
         torch.set_num_threads(self.threads)
         device = torch.device(f"cuda:{0}" if cfg.device.startswith("cuda") else "cpu")
         shm = ShmComm(0, world) if self.backend == "shm" else None
         store_path = os.path.join(self._dir, "store")
+        self.pg = None
         try:
-            for r in range(1, world):
-                self.procs.append(self._spawn(cfg, r, cores[r], store_path, shm.path if shm else None))
-            self.pg, comm = connect(self.backend, 0, world, store_path, None, device)
+            if launched is not None:  # torchrun started the other ranks
+                store_path = None
+            else:
+                for r in range(1, world):
+                    self.procs.append(self._spawn(cfg, r, cores[r], store_path, shm.path if shm else None))
+            self.comm = shm if shm is not None else connect(self.backend, 0, world, store_path, None, device)[1]
         except Exception:
             self.close()
             raise
-        if shm is not None:
-            comm.close()
-            comm = shm
-        self.comm = comm
+        self.pg = getattr(self.comm, "pg", None)
         self._watch = threading.Thread(target=self._watchdog, name="inferd-tp-watchdog", daemon=True)
         self._watch.start()
         log.info("tensor parallel: %d ranks over %s, %d thread(s) each%s", world, self.backend, self.threads,
@@ -146,13 +121,10 @@ class TensorParallelGroup:
                 if code is not None and not self._closing:
                     self.failed = f"tensor-parallel rank {r} exited with {code}"
                     log.error("%s", self.failed)
+                    self.comm.abort_reason = self.failed
                     self.comm.abort()
                     return
             time.sleep(0.1)
-
-    def check(self):
-        if self.failed:
-            raise CollectiveError(self.failed)
 
     def close(self):
         if self._closing:
@@ -172,11 +144,5 @@ class TensorParallelGroup:
                 p.wait(5)
         if comm is not None:
             comm.close()
-        pg = getattr(self, "pg", None)
-        if pg is not None and pg is not getattr(comm, "pg", None):
-            try:
-                pg.shutdown()
-            except Exception:  # noqa: BLE001
-                pass
         shutil.rmtree(self._dir, ignore_errors=True)
         torch.set_num_threads(self._threads_before)

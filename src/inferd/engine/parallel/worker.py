@@ -33,18 +33,17 @@ def serve(spec: dict) -> int:
     log = logging.getLogger("inferd")
     parent = spec["parent"]
 
-    def alive() -> bool:
-        return os.getppid() == parent
+    def alive() -> bool:  # under torchrun (no parent of ours) rank 0's loss shows as a failed collective
+        return parent is None or os.getppid() == parent
 
     import torch
 
-    from inferd.engine.parallel.comm import CollectiveError
-    from inferd.engine.parallel.group import connect
+    from inferd.engine.parallel.comm import CollectiveError, connect
 
     torch.set_num_threads(spec["threads"])
     device = torch.device(f"cuda:{rank}" if cfg.device.startswith("cuda") else "cpu")
     try:
-        pg, comm = connect(spec["backend"], rank, world, spec["store"], spec["shm"], device)
+        _, comm = connect(spec["backend"], rank, world, spec["store"], spec["shm"], device)
         from inferd.engine.attention import PagedAttention
         from inferd.engine.kv_cache import KVPool
         from inferd.engine.runner import ModelRunner
@@ -85,6 +84,18 @@ def serve(spec: dict) -> int:
     except Exception as e:  # noqa: BLE001 - one line for the log; rank 0 reports the fault
         log.error("tensor-parallel rank %d failed: %s: %s", rank, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
         return 1
+
+
+def run_torchrun_rank(cfg, rank: int, world: int) -> int:
+    """A rank other than 0 that torchrun started: the worker loop, over gloo (or nccl)."""
+    from inferd.engine.parallel.comm import torchrun_backend
+
+    backend = torchrun_backend(cfg.tensor_parallel_backend, cfg.device)
+    per_host = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # ranks sharing this host's cores
+    threads = cfg.threads or max(1, len(os.sched_getaffinity(0)) // per_host)
+    spec = {"cfg": cfg, "rank": rank, "world": world, "backend": backend, "store": None, "shm": None,
+            "threads": threads, "parent": None}
+    return serve(spec)
 
 
 def main():

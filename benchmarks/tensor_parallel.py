@@ -1,0 +1,137 @@
+"""Tensor parallelism in one run: TP=1 on all threads against TP=2 at one thread a rank, over the
+shared-memory all-reduce and over gloo.
+
+For each setup: decode tok/s at batch 1 and 32 (greedy, ignore_eos, prefill excluded), the
+all-reduces a step, the time rank 0 spends inside them (its own copy and sum, the barrier, and the
+wait for the slower rank: the default model's 3 KV groups split 2 + 1), that time per call, and its
+share of the time per output token. Medians of alternating rounds, every engine loaded once.
+
+What a 2-core machine can show: TP=2 at one thread a rank uses the same two cores as TP=1 at two
+threads, so the best it can do is tie; the table measures what the split costs (collectives,
+the uneven head split, one-thread GEMVs). The gain of tensor parallelism is on machines with more
+memory bandwidth than one rank can use: multi-socket servers (a rank per NUMA node) and multi-GPU.
+
+Usage: .venv/bin/python benchmarks/tensor_parallel.py [--rounds 3] [--tokens 64] [--quantization none]
+       [--quantize-activations] [--dtype float32] [--batches 1,32] [--json F]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import cpu_features  # noqa: E402
+
+PROMPT = "The history of the Roman empire begins with the founding of the city, and"
+
+
+def timed(comm) -> dict:
+    """Count and time rank 0's all-reduces (the modules call comm.all_reduce_ by attribute)."""
+    stats = {"calls": 0, "seconds": 0.0}
+    inner = comm.all_reduce_
+
+    def all_reduce_(x):
+        t = time.perf_counter()
+        inner(x)
+        stats["seconds"] += time.perf_counter() - t
+        stats["calls"] += 1
+    comm.all_reduce_ = all_reduce_
+    return stats
+
+
+def measure(eng, ids: list[int], batch: int, n: int, ar: dict | None) -> dict:
+    from inferd.engine.request import SamplingParams
+
+    rids = [eng.add_request(ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)) for _ in range(batch)]
+    reqs = [eng.requests[r] for r in rids]
+    while not all(r.timings.first_token for r in reqs):  # prefill (and its all-reduces) not counted
+        eng.step()
+    calls0, secs0, steps0 = (ar["calls"], ar["seconds"], eng.stats.steps) if ar else (0, 0.0, eng.stats.steps)
+    t0 = time.perf_counter()
+    while eng.has_unfinished():
+        eng.step()
+    dt = time.perf_counter() - t0
+    steps = eng.stats.steps - steps0
+    out = {"tok_s": batch * (n - 1) / dt, "step_ms": 1e3 * dt / steps}
+    if ar:
+        calls, secs = ar["calls"] - calls0, ar["seconds"] - secs0
+        out.update(ar_per_step=calls / steps, ar_us=1e6 * secs / calls, ar_share=secs / dt)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--quantization", default="none")
+    ap.add_argument("--quantize-activations", action="store_true",
+                    help="W4A8/W8A8; adds a TP=1 row without the fused decode step, which TP turns off")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    import torch
+
+    from inferd.engine.engine import LLMEngine
+
+    cores = len(os.sched_getaffinity(0))
+    setups = [(f"TP=1, {cores} threads", dict(threads=cores)),
+              *([(f"TP=1, {cores} threads, eager", dict(threads=cores, enforce_eager=True))]
+                if args.quantize_activations else []),
+              ("TP=2 shm, 1 thread/rank", dict(tensor_parallel_size=2, tensor_parallel_backend="shm")),
+              ("TP=2 gloo, 1 thread/rank", dict(tensor_parallel_size=2, tensor_parallel_backend="gloo"))]
+    batches = [int(b) for b in args.batches.split(",")]
+    engines, comms = {}, {}
+    for name, opts in setups:
+        eng = LLMEngine(dtype=args.dtype, quantization=args.quantization, kv_cache_memory="512MiB",
+                        quantize_activations=args.quantize_activations, max_num_seqs=max(batches), **opts)
+        engines[name] = eng
+        comms[name] = timed(eng.runner.comm) if eng.tp is not None else None
+        torch.set_num_threads(opts.get("threads", 1))
+    ids = engines[setups[0][0]].tokenizer.encode(PROMPT)
+    results: dict = {name: {b: [] for b in batches} for name, _ in setups}
+    for name, opts in setups:  # warm-up: first-call allocations, kernel paths
+        torch.set_num_threads(opts.get("threads", 1))
+        measure(engines[name], ids, 2, 4, comms[name])
+    for r in range(args.rounds):
+        for name, opts in setups:
+            torch.set_num_threads(opts.get("threads", 1))
+            for b in batches:
+                results[name][b].append(measure(engines[name], ids, b, args.tokens, comms[name]))
+    for eng in engines.values():
+        eng.close()
+
+    def med(rows, k):
+        vals = [x[k] for x in rows if k in x]
+        return statistics.median(vals) if vals else None
+
+    print(f"# tensor parallelism, default model, dtype {args.dtype}, quantization {args.quantization}"
+          f"{' (W4A8/W8A8)' if args.quantize_activations else ''}; "
+          f"CPU: {cpu_features()}, {cores} cores; medians of {args.rounds} alternating rounds, "
+          f"{args.tokens} tokens a request")
+    print("| setup | batch | decode tok/s | vs TP=1 | ms/step | all-reduces/step | µs/all-reduce (rank 0) | all-reduce share of TPOT |")
+    print("|---|---|---|---|---|---|---|---|")
+    base = {b: med(results[setups[0][0]][b], "tok_s") for b in batches}
+    summary = {}
+    for name, _ in setups:
+        for b in batches:
+            rows = results[name][b]
+            tok, ar, us, share = (med(rows, k) for k in ("tok_s", "ar_per_step", "ar_us", "ar_share"))
+            summary[f"{name} b{b}"] = {k: med(rows, k) for k in rows[0]}
+            cols = ["-", "-", "-"] if ar is None else [f"{ar:.0f}", f"{us:.0f}", f"{100 * share:.0f} %"]
+            print(f"| {name} | {b} | {tok:.1f} | {tok / base[b]:.2f}x | {med(rows, 'step_ms'):.1f} | " + " | ".join(cols) + " |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"cpu": cpu_features(), "results": summary}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
