@@ -162,9 +162,8 @@ _init_lock = threading.Lock()
 
 @contextlib.contextmanager
 def _no_default_init():
-    """Skip nn.Linear's and nn.Embedding's random init while the model is built on the meta device:
-    every weight is overwritten anyway, and a meta tensor's normal_ runs torch's Python reference
-    implementation, whose first use imports torch._dynamo (1.4 s of every model-loading process)."""
+    """Skip nn.Linear's and nn.Embedding's random init while the model is built: every weight is
+    overwritten anyway (and random init of 135M weights costs seconds)."""
     with _init_lock:
         saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
         nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
@@ -176,11 +175,10 @@ def _no_default_init():
 
 def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor] | None, dtype, device,
                 seed: int = 0) -> LlamaModel:
-    with torch.device("meta"), _no_default_init():
+    # allocated where it runs, uninitialised (not on the meta device and then `to_empty`, whose
+    # empty_like goes through torch's Python reference ops: ~1 s of every load)
+    with torch.device(device), _no_default_init():
         model = LlamaModel(cfg)
-    model = model.to_empty(device=device)
-    if cfg.tie_word_embeddings:  # to_empty does not keep the tie made at construction
-        model.lm_head.weight = model.embed_tokens.weight
     if state_dict is None:
         _init_random(model, cfg, seed)
     else:

@@ -54,6 +54,9 @@ def config_from_metadata(meta: dict[str, Any]):
     )
 
 
+_WHOLE_TENSOR = {"Q4_0", "Q4_1", "Q8_0"}
+
+
 def dequantize_tensor(t) -> np.ndarray:
     """A ReaderTensor -> float32 array in PyTorch (out, in) order."""
     from gguf import GGMLQuantizationType, quants
@@ -64,6 +67,13 @@ def dequantize_tensor(t) -> np.ndarray:
         arr = data.astype(np.float32, copy=False)
     elif qtype == GGMLQuantizationType.F16:
         arr = data.view(np.float16).astype(np.float32)
+    elif qtype.name in _WHOLE_TENSOR:
+        # the gguf package's own block maths, on every block of the tensor in one call: its
+        # quants.dequantize walks row groups in Python (1.8 s of the default model's 2.2 s load)
+        from gguf import GGML_QUANT_SIZES
+
+        cls = getattr(quants, qtype.name)
+        arr = cls.dequantize_blocks(data.reshape(-1, GGML_QUANT_SIZES[qtype][1]))
     else:
         try:
             arr = quants.dequantize(data, qtype)
