@@ -234,7 +234,24 @@ def run_recording(eng, reqs):
     return [(outs[r], torch.stack(rows[r])) for r in rids]
 
 
-def test_real_model_two_ranks_against_one(default_gguf_path):
+@pytest.fixture(scope="module")
+def one_rank(default_gguf_path):
+    """TP=1 at 2 threads, fp32: one prompt's prefill and 32 decode steps, and 16 requests in one
+    batch, with the logits each token came from; and the reference loop's run of the one prompt."""
+    from inferd.engine.reference import reference_generate
+
+    eng = LLMEngine(model=default_gguf_path, dtype="float32", kv_cache_memory=SMALL_KV, threads=2)
+    tok = eng.tokenizer
+    ids = tok.encode(PROMPTS[0])
+    out = {"tok": tok, "ids": ids, "batch_in": [(tok.encode(p), 24) for p in PROMPTS]}
+    out["trace"] = run_recording(eng, [(ids, 33)])[0]
+    out["batch"] = run_recording(eng, out["batch_in"])
+    out["loop"] = reference_generate(eng.model, ids, 33, keep_logits=True)
+    eng.close()
+    return out
+
+
+def test_real_model_two_ranks_against_one(default_gguf_path, one_rank):
     """fp32, the default model.
     1. One prompt's prefill and 32 decode steps: the largest logit difference of TP=2 against TP=1
        is at most 4x what two correct fp32 orders of the same sums differ by: TP=1 at 1 against 2
@@ -243,38 +260,31 @@ def test_real_model_two_ranks_against_one(default_gguf_path):
     2. 16 requests in one batch: TP=2's greedy tokens are TP=1's under the near-tie cut.
     3. The split ran: 61 all-reduces a step (2 x 30 layers + the vocab-parallel embedding), one
        logits gather a step, and each rank holds its share of the weights (as that rank counts them)."""
-    from inferd.engine.reference import reference_generate
-
-    lm = load_model(default_gguf_path, dtype="float32")
-    ids = lm.tokenizer.encode(PROMPTS[0])
-    batch = [(lm.tokenizer.encode(p), 24) for p in PROMPTS]
-    runs, batches = {}, {}
-    for name, opts in (("t1", dict(threads=1)), ("t2", dict(threads=2)), ("tp", dict(tensor_parallel_size=2))):
-        eng = LLMEngine(model=default_gguf_path, dtype="float32", kv_cache_memory=SMALL_KV, **opts)
-        try:
-            runs[name] = run_recording(eng, [(ids, 33)])[0]
-            if name == "tp":
-                assert eng.runner.comm.counts["all_reduce"] == 61 * eng.stats.steps
-                assert eng.runner.comm.counts["gather"] == eng.stats.steps
-                b0, b1 = eng.tp.rank_weight_bytes  # rank 0 has 6 query heads (2 KV groups), rank 1 has 3 (1)
-                assert b0 - b1 == 30 * (4 * 576 * 64) * (3 + 3 + 2)
-                eng.keep_history = True
-            if name != "t1":
-                batches[name] = run_recording(eng, batch)
-            if name == "tp":
-                assert max(s.num_seqs for s in eng.stats.history) == 16
-                assert_no_leaks(eng)
-        finally:
-            eng.close()
-    ref = reference_generate(lm.model, ids, 33, keep_logits=True)
-    (t1, l1), (t2, l2), (tp, ltp) = runs["t1"], runs["t2"], runs["tp"]
+    ids = one_rank["ids"]
+    eng = LLMEngine(model=default_gguf_path, dtype="float32", kv_cache_memory=SMALL_KV, threads=1)
+    t1, l1 = run_recording(eng, [(ids, 33)])[0]
+    eng.close()
+    eng = LLMEngine(model=default_gguf_path, dtype="float32", kv_cache_memory=SMALL_KV, tensor_parallel_size=2)
+    try:
+        tp, ltp = run_recording(eng, [(ids, 33)])[0]
+        assert eng.runner.comm.counts["all_reduce"] == 61 * eng.stats.steps
+        assert eng.runner.comm.counts["gather"] == eng.stats.steps
+        b0, b1 = eng.tp.rank_weight_bytes  # rank 0: 6 query heads (2 KV groups), rank 1: 3 (1)
+        assert b0 - b1 == 30 * (4 * 576 * 64) * (3 + 3 + 2)
+        eng.keep_history = True
+        batch = run_recording(eng, one_rank["batch_in"])
+        assert max(s.num_seqs for s in eng.stats.history) == 16
+        assert_no_leaks(eng)
+    finally:
+        eng.close()
+    (t2, l2), ref = one_rank["trace"], one_rank["loop"]
     assert t1 == t2 == tp == ref.token_ids
     lref = torch.stack(list(ref.logits))
-    threads, loop = float((l1 - l2).abs().max()), float((l1 - lref).abs().max())
-    d = float((ltp - l1).abs().max())
+    threads, loop = float((l1 - l2).abs().max()), float((l2 - lref).abs().max())
+    d = float((ltp - l2).abs().max())
     print(f"max |logit diff|: TP2 vs TP1 {d:.2e}; TP1 1 vs 2 threads {threads:.2e}; TP1 vs reference loop {loop:.2e}")
     assert 0 < d <= 4 * max(threads, loop)
-    assert compare([t for t, _ in batches["tp"]], batches["t2"]) <= 2
+    assert compare([t for t, _ in batch], one_rank["batch"]) <= 2
 
 
 @pytest.mark.parametrize("quant", [dict(quantization="gguf", dense_quant=True), dict(quantization="int8")],
@@ -285,12 +295,13 @@ def test_real_model_quantized_with_ngram_speculation(default_gguf_path, quant):
     minutes a test; its codes' split is checked bit for bit below). n-gram guesses are verified by
     the split model. Reference: the same quantized model at TP=1 without speculation."""
     one = LLMEngine(model=default_gguf_path, dtype="float32", kv_cache_memory=SMALL_KV, **quant)
-    prompts = [one.tokenizer.encode(p + " " + p) for p in PROMPTS[:8]]  # repeated text: n-gram hits
-    ref = run_recording(one, [(p, 16) for p in prompts])
+    prompts = [one.tokenizer.encode(p + " " + p) for p in PROMPTS[:6]]  # repeated text: n-gram hits
+    ref = run_recording(one, [(p, 12) for p in prompts])
+    one.close()
     eng = LLMEngine(model=default_gguf_path, dtype="float32", tensor_parallel_size=2, kv_cache_memory=SMALL_KV,
                     speculative_method="ngram", num_speculative_tokens=3, **quant)
     try:
-        got = generate(eng, [(p, 16) for p in prompts])
+        got = generate(eng, [(p, 12) for p in prompts])
         assert eng.spec.stats.num_draft_tokens > 0 and eng.spec.stats.num_accepted_tokens > 0
         assert_no_leaks(eng)
     finally:
@@ -374,7 +385,7 @@ def rank_pids(core: int) -> list[int]:
     return out
 
 
-def test_served_with_the_openai_client_then_a_rank_killed_under_a_stream(default_gguf_path, tmp_path):
+def test_served_with_the_openai_client_then_a_rank_killed_under_a_stream(one_rank, tmp_path):
     """`inferd serve --tensor-parallel-size 2`:
     1. 16 concurrent requests from the official client get the texts of TP=1's greedy tokens (cut
        where TP=1's top-2 logits are within 1e-4);
@@ -391,10 +402,8 @@ def test_served_with_the_openai_client_then_a_rank_killed_under_a_stream(default
     srv = ServerProc(["--dtype", "float32", "--tensor-parallel-size", "2", "--kv-cache-memory", SMALL_KV,
                       "--max-num-seqs", "16"], log_path=tmp_path / "serve.log")
     try:
-        one = LLMEngine(model=default_gguf_path, dtype="float32", kv_cache_memory=SMALL_KV)
-        tok = one.tokenizer
-        ref = run_recording(one, [(tok.encode(p), 16) for p in PROMPTS])
-        del one
+        tok = one_rank["tok"]
+        ref = [(ids[:16], logits[:16]) for ids, logits in one_rank["batch"]]
         srv.wait_ready()
         assert "tensor parallel: 2 ranks over shm" in srv.log_text(100_000)
         client = openai.OpenAI(base_url=srv.base + "/v1", api_key="none", max_retries=0)
@@ -454,13 +463,15 @@ def test_torchrun_starts_the_ranks_instead_of_inferd(tmp_path):
 
     path = str(tmp_path / "tiny.gguf")
     write_tiny_chat_gguf(path)
+    from inferd.engine.llm import LLM
+
     gen = ["-m", "inferd", "generate", "--model", path, "--dtype", "float32", "--prompt", "Hello there",
            "--max-tokens", "12", "--temperature", "0"]
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
-    one = subprocess.run([sys.executable, *gen], capture_output=True, text=True, timeout=120, env=env)
-    assert one.returncode == 0, one.stderr[-2000:]
+    with LLM(model=path, dtype="float32") as llm:
+        want = llm.generate(["Hello there"], SamplingParams(max_tokens=12, temperature=0))[0].text.strip()
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                           *gen, "--tensor-parallel-size", "2"], capture_output=True, text=True, timeout=180, env=env)
     assert two.returncode == 0, two.stderr[-3000:]
     # one copy of the text: rank 1 ran the worker loop, not a generate of its own
-    assert two.stdout.strip() == one.stdout.strip() and one.stdout.strip()
+    assert two.stdout.strip() == want and want
