@@ -100,9 +100,10 @@ def test_unpermute_inverts_llama_cpp_permutation():
     assert torch.equal(unpermute_qk(permuted, 2), w)
 
 
-@pytest.mark.parametrize("qt", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.F16, Q.BF16])
+@pytest.mark.parametrize("qt", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0])
 def test_other_types_dequantize(tmp_path, qt):
-    """K-quants have no Python quantizer in `gguf`: write random blocks and compare to its dequantizer."""
+    """Random blocks (K-quants have no Python quantizer in `gguf`; Q4_0/Q4_1/Q8_0 take our whole-tensor
+    call of its block maths) against its dequantizer."""
     from inferd.model.gguf import dequantize_tensor
 
     rng = np.random.default_rng(1)
