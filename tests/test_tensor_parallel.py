@@ -85,6 +85,51 @@ def test_each_rank_holds_its_share_of_the_bytes(default_gguf_path):
     assert shares[0] - shares[1] == cfg.num_hidden_layers * head * (3 + 3 + 2)
 
 
+# -- the shared-memory collectives, alone -----------------------------------------------------------
+
+PEER = """
+import sys, torch
+from inferd.engine.parallel.comm import ShmComm
+c = ShmComm(1, 2, sys.argv[1], slot_bytes=4096)
+g = torch.Generator().manual_seed(1)
+for dtype in (torch.float32, torch.bfloat16):
+    x = torch.randn(3000, generator=g).to(dtype)  # 3 chunks of a 4 KiB slot in fp32, 2 in bf16
+    c.all_reduce_(x)
+c.gather_cols(torch.full((5, 3), 7.0), [2, 3])
+assert c.recv_obj() == {"plan": list(range(3000))}  # larger than a slot
+c.all_reduce_(torch.zeros(1))
+"""
+
+
+def test_shared_memory_collectives_across_two_processes():
+    """All-reduce (fp32 and bf16, chunked through small slots), the logits gather with uneven widths,
+    and an object larger than a slot, between this process and a real second one."""
+    import subprocess
+    import sys
+
+    from inferd.engine.parallel.comm import ShmComm
+
+    c = ShmComm(0, 2, slot_bytes=4096)
+    peer = subprocess.Popen([sys.executable, "-c", PEER, c.path])
+    try:
+        g0, g1 = torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)
+        for dtype in (torch.float32, torch.bfloat16):
+            a, b = torch.randn(3000, generator=g0).to(dtype), torch.randn(3000, generator=g1).to(dtype)
+            x = a.clone()
+            c.all_reduce_(x)
+            # rank order, in fp32, rounded once: what every rank gets
+            assert torch.equal(x, (a.float() + b.float()).to(dtype)), dtype
+        got = c.gather_cols(torch.full((5, 2), 3.0), [2, 3])
+        assert torch.equal(got, torch.cat([torch.full((5, 2), 3.0), torch.full((5, 3), 7.0)], 1))
+        c.send_obj({"plan": list(range(3000))})
+        c.all_reduce_(torch.zeros(1))
+        assert peer.wait(60) == 0
+        assert c.counts["all_reduce"] == 3 and c.counts["gather"] == 1
+    finally:
+        peer.kill()
+        c.close()
+
+
 # -- tiny models in real ranks ---------------------------------------------------------------------
 
 def write_tiny_folder(path, seed=0, **over):

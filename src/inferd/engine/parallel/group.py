@@ -41,6 +41,18 @@ def core_sets(world: int, cpus: list[int] | None = None) -> list[list[int] | Non
     return [cpus[r * per:(r + 1) * per] for r in range(world)]
 
 
+def ready_counts(rank: int, world: int, nbytes: int) -> torch.Tensor:
+    """The all-reduce every rank makes when ready, carrying its weight bytes: MiB and the rest in two
+    float32 lanes (exact below 16 TiB; one float32 holds integers exactly only up to 2^24)."""
+    t = torch.zeros(world, 2)
+    t[rank, 0], t[rank, 1] = divmod(nbytes, 1 << 20)
+    return t
+
+
+def weights_of(ready: torch.Tensor) -> list[int]:
+    return [(int(hi) << 20) + int(lo) for hi, lo in ready.tolist()]
+
+
 class TensorParallelGroup:
     """Rank 0's end: `shard` (the model rewrite for load_model), `setup` (the KV pool's size, sent
     once loaded), `comm` (for the ModelRunner), `close`."""
@@ -66,7 +78,6 @@ class TensorParallelGroup:
         device = torch.device(f"cuda:{0}" if cfg.device.startswith("cuda") else "cpu")
         shm = ShmComm(0, world) if self.backend == "shm" else None
         store_path = os.path.join(self._dir, "store")
-        self.pg = None
         try:
             if launched is not None:  # torchrun started the other ranks
                 store_path = None
@@ -77,7 +88,6 @@ class TensorParallelGroup:
         except Exception:
             self.close()
             raise
-        self.pg = getattr(self.comm, "pg", None)
         self._watch = threading.Thread(target=self._watchdog, name="inferd-tp-watchdog", daemon=True)
         self._watch.start()
         log.info("tensor parallel: %d ranks over %s, %d thread(s) each%s", world, self.backend, self.threads,
@@ -108,10 +118,9 @@ class TensorParallelGroup:
     def setup(self, info: dict):
         """Send the KV pool's shape to the other ranks and wait until each has built its pool."""
         self.comm.send_obj(info)
-        ready = torch.zeros(self.world)
-        ready[0] = weight_bytes(self.model)
+        ready = ready_counts(0, self.world, weight_bytes(self.model))
         self.comm.all_reduce_(ready)  # returns when every rank is ready
-        self.rank_weight_bytes = [int(b) for b in ready.tolist()]  # each rank's share, as each rank counts it
+        self.rank_weight_bytes = weights_of(ready)  # each rank's share, as each rank counts it
         self.comm.counts.clear()
 
     def _watchdog(self):

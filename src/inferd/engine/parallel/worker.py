@@ -64,11 +64,10 @@ def serve(spec: dict) -> int:
                       mcfg.head_dim, kv_dtype, model.device)
         attention = SpecPagedAttention if setup["speculative"] else PagedAttention
         runner = ModelRunner(model, attention(pool, mcfg.head_dim, setup["window"]), enforce_eager=True, comm=comm)
+        from inferd.engine.parallel.group import ready_counts
         from inferd.quant.linear import weight_bytes
 
-        ready = torch.zeros(world)  # each rank's weight bytes: rank 0 learns that every rank is ready
-        ready[rank] = weight_bytes(model)
-        comm.all_reduce_(ready)
+        comm.all_reduce_(ready_counts(rank, world, weight_bytes(model)))  # rank 0 learns every rank is ready
         comm.counts.clear()
         log.info("rank %d of %d ready", rank, world)
         while True:
