@@ -244,3 +244,37 @@ def wait_for(cond, what: str = "condition", timeout: float = 20):
             return
         time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def compare_texts(texts, refs, tok):
+    """Served texts against reference runs [(token ids, logits rows)]: equal, or equal up to the
+    first reference token whose top-2 logits are within 1e-4. Returns how many were cut so."""
+    near_ties = 0
+    for i, (ids, logits) in enumerate(refs):
+        def text(part):
+            return tok.decode(part, skip_special_tokens=True)
+
+        if texts[i] == text(ids):
+            continue
+        k = next(k for k in range(len(ids)) if not texts[i].startswith(text(ids[:k + 1])))
+        top2 = torch.topk(logits[k], 2).values
+        assert float(top2[0] - top2[1]) < 1e-4, f"request {i}: {texts[i]!r} vs {text(ids)!r}"
+        near_ties += 1
+    return near_ties
+
+
+def stream_then_kill(base: str, body: dict, pid: int, after: int = 3) -> list[str]:
+    """Stream a completion, SIGKILL `pid` once `after` events have arrived; the stream's events."""
+    import signal
+
+    import httpx
+
+    events = []
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if len(events) == after:
+                    os.kill(pid, signal.SIGKILL)
+    return events

@@ -8,13 +8,13 @@ get a 503 error body, the server exits non-zero within a bounded time."""
 import json
 import os
 import re
-import signal
 import time
 
 import httpx
 import pytest
 
 import conftest
+from helpers import stream_then_kill
 
 ARGS = ["--dtype", "float32", "--host", "127.0.0.1", "--kv-cache-memory", "64MiB", "--max-num-seqs", "4"]
 
@@ -81,15 +81,7 @@ def test_killed_engine_is_a_fault_the_server_exits_on(tmp_path):
         pid = core_pid(srv)
         body = {"prompt": "Count to a thousand: 1, 2, 3,", "max_tokens": 400, "temperature": 0, "ignore_eos": True,
                 "stream": True}
-        events = []
-        with httpx.stream("POST", srv.base + "/v1/completions", json=body, timeout=60) as r:
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if not line.startswith("data: "):
-                    continue
-                events.append(line[6:])
-                if len(events) == 3:
-                    os.kill(pid, signal.SIGKILL)
+        events = stream_then_kill(srv.base, body, pid)
         # the stream ended, cleanly: an error event, then [DONE]
         assert events[-1] == "[DONE]"
         err = json.loads(events[-2])

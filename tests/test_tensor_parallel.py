@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import make_tiny_model
-from helpers import assert_no_leaks, compare, make_requests, reference_outputs
+from helpers import assert_no_leaks, compare, compare_texts, make_requests, reference_outputs, stream_then_kill
 
 from inferd.engine.engine import LLMEngine
 from inferd.engine.parallel.comm import CollectiveError
@@ -463,30 +463,14 @@ def test_served_with_the_openai_client_then_a_rank_killed_under_a_stream(one_ran
             t.start()
         for t in threads:
             t.join()
-        near_ties = 0
-        for i, (ids, logits) in enumerate(ref):
-            want = tok.decode(ids, skip_special_tokens=True)
-            if texts[i] == want:
-                continue
-            k = next(k for k in range(len(ids))
-                     if not texts[i].startswith(tok.decode(ids[:k + 1], skip_special_tokens=True)))
-            top2 = torch.topk(logits[k], 2).values
-            assert float(top2[0] - top2[1]) < 1e-4, f"{PROMPTS[i]!r}: {texts[i]!r} vs {want!r}"
-            near_ties += 1
+        near_ties = compare_texts(texts, ref, tok)
         assert near_ties <= 2
 
         ranks = rank_pids(core_pid(srv))
         assert len(ranks) == 1
         body = {"prompt": "Count to a thousand:", "max_tokens": 400, "temperature": 0, "ignore_eos": True,
                 "stream": True}
-        events = []
-        with httpx.stream("POST", srv.base + "/v1/completions", json=body, timeout=60) as r:
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line[6:])
-                    if len(events) == 3:
-                        os.kill(ranks[0], signal.SIGKILL)
+        events = stream_then_kill(srv.base, body, ranks[0])
         assert events[-1] == "[DONE]"
         err = json.loads(events[-2])
         assert "tensor-parallel rank 1 exited with -9" in err["error"]["message"], events[-3:]
