@@ -25,6 +25,7 @@ from inferd.engine.runner import ModelRunner
 from inferd.engine.sampler import build_batch, sample, top_logprobs
 from inferd.engine.scheduler import ScheduledBatch, Scheduler
 from inferd.engine.spec.attention import SpecPagedAttention
+from inferd.engine.structured import advance
 from inferd.engine.stats import EngineSnapshot, EngineStats, StepStats  # noqa: F401  (re-exported)
 from inferd.errors import InferdError
 
@@ -113,6 +114,7 @@ class LLMEngine:
                 raise InferdError("a KV consumer cannot run a draft model (the draft has no KV of a pulled prompt): "
                                   "use --speculative-method ngram")
             self.kv = KVTransfer(self, kv_cfg)
+        self.structured = None  # MaskPrefetch over Grammars: made by the first constrained request
         self.spec = None
         if cfg.speculative_method is not None:
             from inferd.engine.spec.decoder import SpecDecoder
@@ -165,6 +167,8 @@ class LLMEngine:
                 raise InferdError("kv_transfer_params need a server started with --kv-transfer-config or --role")
             kind, remote = self.kv.parse(kv_transfer_params, prompt_ids, params)
         req = Request(rid, prompt_ids, params, arrival)
+        if params.structured_outputs is not None:
+            req.matcher = self.grammars().matcher(params.structured_outputs)
         k = params.best_of or params.n
         if k > 1:
             req.fork_into = k
@@ -177,12 +181,23 @@ class LLMEngine:
             self.scheduler.add(req)
         return rid
 
+    def grammars(self):
+        """The llguidance side of structured output, built on first use (its tokenizer bridge costs
+        ~0.7 s, paid only by servers that are sent constraints)."""
+        if self.structured is None:
+            from inferd.engine.structured import Grammars, MaskPrefetch
+
+            self.structured = MaskPrefetch(Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_ids))
+        return self.structured.grammars
+
     def housekeeping(self) -> bool:
         """Work outside steps (KV leases to free, pulled KV to admit); the serving loops call it
         when idle too. True if anything changed."""
         return self.kv.housekeeping() if self.kv is not None else False
 
     def close(self):
+        if self.structured is not None:
+            self.structured.close()
         if self.kv is not None:
             self.kv.close()
         if self.tp is not None:
@@ -263,6 +278,9 @@ class LLMEngine:
                 raise RuntimeError("scheduler cannot admit any request (KV cache too small?)")
             return []
         t_fwd = time.monotonic()
+        if self.structured is not None:  # the next tokens' masks, computed while the model runs
+            self.structured.start([r for r, n in zip(batch.requests, batch.num_new)
+                                   if r.matcher is not None and r.num_computed + n - len(r.spec_tokens) == r.num_tokens])
         try:
             self.faults.hit("forward")
             logits, idx, prompt_rows = self.runner.execute(batch.requests, batch.num_new)
@@ -271,7 +289,11 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001 - the step's requests fail; the engine goes on
             if self.tp is not None:  # rank 0 failed mid-step: its ranks are out of step
                 raise CollectiveError(f"tensor-parallel step failed on rank 0: {type(e).__name__}: {e}") from e
+            if self.structured is not None:
+                self.structured.wait()
             return self._fail(batch.requests, e, "the forward pass")
+        if self.structured is not None:
+            self.structured.wait()
         outputs: list[RequestOutput] = []
         if spec is not None and any(batch.requests[i].spec_tokens for i in idx):
             logits, idx, verified = self._split_spec_rows(batch, logits, idx)
@@ -321,7 +343,10 @@ class LLMEngine:
         fails, each request is sampled alone so that only the one at fault fails."""
         try:
             self.faults.hit("sample")
-            tokens, lps = sample(logits, build_batch(reqs, self.model_config.vocab_size, self.eos_ids))
+            b = build_batch(reqs, self.model_config.vocab_size, self.eos_ids)
+            if self.structured is not None:
+                b.allowed = self.constraint_masks(reqs)
+            tokens, lps = sample(logits, b)
             return [(r, t, lps[j] if lps else None) for j, (r, t) in enumerate(zip(reqs, tokens.tolist()))]
         except Exception as e:  # noqa: BLE001
             if len(reqs) == 1:
@@ -331,6 +356,19 @@ class LLMEngine:
         for j, r in enumerate(reqs):
             out.extend(self._sample([r], logits[j:j + 1], outputs))
         return out
+
+    def constraint_masks(self, reqs, rows_each=None) -> tuple | None:
+        """Structured output: (row indices, bool [r, vocab]) for the logits rows of constrained
+        requests; rows_each[i] rows per request (1 + its guesses when verifying, else 1)."""
+        idx, masks = [], []
+        off = 0
+        for i, r in enumerate(reqs):
+            n = rows_each[i] if rows_each else 1
+            if r.matcher is not None:
+                idx.extend(range(off, off + n))
+                masks.append(self.structured.masks_for(r)[:n])
+            off += n
+        return (torch.tensor(idx), torch.cat(masks)) if idx else None
 
     def _fail(self, reqs: list[Request], e: BaseException, where: str) -> list[RequestOutput]:
         """End these sequences with an error (their blocks freed), logged once with its traceback.
@@ -411,6 +449,8 @@ class LLMEngine:
                             group=parent.group, index=i)
             child.timings.first_scheduled = parent.timings.first_scheduled
             bm.fork(parent, child, keep_blocks)
+            if parent.matcher is not None:
+                child.matcher = parent.matcher.deep_copy()
             child.max_computed = parent.max_computed
             child.prefix_hit_tokens = parent.prefix_hit_tokens
             child.remote_tokens = parent.remote_tokens
@@ -429,6 +469,8 @@ class LLMEngine:
     def _append(self, req: Request, tok: int, now: float, lp=None) -> RequestOutput:
         record_token(req, tok, now, lp, self.eos_ids, self.max_model_len)
         self.stats.generated_tokens += 1
+        if req.matcher is not None:
+            advance(req, tok)
         if req.detok is not None:
             self.faults.hit("detokenize")
             delta = detokenize(req, tok)

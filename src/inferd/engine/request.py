@@ -13,6 +13,38 @@ if TYPE_CHECKING:  # a Request lives in the engine process; SamplingParams in th
 
 
 @dataclass
+class StructuredOutputs:
+    """A constraint on the output, vLLM's `structured_outputs`: exactly one of a JSON schema (a dict
+    or its text), any JSON object, a regular expression, a list of choices, or a grammar (Lark, or
+    llama.cpp's GBNF). The engine compiles it with llguidance and masks every step's logits by it."""
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+    @property
+    def kind(self) -> str:
+        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise InferdError("structured_outputs needs exactly one of " + ", ".join(self.KINDS)
+                              + (f" (got {', '.join(given)})" if given else ""))
+        return given[0]
+
+    def validate(self):
+        kind = self.kind
+        if kind == "choice" and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                 or not all(isinstance(c, str) for c in self.choice)):
+            raise InferdError("structured_outputs.choice must be a non-empty list of strings")
+        if kind in ("regex", "grammar") and not isinstance(getattr(self, kind), str):
+            raise InferdError(f"structured_outputs.{kind} must be a string")
+        if kind == "json" and not isinstance(self.json, (dict, str)):
+            raise InferdError("structured_outputs.json must be a JSON schema (an object or its text)")
+
+
+@dataclass
 class SamplingParams:
     """The OpenAI / vLLM sampling knobs, meaning what they mean there."""
     max_tokens: int | None = 16  # None: the rest of the context
@@ -35,6 +67,7 @@ class SamplingParams:
     logprobs: int | None = None  # top alternatives per generated token (0: the sampled one only)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | None = None
 
     def validate(self, vocab_size: int | None = None):
         if isinstance(self.stop, str):
@@ -71,6 +104,13 @@ class SamplingParams:
                     raise InferdError(f"token id {t} is outside the vocabulary [0, {vocab_size})")
         if self.logit_bias:
             self.logit_bias = {int(k): max(-100.0, min(100.0, float(v))) for k, v in self.logit_bias.items()}
+        if self.structured_outputs is not None:
+            if isinstance(self.structured_outputs, dict):
+                unknown = set(self.structured_outputs) - set(StructuredOutputs.KINDS)
+                if unknown:
+                    raise InferdError(f"unknown structured_outputs field(s): {', '.join(sorted(unknown))}")
+                self.structured_outputs = StructuredOutputs(**self.structured_outputs)
+            self.structured_outputs.validate()
         if self.n > 1 or (self.best_of or 1) > 1:
             if self.temperature == 0:
                 raise InferdError("n > 1 needs temperature > 0 (greedy samples would all be equal)")
@@ -156,6 +196,10 @@ class Request:
         self.draft_generator: torch.Generator | None = None
         self.spec_skip = 0  # prompt lookup: steps left without guesses after a fully rejected run
         self.spec_backoff = 0  # ... and the length of the last such pause
+        # structured output (inferd.engine.structured): the llguidance matcher that has consumed
+        # output_ids, and the token masks computed ahead for the next position(s)
+        self.matcher = None
+        self.masks = None  # (key, bool tensor [positions, vocab]); key says which state they are for
         self.timings = Timings(arrived=time.monotonic() if arrival is None else arrival)
         self.generator: torch.Generator | None = None
         if not params.greedy:

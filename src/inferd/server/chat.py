@@ -1,4 +1,5 @@
-"""/v1/chat/completions: messages through the model's chat template; logprobs, n and best_of."""
+"""/v1/chat/completions: messages through the model's chat template; logprobs, n and best_of;
+response_format / structured_outputs, and tools (inferd.server.tools)."""
 from __future__ import annotations
 
 import time
@@ -10,6 +11,7 @@ from inferd.errors import InferdError
 from inferd.server.generation import Served, logprob_sum, respond
 from inferd.server.protocol import (COMMON_ERRORS, ApiError, ChatCompletionRequest, ChatCompletionResponse,
                                     error_responses)
+from inferd.server.tools import call_stream, tool_constraint, tool_mode
 
 
 def router(srv: Served) -> APIRouter:
@@ -20,8 +22,10 @@ def router(srv: Served) -> APIRouter:
         **error_responses(*COMMON_ERRORS, 404, 500)})
     async def chat(req: ChatCompletionRequest):
         srv.check_model(req.model)
+        mode, name = tool_mode(req)
         try:
-            ids = srv.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+            ids = srv.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs, req.tools,
+                                  req.tool_choice)
         except InferdError as e:
             raise ApiError(str(e), param="messages") from None
         mt_req = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -31,11 +35,14 @@ def router(srv: Served) -> APIRouter:
         if req.logprobs and top is None:
             top = 0
         params = req.sampling_params(srv.max_tokens_for(mt_req, len(ids)), top)
+        tc = tool_constraint(req, mode, name)
+        if tc is not None:
+            params.structured_outputs = tc
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
 
         def chunks(include_usage, continuous_usage):
-            return chat_chunks(srv, req, ids, params, cid, created, include_usage, continuous_usage)
+            return chat_chunks(srv, req, ids, params, cid, created, include_usage, continuous_usage, mode, name)
 
         return await respond(req, chunks, "chat.completion", merge_choice, srv.stall_timeout)
 
@@ -43,13 +50,14 @@ def router(srv: Served) -> APIRouter:
 
 
 async def chat_chunks(srv: Served, req: ChatCompletionRequest, ids, params, cid, created, include_usage,
-                      continuous_usage):
-    """The stream of a chat request: per sample a role chunk, then its content deltas."""
+                      continuous_usage, mode="none", name=None):
+    """The stream of a chat request: per sample a role chunk, then its content (or tool-call) deltas."""
     base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": srv.name}
     completion_tokens = 0
     started: set[int] = set()
     cum: dict[int, float] = {}
     cached, kvp = 0, None
+    calls: dict = {}  # sample index -> its CallStream, when tool calls are read from the output
     async for _, out in srv.merged([ids], lambda i: params, cid, req.kv_transfer_params):
         if out.finished:
             cached = out.num_cached_tokens  # the n samples share one prompt
@@ -58,17 +66,30 @@ async def chat_chunks(srv: Served, req: ChatCompletionRequest, ids, params, cid,
             started.add(out.index)
             yield {**base, "choices": [{"index": out.index, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}]}
+            if mode != "none":
+                calls[out.index] = call_stream(mode, name)
         completion_tokens += len(out.new_token_ids)
         cum[out.index] = cum.get(out.index, 0.0) + logprob_sum(out.logprobs)
-        choice = {"index": out.index, "delta": {"content": out.text_delta} if out.text_delta else {},
+        stream = calls.get(out.index)
+        if stream is None:
+            deltas = [{"content": out.text_delta}] if out.text_delta else []
+        else:
+            deltas = stream.feed(out.text_delta) + (stream.finish() if out.finished else [])
+        reason = out.finish_reason if out.finished else None
+        if stream is not None and reason == "stop" and stream.calls and mode != "named":
+            reason = "tool_calls"  # as OpenAI and vLLM; a named function's call ends with "stop", as OpenAI's
+        # one delta a chunk; the logprobs and the finish reason ride on the last
+        for j, delta in enumerate(deltas[:-1]):
+            yield {**base, "choices": [{"index": out.index, "delta": delta, "logprobs": None, "finish_reason": None}]}
+        choice = {"index": out.index, "delta": deltas[-1] if deltas else {},
                   "logprobs": chat_logprobs(srv, out.logprobs or [], out.new_token_ids) if req.logprobs else None,
-                  "finish_reason": out.finish_reason if out.finished else None}
+                  "finish_reason": reason}
         if out.finished:
             choice.update(_stop_reason=out.stop_reason, _cum=cum[out.index])
         chunk = {**base, "choices": [choice]}
         if continuous_usage:
             chunk["usage"] = srv.usage(len(ids), completion_tokens, cached)
-        if out.text_delta or out.finished or req.logprobs:
+        if deltas or out.finished or req.logprobs:
             yield chunk
     if include_usage:
         last = {**base, "choices": [], "usage": srv.usage(len(ids), completion_tokens, cached)}
@@ -93,13 +114,22 @@ def merge_choice(acc: dict | None, ch: dict) -> dict:
         acc = {"index": ch["index"], "message": {"role": "assistant", "content": ""}, "logprobs": None,
                "finish_reason": None, "stop_reason": None}
     delta = ch["delta"]
+    msg = acc["message"]
     if "role" in delta:
-        acc["message"]["role"] = delta["role"]
-    acc["message"]["content"] += delta.get("content") or ""
+        msg["role"] = delta["role"]
+    msg["content"] += delta.get("content") or ""
+    for tc in delta.get("tool_calls") or ():
+        calls = msg.setdefault("tool_calls", [])
+        if tc["index"] == len(calls):
+            calls.append({"id": tc["id"], "type": "function", "function": {"name": tc["function"]["name"],
+                                                                          "arguments": ""}})
+        calls[tc["index"]]["function"]["arguments"] += tc["function"].get("arguments", "")
     if ch["logprobs"] is not None:
         if acc["logprobs"] is None:
             acc["logprobs"] = {"content": []}
         acc["logprobs"]["content"] += ch["logprobs"]["content"]
     if ch["finish_reason"] is not None:
         acc.update(finish_reason=ch["finish_reason"], stop_reason=ch["_stop_reason"], _cum=ch["_cum"])
+        if msg.get("tool_calls") and not msg["content"].strip():
+            msg["content"] = None  # OpenAI: a message of calls has no content
     return acc

@@ -56,15 +56,12 @@ class Served:
             raise ApiError(f"The model `{name}` does not exist.", status=404, param="model",
                            code="model_not_found", type_="not_found_error")
 
-    def render_chat(self, messages, add_generation_prompt=True, kwargs=None) -> list[int]:
-        msgs = []
-        for m in messages:
-            content = m.content
-            if isinstance(content, list):  # content parts: keep the text ones
-                content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
-            msgs.append({"role": m.role, "content": content or ""})
+    def render_chat(self, messages, add_generation_prompt=True, kwargs=None, tools=None, tool_choice=None) -> list[int]:
+        from inferd.server.tools import render_messages, template_knows_tools
+
+        msgs, extra = render_messages(messages, tools, tool_choice, template_knows_tools(self.tok.chat_template))
         return self.tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                            **(kwargs or {}))
+                                            **{**(kwargs or {}), **extra})
 
     def token_str(self, t: int) -> str:
         return self.tok.decode([t], skip_special_tokens=False)

@@ -1,11 +1,11 @@
 """Request schemas of the OpenAI-compatible API (pydantic, strict types, unknown fields ignored)."""
 from __future__ import annotations
 
-from typing import Annotated, Any, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from inferd.engine.request import SamplingParams
+from inferd.engine.request import SamplingParams, StructuredOutputs
 from inferd.errors import InferdError
 
 MAX_N = 16
@@ -41,14 +41,41 @@ StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 BiasKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
 BiasValue = Annotated[float, Field(ge=-100, le=100)]
 
-# Fields that would change what the output must be, which inferd does not implement yet: a 400
-# naming the field, never silently ignored. (name -> the values that mean "no constraint")
+# Fields that would change what the output must be, which inferd does not implement: a 400 naming
+# the field, never silently ignored. (name -> the values that mean "no constraint")
 UNSUPPORTED = {
-    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}), "guided_json": (None,), "guided_regex": (None,),
-    "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,), "prediction": (None,),
+    "functions": (None, []), "function_call": (None, "none"),  # OpenAI's deprecated form of tools
+    "guided_whitespace_pattern": (None,), "guided_decoding_backend": (None,), "prediction": (None,),
     "audio": (None,), "modalities": (None, ["text"]),
 }
+# vLLM's older names of structured_outputs' fields, still sent by many clients
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+MAX_TOOLS = 128
+
+
+def closed_objects(schema):
+    """OpenAI's strict mode: every object schema without `additionalProperties` is closed (strict
+    mode requires `additionalProperties: false` on each; inferd sets it where it is left out)."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed_objects(v) if k in _SUBSCHEMA_LISTS or k in ("items", "not", "if", "then", "else",
+                                                                  "additionalItems", "contains")
+           else v for k, v in schema.items()}
+    for k in ("properties", "$defs", "definitions", "patternProperties"):
+        if isinstance(schema.get(k), dict):
+            out[k] = {name: closed_objects(s) for name, s in schema[k].items()}
+    if isinstance(schema.get("additionalProperties"), dict):
+        out["additionalProperties"] = closed_objects(schema["additionalProperties"])
+    is_object = schema.get("type") == "object" or (isinstance(schema.get("type"), list) and "object" in schema["type"]) \
+        or "properties" in schema
+    if is_object and "additionalProperties" not in schema and "patternProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 
 
 class Strict(BaseModel):
@@ -58,6 +85,29 @@ class Strict(BaseModel):
 class StreamOptions(Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(Strict):
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Strict):
+    """OpenAI's response_format: free text, any JSON object, or JSON valid against a schema."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(BaseModel):
+    """vLLM's structured_outputs: exactly one constraint. Fields inferd does not implement are a 400."""
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    json_: Union[dict[str, Any], str, None] = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = Field(None, max_length=65536)
+    choice: list[str] | None = Field(None, min_length=1, max_length=4096)
+    grammar: str | None = Field(None, max_length=1 << 20)
 
 
 class _Sampling(Strict):
@@ -86,6 +136,9 @@ class _Sampling(Strict):
     # disaggregated prefill/decode (vLLM's field): {"do_remote_decode": true} asks a KV producer to
     # lease the prompt's KV; a producer's answer's kv_transfer_params, sent to a KV consumer, bring it
     kv_transfer_params: dict[str, Any] | None = None
+    # structured output (inferd.engine.structured): OpenAI's response_format, vLLM's structured_outputs
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -93,8 +146,38 @@ class _Sampling(Strict):
         if isinstance(data, dict):
             for name, neutral in UNSUPPORTED.items():
                 if name in data and data[name] not in neutral:
-                    raise ApiError(f"{name} is not supported by this server yet", param=name)
+                    raise ApiError(f"{name} is not supported by this server", param=name)
+            guided = {k: v for k, v in data.items() if k in GUIDED and v is not None}
+            if guided:
+                if data.get("structured_outputs") is not None or len(guided) > 1:
+                    raise ApiError("give one constraint: structured_outputs or one guided_* field",
+                                   param=next(iter(guided)))
+                (k, v), = guided.items()
+                data = {**data, "structured_outputs": {GUIDED[k]: v}}
         return data
+
+    def constraint(self) -> StructuredOutputs | None:
+        """The request's output constraint, from response_format or structured_outputs."""
+        rf, so = self.response_format, self.structured_outputs
+        if rf is not None and rf.type != "text" and so is not None:
+            raise ApiError("give response_format or structured_outputs, not both", param="structured_outputs")
+        if so is not None:
+            given = {k: v for k, v in (("json", so.json_), ("json_object", so.json_object), ("regex", so.regex),
+                                       ("choice", so.choice), ("grammar", so.grammar)) if v not in (None, False)}
+            if len(given) != 1:
+                raise ApiError("structured_outputs needs exactly one of json, json_object, regex, choice, grammar",
+                               param="structured_outputs")
+            return StructuredOutputs(**given)
+        if rf is None or rf.type == "text":
+            return None
+        if rf.type == "json_object":
+            return StructuredOutputs(json_object=True)
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise ApiError("response_format json_schema needs json_schema.schema", param="response_format")
+        schema = rf.json_schema.schema_
+        if rf.json_schema.strict:
+            schema = closed_objects(schema)
+        return StructuredOutputs(json=schema)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -128,6 +211,7 @@ class _Sampling(Strict):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=self.constraint(),
         )
         try:
             p.validate()
@@ -148,10 +232,45 @@ class CompletionRequest(_Sampling):
     suffix: None = None  # insertion is not supported: any value is a 400
 
 
+class ToolCallFunction(Strict):
+    name: str = Field(max_length=256)
+    arguments: Union[str, dict[str, Any]] = ""
+
+
+class ToolCall(Strict):
+    id: str | None = Field(None, max_length=256)
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
     role: str = Field(max_length=64)
     content: Union[str, list[dict[str, Any]], None] = None
+    tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS)  # an assistant's earlier calls
+    tool_call_id: str | None = Field(None, max_length=256)  # a tool message: the call it answers
+    name: str | None = Field(None, max_length=256)
+
+
+class FunctionDef(Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; absent: a function without arguments
+    strict: bool | None = None
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(Strict):
+    name: str = Field(max_length=256)
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Sampling):
@@ -161,6 +280,9 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool = True
 
 
 class TokenizeRequest(Strict):
@@ -213,6 +335,7 @@ class CompletionChoice(_Choice):
 class ChatChoiceMessage(_Open):
     role: str
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(_Choice):

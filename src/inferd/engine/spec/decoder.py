@@ -157,7 +157,10 @@ class SpecDecoder:
         vocab = eng.model_config.vocab_size
         views = [SeqView(r, r.spec_tokens[:j]) for r, _ in items for j in range(len(r.spec_tokens) + 1)]
         raw = torch.cat([lg for _, lg in items])
-        proc = process_logits(raw, build_batch(views, vocab, eng.eos_ids))
+        b = build_batch(views, vocab, eng.eos_ids)
+        if eng.structured is not None:  # the constraint at each verified position: a guess it forbids is rejected
+            b.allowed = eng.constraint_masks([r for r, _ in items], [1 + len(r.spec_tokens) for r, _ in items])
+        proc = process_logits(raw, b)
         outputs = []
         off = 0
         st = self.stats
