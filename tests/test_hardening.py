@@ -129,9 +129,9 @@ def test_non_finite_floats_are_400(srv, literal):
     assert_error(post(srv, "/v1/completions", '{"prompt": "a", "temperature": %s}' % literal), 400)
 
 
-@pytest.mark.parametrize("field,value", [("response_format", {"type": "json_object"}),
-                                         ("tools", [{"type": "function", "function": {"name": "f"}}]),
-                                         ("tool_choice", "required"), ("guided_json", {"type": "object"}),
+@pytest.mark.parametrize("field,value", [("functions", [{"name": "f"}]), ("function_call", "auto"),
+                                         ("prediction", {"type": "content", "content": "x"}),
+                                         ("guided_whitespace_pattern", " "), ("tool_choice", "required"),
                                          ("suffix", "tail")])
 def test_output_constraints_not_implemented_are_400_not_ignored(srv, field, value):
     path = "/v1/completions" if field == "suffix" else "/v1/chat/completions"
@@ -373,9 +373,14 @@ def test_a_second_signal_exits_at_once(servers):
 # with echo), a prompt longer than --max-model-len, token ids past this model's vocabulary, and a
 # model name other than the served one (404). schemathesis' positive-data check is told those are
 # 400 and 404; every other check keeps its defaults.
+# An invalid body past --max-request-body-bytes (1025 messages with every field; a 65 kB regex) is
+# refused for its size before it is parsed: 413, which the negative-data check is told is a refusal.
 CONFIG = """
 [checks.positive_data_acceptance]
 expected-statuses = ["2xx", "400", "404"]
+
+[checks.negative_data_rejection]
+expected-statuses = ["400", "401", "404", "405", "413", "422"]
 """
 
 

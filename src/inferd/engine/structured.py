@@ -177,6 +177,8 @@ class MaskPrefetch:
         self.grammars = grammars
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="inferd-masks")
         self.job = None
+        self.ahead = 0  # rows whose masks were computed during the forward
+        self.inline = 0  # ... and after it, on the engine thread (the state moved, or the job failed)
 
     def start(self, reqs):
         todo = [r for r in reqs if r.matcher is not None and (r.masks is None or r.masks[0] != mask_key(r))]
@@ -186,6 +188,7 @@ class MaskPrefetch:
     def _fill(self, reqs):
         for r in reqs:
             r.masks = (mask_key(r), self.grammars.compute(r.matcher, r.spec_tokens))
+            self.ahead += 1
 
     def wait(self):
         """Called before anything touches a matcher again. A failed job is left to masks_for, which
@@ -201,6 +204,7 @@ class MaskPrefetch:
         key = mask_key(req)
         if req.masks is None or req.masks[0] != key:
             req.masks = (key, self.grammars.compute(req.matcher, req.spec_tokens))
+            self.inline += 1
         return req.masks[1]
 
     def close(self):
