@@ -319,15 +319,20 @@ def test_mixed_batch_preemption_and_speculation(prompts, default_gguf_path):
     base = dict(model=default_gguf_path, dtype="float32", max_model_len=512, num_kv_blocks=40)
     with LLM(**base) as llm:
         alone = {i: llm.generate(p, sp)[0] for i, ((p, c), sp) in enumerate(zip(work, params)) if c is None}
-        batch = llm.generate([p for p, _ in work], params)
         eng = llm.engine
+        eng.grammars()
+        eng.structured.overlap = True  # masks on the thread during the forward (the default on GPUs)
+        batch = llm.generate([p for p, _ in work], params)
         assert eng.stats.preemptions > 0, "the pool was meant to force preemption"
         assert eng.stats.max_batch_seqs >= 16 and eng.stats.max_mixed_batch_seqs > 1
         assert eng.structured.ahead > 0 and eng.block_manager.num_used == 0
     with LLM(**base, speculative_method="ngram", num_speculative_tokens=3) as llm:
+        llm.engine.grammars()
+        llm.engine.structured.overlap = False  # ... and after it, on the engine thread (the CPU default)
         spec = llm.generate([p for p, _ in work], params)
         st = llm.engine.spec.stats
         assert st.num_draft_tokens > 0 and 0 < st.num_accepted_tokens < st.num_draft_tokens
+        assert llm.engine.structured.inline > 0 and llm.engine.structured.ahead == 0
     near = 0
     for i, ((_, c), b, s) in enumerate(zip(work, batch, spec)):
         near += _same(s, b, f"speculation #{i}")

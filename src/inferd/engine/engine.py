@@ -187,7 +187,8 @@ class LLMEngine:
         if self.structured is None:
             from inferd.engine.structured import Grammars, MaskPrefetch
 
-            self.structured = MaskPrefetch(Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_ids))
+            self.structured = MaskPrefetch(Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_ids),
+                                           overlap=self.model.device.type == "cuda")
         return self.structured.grammars
 
     def housekeeping(self) -> bool:

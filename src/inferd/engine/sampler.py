@@ -135,16 +135,26 @@ def build_batch(reqs, vocab: int, eos_ids: set[int]) -> SamplingBatch:
     return b
 
 
+def apply_allowed(logits: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """A copy of logits with -inf where a constrained row's mask (allowed: bool [len(rows), vocab])
+    forbids the token; one pass when every row is constrained."""
+    neg = logits.new_tensor(NEG_INF)
+    if len(rows) == logits.shape[0]:
+        return torch.where(allowed, logits, neg)
+    out = logits.clone()
+    out[rows] = torch.where(allowed, logits[rows], neg)
+    return out
+
+
 def process_logits(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     """Everything before the draw: bias, bans, penalties, temperature, top-k, top-p, min-p. The
     result may be `logits` itself when nothing applies (a greedy batch at batch 32 spent ~0.3 ms a
     step copying 6 MB of logits for nothing); callers do not write to it."""
     logits = logits.float()
-    if b.bias_rows or b.masked_rows or b.allowed is not None:
-        logits = logits.clone()  # edited in place below: never the caller's tensor
     if b.allowed is not None:  # first, as vLLM applies its grammar bitmask before the sampler
-        rows, allowed = b.allowed
-        logits[rows] = logits[rows].masked_fill(~allowed, NEG_INF)
+        logits = apply_allowed(logits, *b.allowed)  # a new tensor: never the caller's
+    elif b.bias_rows or b.masked_rows:
+        logits = logits.clone()  # edited in place below: never the caller's tensor
     if b.bias_rows:
         for i, ids, vals in b.bias_rows:
             logits[i].index_add_(0, ids, vals)

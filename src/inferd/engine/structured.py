@@ -6,10 +6,10 @@ The pieces, in the order a request meets them:
   same schema sent again costs a copy) and returns a fresh matcher; a bad schema, regex or grammar
   is an InferdError naming the problem (a 400 at the server).
 * before the forward: `MaskPrefetch.start(requests)` computes the next position's masks of the
-  constrained rows that sample this step, in a thread, while the model runs (the forward releases
-  the GIL) -- as vLLM and SGLang overlap grammar work with the GPU. Rows verifying speculative
-  guesses get one mask per verified position, the matcher advanced along the guesses and rolled
-  back.
+  constrained rows that sample this step, in a thread, while the model runs on a GPU -- as vLLM and
+  SGLang overlap grammar work with the GPU (on a CPU they are computed after the forward: see
+  MaskPrefetch.overlap). Rows verifying speculative guesses get one mask per verified position,
+  the matcher advanced along the guesses and rolled back.
 * sampling: `masks_for(request)` takes the prefetched masks (or computes them if the state moved),
   the sampler sets disallowed logits to -inf; logprobs stay the model's raw ones (vLLM's default).
 * append: the engine advances the matcher on each emitted token; a grammar that can go no further
@@ -173,16 +173,21 @@ def mask_key(req) -> tuple:
 class MaskPrefetch:
     """Masks of the next step computed on a worker thread while the forward runs."""
 
-    def __init__(self, grammars: Grammars):
+    def __init__(self, grammars: Grammars, overlap: bool = False):
         self.grammars = grammars
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="inferd-masks")
         self.job = None
+        # On a GPU the forward is the device's work and the masks hide behind it. On a CPU the forward
+        # is CPU work too: measured on 2 cores (benchmarks/structured.py), a mask thread took its time
+        # from the forward and added thread hand-offs, +10 % batch-1 TPOT against +5-9 % computing the
+        # masks on the engine thread after the forward, with 1 or 2 forward threads. So: overlap on GPUs.
+        self.overlap = overlap
         self.ahead = 0  # rows whose masks were computed during the forward
         self.inline = 0  # ... and after it, on the engine thread (the state moved, or the job failed)
 
     def start(self, reqs):
         todo = [r for r in reqs if r.matcher is not None and (r.masks is None or r.masks[0] != mask_key(r))]
-        if todo:
+        if todo and self.overlap:
             self.job = self.pool.submit(self._fill, todo)
 
     def _fill(self, reqs):

@@ -1,0 +1,134 @@
+"""What structured output costs: llguidance's compile time and mask time per token, and decode TPOT
+with and without a constraint at batch 1 and 32, on the fastest configuration (gguf W4A8 with the
+lm_head quantized, fused decode step), the masks computed after the forward and on a thread during it
+(the engine's default is the second on GPUs only).
+
+Constrained rows follow a JSON schema (an array of records, long enough never to close within the
+run); unconstrained rows the same prompt. TPOT: decode time per output token of a request (prefill
+excluded), greedy, the same number of tokens for every row; medians of alternating rounds, one
+engine for everything.
+
+Usage: .venv/bin/python benchmarks/structured.py [--rounds 5] [--tokens 64] [--batches 1,32]
+       [--quantization gguf] [--no-quantize-activations] [--json F]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import cpu_features  # noqa: E402
+
+PROMPT = "List the people of the village as JSON records, one after another:"
+RECORD = {"type": "object", "additionalProperties": False, "required": ["name", "age", "job"],
+          "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 0,
+                                                                               "maximum": 120},
+                         "job": {"enum": ["farmer", "smith", "baker", "miller", "weaver"]},
+                         "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3}}}
+SCHEMA = {"type": "array", "items": RECORD, "maxItems": 10000}
+# for the compile times: schemas of growing size (object widths), a regex, a grammar
+COMPILE = [{"json": {"type": "object", "additionalProperties": False, "required": [f"f{i}" for i in range(w)],
+                     "properties": {f"f{i}": RECORD if i % 3 == 0 else {"type": "string", "pattern": "^[a-z]{1,8}$"}
+                                    for i in range(w)}}} for w in (1, 4, 16, 64)] + [
+    {"regex": r"[A-Z][a-z]+ [0-9]{1,4}(, [A-Z][a-z]+ [0-9]{1,4})*"},
+    {"grammar": 'start: expr\nexpr: term (("+" | "-") term)*\nterm: NUM | "(" expr ")"\nNUM: /[0-9]+/'},
+]
+
+
+def decode_tpot(eng, ids, batch: int, n: int, constrained: bool) -> float:
+    """Mean over rows of (decode time / (tokens - 1)), seconds."""
+    from inferd.engine.request import SamplingParams, StructuredOutputs
+
+    so = StructuredOutputs(json=SCHEMA) if constrained else None
+    rids = [eng.add_request(ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, structured_outputs=so))
+            for _ in range(batch)]
+    reqs = [eng.requests[r] for r in rids]
+    while eng.has_unfinished():
+        eng.step()
+    tpots = [r.timings.tpot for r in reqs]
+    assert all(len(r.output_ids) == n for r in reqs), "a constrained row ended early: lengthen the schema"
+    return statistics.mean(tpots)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--quantization", default="gguf")
+    ap.add_argument("--no-quantize-activations", action="store_true")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+
+    from inferd.engine.engine import LLMEngine
+    from inferd.engine.request import StructuredOutputs
+    from inferd.engine.structured import Grammars
+    from inferd.gguf_file import default_model_path
+
+    w4a8 = not a.no_quantize_activations and a.quantization != "none"
+    eng = LLMEngine(model=default_model_path(), quantization=a.quantization, quantize_activations=w4a8,
+                    quantize_lm_head=w4a8, threads=a.threads, max_num_seqs=max(64, max(map(int, a.batches.split(",")))))
+    ids = eng.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=True)
+    setup = f"{a.quantization}{' W4A8 +lm_head' if w4a8 else ''}, fused decode: {eng.runner.fused is not None}"
+
+    # compile: a fresh Grammars (empty cache) per constraint, the tokenizer bridge built first
+    g = Grammars(eng.tokenizer, eng.model_config.vocab_size, eng.eos_ids)
+    t0 = time.perf_counter()
+    g.lltokenizer
+    bridge = time.perf_counter() - t0
+    compiles = []
+    for c in COMPILE:
+        g.cache.clear()
+        t0 = time.perf_counter()
+        g.matcher(StructuredOutputs(**c))
+        compiles.append(time.perf_counter() - t0)
+
+    decode_tpot(eng, ids, 1, 8, True)  # warm-up (also builds the engine's own Grammars)
+    decode_tpot(eng, ids, 1, 8, False)
+    pre = eng.structured
+    default_overlap = pre.overlap
+    batches = [int(b) for b in a.batches.split(",")]
+    modes = [("none", False, False), ("json", True, False), ("json, overlapped", True, True)]
+    res = {(b, m): [] for b in batches for m, _, _ in modes}
+    pre.grammars.mask_times.clear()
+    for _ in range(a.rounds):
+        for b in batches:
+            for m, constrained, overlap in modes:
+                pre.overlap = overlap
+                res[(b, m)].append(decode_tpot(eng, ids, b, a.tokens, constrained))
+    pre.overlap = default_overlap
+    masks = sorted(pre.grammars.mask_times)
+    p50 = masks[len(masks) // 2] * 1e6
+    p99 = masks[min(len(masks) - 1, int(len(masks) * 0.99))] * 1e6
+
+    print(f"{cpu_features()}\nthreads {eng.config.threads or 'all'}; {setup}; {a.tokens} tokens a row, "
+          f"median of {a.rounds} alternating rounds; vocabulary {eng.model_config.vocab_size}")
+    print(f"masks overlapped with the forward by default here: {default_overlap} "
+          f"(torch threads {__import__('torch').get_num_threads()})")
+    print(f"\ntokenizer bridge (once per engine): {bridge * 1e3:.0f} ms")
+    print("compile:", ", ".join(f"{list(c)[0]}{'/' + str(len(c['json']['properties'])) if 'json' in c else ''}"
+                                f" {t * 1e3:.2f} ms" for c, t in zip(COMPILE, compiles)))
+    print(f"mask per token (one row, one position): p50 {p50:.0f} us, p99 {p99:.0f} us over {len(masks)} masks\n")
+    print(f"{'batch':>5}  {'constraint':<18} {'TPOT ms':>8} {'vs none':>8}")
+    out = {"cpu": cpu_features(), "setup": setup, "compile_ms": [t * 1e3 for t in compiles],
+           "bridge_ms": bridge * 1e3, "mask_us_p50": p50, "mask_us_p99": p99, "tpot_ms": {}}
+    for b in batches:
+        base = statistics.median(res[(b, "none")])
+        for m, _, _ in modes:
+            t = statistics.median(res[(b, m)])
+            out["tpot_ms"][f"{b}/{m}"] = t * 1e3
+            print(f"{b:>5}  {m:<18} {t * 1e3:8.2f} {(t / base - 1) * 100:+7.1f}%")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    eng.close()
+
+
+if __name__ == "__main__":
+    main()
