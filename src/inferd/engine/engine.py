@@ -361,6 +361,7 @@ class LLMEngine:
     def constraint_masks(self, reqs, rows_each=None) -> tuple | None:
         """Structured output: (row indices, bool [r, vocab]) for the logits rows of constrained
         requests; rows_each[i] rows per request (1 + its guesses when verifying, else 1)."""
+        self.structured.inline += self.structured.fill(reqs)  # what the forward did not overlap, at once
         idx, masks = [], []
         off = 0
         for i, r in enumerate(reqs):
