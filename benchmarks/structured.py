@@ -1,7 +1,8 @@
 """What structured output costs: llguidance's compile time and mask time per token, and decode TPOT
 with and without a constraint at batch 1 and 32, on the fastest configuration (gguf W4A8 with the
-lm_head quantized, fused decode step), the masks computed after the forward and on a thread during it
-(the engine's default is the second on GPUs only).
+lm_head quantized, fused decode step), the masks computed after the forward ("inline"), on a thread
+during it ("overlapped"), and as the engine chooses by default (on a CPU: overlapped when two or
+more rows need masks).
 
 Constrained rows follow a JSON schema (an array of records, long enough never to close within the
 run); unconstrained rows the same prompt. TPOT: decode time per output token of a request (prefill
@@ -81,6 +82,7 @@ def main():
     g = Grammars(eng.tokenizer, eng.model_config.vocab_size, eng.eos_ids)
     t0 = time.perf_counter()
     g.lltokenizer
+    g.tokenizer_for("json")  # JSON constraints' slices (a second llguidance tokenizer)
     bridge = time.perf_counter() - t0
     compiles = []
     for c in COMPILE:
@@ -94,7 +96,8 @@ def main():
     pre = eng.structured
     default_overlap = pre.overlap
     batches = [int(b) for b in a.batches.split(",")]
-    modes = [("none", False, False), ("json", True, False), ("json, overlapped", True, True)]
+    modes = [("none", False, False), ("json, inline", True, False), ("json, overlapped", True, True),
+             ("json, default", True, None)]
     res = {(b, m): [] for b in batches for m, _, _ in modes}
     pre.grammars.mask_times.clear()
     for _ in range(a.rounds):
@@ -109,7 +112,8 @@ def main():
 
     print(f"{cpu_features()}\nthreads {eng.config.threads or 'all'}; {setup}; {a.tokens} tokens a row, "
           f"median of {a.rounds} alternating rounds; vocabulary {eng.model_config.vocab_size}")
-    print(f"masks overlapped with the forward by default here: {default_overlap} "
+    print(f"masks overlapped with the forward by default here: "
+          f"{'when 2+ rows need them' if default_overlap is None else default_overlap} "
           f"(torch threads {__import__('torch').get_num_threads()})")
     print(f"\ntokenizer bridge (once per engine): {bridge * 1e3:.0f} ms")
     print("compile:", ", ".join(f"{list(c)[0]}{'/' + str(len(c['json']['properties'])) if 'json' in c else ''}"

@@ -328,7 +328,7 @@ def test_mixed_batch_preemption_and_speculation(prompts, default_gguf_path):
         assert eng.structured.ahead > 0 and eng.block_manager.num_used == 0
     with LLM(**base, speculative_method="ngram", num_speculative_tokens=3) as llm:
         llm.engine.grammars()
-        llm.engine.structured.overlap = False  # ... and after it, on the engine thread (the CPU default)
+        llm.engine.structured.overlap = False  # ... and after it, on the engine thread (a CPU's choice for one row)
         spec = llm.generate([p for p, _ in work], params)
         st = llm.engine.spec.stats
         assert st.num_draft_tokens > 0 and 0 < st.num_accepted_tokens < st.num_draft_tokens

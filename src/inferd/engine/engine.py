@@ -188,7 +188,7 @@ class LLMEngine:
             from inferd.engine.structured import Grammars, MaskPrefetch
 
             self.structured = MaskPrefetch(Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_ids),
-                                           overlap=self.model.device.type == "cuda")
+                                           overlap=True if self.model.device.type == "cuda" else None)
         return self.structured.grammars
 
     def housekeeping(self) -> bool:

@@ -7,7 +7,7 @@ The pieces, in the order a request meets them:
   is an InferdError naming the problem (a 400 at the server).
 * before the forward: `MaskPrefetch.start(requests)` computes the next position's masks of the
   constrained rows that sample this step, in a thread, while the model runs on a GPU -- as vLLM and
-  SGLang overlap grammar work with the GPU (on a CPU they are computed after the forward: see
+  SGLang overlap grammar work with the GPU (on a CPU only when two or more rows need masks: see
   MaskPrefetch.overlap). Rows verifying speculative guesses get one mask per verified position,
   the matcher advanced along the guesses and rolled back.
 * sampling: `masks_for(request)` takes the prefetched masks (or computes them if the state moved),
@@ -215,32 +215,34 @@ def mask_key(req) -> tuple:
 class MaskPrefetch:
     """Masks of the next step computed on a worker thread while the forward runs."""
 
-    def __init__(self, grammars: Grammars, overlap: bool = False):
+    def __init__(self, grammars: Grammars, overlap: bool | None = None):
         self.grammars = grammars
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="inferd-masks")
         self.job = None
-        # On a GPU the forward is the device's work and the masks hide behind it. On a CPU the forward
-        # is CPU work too: measured on 2 cores (benchmarks/structured.py), a mask thread took its time
-        # from the forward and added thread hand-offs, +10 % batch-1 TPOT against +5-9 % computing the
-        # masks on the engine thread after the forward, with 1 or 2 forward threads. So: overlap on GPUs.
+        # On a GPU the forward is the device's work and the masks hide behind it: always overlap.
+        # On a CPU the forward is CPU work too. Measured on 2 cores (benchmarks/structured.py): with
+        # one constrained row a mask thread costs more than it hides (+7 % batch-1 TPOT against +5 %
+        # computing the mask after the forward); with many, llguidance's executor computes them in
+        # Rust threads without the GIL and the overlap pays (batch 32: +2 % against +9 %). So on a
+        # CPU (overlap None): a thread when two or more rows need masks.
         self.overlap = overlap
         self.ahead = 0  # rows whose masks were computed during the forward
         self.inline = 0  # ... and after it, on the engine thread (the state moved, or the job failed)
 
     def start(self, reqs):
         todo = [r for r in reqs if r.matcher is not None and (r.masks is None or r.masks[0] != mask_key(r))]
-        if todo and self.overlap:
+        if todo and (self.overlap or (self.overlap is None and len(todo) > 1)):
             self.job = self.pool.submit(self._fill, todo)
 
     def _fill(self, reqs):
-        self.ahead += self.fill(reqs)
+        self.ahead += self.fill(reqs, threaded=True)
 
-    def fill(self, reqs) -> int:
+    def fill(self, reqs, threaded: bool = False) -> int:
         """Compute the stale masks of these requests: rows without guesses in one parallel call,
         rows verifying guesses one by one (their matchers step along the guesses). -> rows done."""
         stale = [r for r in reqs if r.matcher is not None and (r.masks is None or r.masks[0] != mask_key(r))]
         plain = [r for r in stale if not r.spec_tokens]
-        if len(plain) > 1:
+        if len(plain) > 1 or (plain and threaded):  # the executor releases the GIL; one row inline is cheaper alone
             for r, m in zip(plain, self.grammars.compute_many([r.matcher for r in plain])):
                 r.masks = (mask_key(r), m[None])
         else:
