@@ -1,8 +1,8 @@
 """Sampling as pure, batched functions over a [rows, vocab] logits tensor.
 
-Order, as vLLM applies it: the structured-output mask (tokens a constraint forbids), logit bias and min_tokens masking, then the repetition penalty
-(HF semantics, over prompt + output) and the presence/frequency penalties (OpenAI semantics, over
-the output), then temperature, top-k, top-p, min-p (HF's warpers, in HF's order). Each request
+Order, as vLLM applies it: the structured-output mask (tokens a constraint forbids), logit bias
+and min_tokens masking, then the repetition penalty (HF semantics, over prompt + output) and the
+presence/frequency penalties (OpenAI semantics, over the output), then temperature, top-k, top-p, min-p (HF's warpers, in HF's order). Each request
 draws from its own torch.Generator, so its tokens do not depend on who else is in the batch.
 Logprobs are those of the model's raw distribution (before any of the above), as vLLM reports them.
 """

@@ -199,17 +199,13 @@ class Grammars:
         self.mask_times.extend([dt] * n)  # per row, as the batch cost them
         return unpack(buf, self.vocab)
 
-    def stats(self) -> dict:
-        def pct(xs, q):
-            return float(np.percentile(np.fromiter(xs, float), q)) if xs else None
-
-        return {"compiles": len(self.compile_times), "cache_hits": self.cache_hits,
-                "compile_s_p50": pct(self.compile_times, 50), "mask_s_p50": pct(self.mask_times, 50),
-                "mask_s_p99": pct(self.mask_times, 99), "masks": len(self.mask_times)}
-
-
 def mask_key(req) -> tuple:
     return len(req.output_ids), tuple(req.spec_tokens)
+
+
+def needs_mask(req) -> bool:
+    """A constrained request whose masks (if any) are for an earlier state."""
+    return req.matcher is not None and (req.masks is None or req.masks[0] != mask_key(req))
 
 
 class MaskPrefetch:
@@ -230,7 +226,7 @@ class MaskPrefetch:
         self.inline = 0  # ... and after it, on the engine thread (the state moved, or the job failed)
 
     def start(self, reqs):
-        todo = [r for r in reqs if r.matcher is not None and (r.masks is None or r.masks[0] != mask_key(r))]
+        todo = [r for r in reqs if needs_mask(r)]
         if todo and (self.overlap or (self.overlap is None and len(todo) > 1)):
             self.job = self.pool.submit(self._fill, todo)
 
@@ -240,15 +236,14 @@ class MaskPrefetch:
     def fill(self, reqs, threaded: bool = False) -> int:
         """Compute the stale masks of these requests: rows without guesses in one parallel call,
         rows verifying guesses one by one (their matchers step along the guesses). -> rows done."""
-        stale = [r for r in reqs if r.matcher is not None and (r.masks is None or r.masks[0] != mask_key(r))]
+        stale = [r for r in reqs if needs_mask(r)]
         plain = [r for r in stale if not r.spec_tokens]
-        if len(plain) > 1 or (plain and threaded):  # the executor releases the GIL; one row inline is cheaper alone
+        # the executor releases the GIL (what a thread needs); on the engine thread one row is cheaper alone
+        if len(plain) > 1 or (plain and threaded):
             for r, m in zip(plain, self.grammars.compute_many([r.matcher for r in plain])):
                 r.masks = (mask_key(r), m[None])
-        else:
-            plain = []
         for r in stale:
-            if r.spec_tokens or not plain:
+            if needs_mask(r):
                 r.masks = (mask_key(r), self.grammars.compute(r.matcher, r.spec_tokens))
         return len(stale)
 
@@ -263,9 +258,8 @@ class MaskPrefetch:
                 pass
 
     def masks_for(self, req) -> torch.Tensor:
-        key = mask_key(req)
-        if req.masks is None or req.masks[0] != key:
-            req.masks = (key, self.grammars.compute(req.matcher, req.spec_tokens))
+        if needs_mask(req):
+            req.masks = (mask_key(req), self.grammars.compute(req.matcher, req.spec_tokens))
             self.inline += 1
         return req.masks[1]
 

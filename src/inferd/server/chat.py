@@ -37,6 +37,9 @@ def router(srv: Served) -> APIRouter:
         params = req.sampling_params(srv.max_tokens_for(mt_req, len(ids)), top)
         tc = tool_constraint(req, mode, name)
         if tc is not None:
+            if params.structured_outputs is not None:
+                raise ApiError(f"tool_choice {'required' if mode == 'required' else 'naming a function'} already "
+                               "constrains the output: drop response_format / structured_outputs", param="tool_choice")
             params.structured_outputs = tc
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -79,7 +82,7 @@ async def chat_chunks(srv: Served, req: ChatCompletionRequest, ids, params, cid,
         if stream is not None and reason == "stop" and stream.calls and mode != "named":
             reason = "tool_calls"  # as OpenAI and vLLM; a named function's call ends with "stop", as OpenAI's
         # one delta a chunk; the logprobs and the finish reason ride on the last
-        for j, delta in enumerate(deltas[:-1]):
+        for delta in deltas[:-1]:
             yield {**base, "choices": [{"index": out.index, "delta": delta, "logprobs": None, "finish_reason": None}]}
         choice = {"index": out.index, "delta": deltas[-1] if deltas else {},
                   "logprobs": chat_logprobs(srv, out.logprobs or [], out.new_token_ids) if req.logprobs else None,

@@ -53,6 +53,12 @@ GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choi
 MAX_TOOLS = 128
 
 
+# keywords whose value is a schema or a list of schemas, and those whose value maps names to schemas
+_SUBSCHEMAS = ("anyOf", "oneOf", "allOf", "prefixItems", "items", "not", "if", "then", "else", "additionalItems",
+               "contains", "additionalProperties")
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+
+
 def closed_objects(schema):
     """OpenAI's strict mode: every object schema without `additionalProperties` is closed (strict
     mode requires `additionalProperties: false` on each; inferd sets it where it is left out)."""
@@ -60,22 +66,14 @@ def closed_objects(schema):
         return [closed_objects(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: closed_objects(v) if k in _SUBSCHEMA_LISTS or k in ("items", "not", "if", "then", "else",
-                                                                  "additionalItems", "contains")
-           else v for k, v in schema.items()}
-    for k in ("properties", "$defs", "definitions", "patternProperties"):
-        if isinstance(schema.get(k), dict):
-            out[k] = {name: closed_objects(s) for name, s in schema[k].items()}
-    if isinstance(schema.get("additionalProperties"), dict):
-        out["additionalProperties"] = closed_objects(schema["additionalProperties"])
-    is_object = schema.get("type") == "object" or (isinstance(schema.get("type"), list) and "object" in schema["type"]) \
-        or "properties" in schema
+    out = {k: closed_objects(v) if k in _SUBSCHEMAS else
+           {name: closed_objects(s) for name, s in v.items()} if k in _SCHEMA_MAPS and isinstance(v, dict) else v
+           for k, v in schema.items()}
+    types = schema.get("type")
+    is_object = types == "object" or (isinstance(types, list) and "object" in types) or "properties" in schema
     if is_object and "additionalProperties" not in schema and "patternProperties" not in schema:
         out["additionalProperties"] = False
     return out
-
-
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 
 
 class Strict(BaseModel):

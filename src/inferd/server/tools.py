@@ -54,9 +54,6 @@ def tool_mode(req: ChatCompletionRequest) -> tuple[str, str | None]:
 def tool_constraint(req: ChatCompletionRequest, mode: str, name: str | None) -> StructuredOutputs | None:
     if mode not in ("required", "named"):
         return None
-    if req.constraint() is not None:
-        raise ApiError(f"tool_choice {'required' if mode == 'required' else 'naming a function'} already "
-                       "constrains the output: drop response_format / structured_outputs", param="tool_choice")
     if mode == "named":
         tool = next(t for t in req.tools if t.function.name == name)
         return StructuredOutputs(json=parameters(tool))
