@@ -94,6 +94,13 @@ def test_both_engines_serve_pinned_apart_with_vllm_metric_names(tiny):
         assert {("engine", "0"), ("engine", "1")} <= {p for lab in ours for p in lab}, name
     info = series(m, "vllm:cache_config_info")
     assert len(info) == 2 and all(("block_size", "16") in lab for lab in info), info
+    # the dashboard's state crosses both process boundaries: each engine answers for itself
+    st = httpx.get(tiny.base + "/v1/engine/state", timeout=10).json()["engines"]
+    assert [e["engine"] for e in st] == [0, 1]
+    assert {e["pid"] for e in st} == {pid for pid, _ in pids.values()}
+    assert [e["step"] for e in st] == steps  # the same step counts /metrics shows, engine by engine
+    assert all(e["finished"]["rows"] and e["kv"]["used_blocks"] == 0 for e in st)
+    assert sum(len(e["finished"]["rows"]) for e in st) == 8
 
 
 def test_one_engine_dying_fails_its_requests_the_other_finishes_then_exit(tiny):

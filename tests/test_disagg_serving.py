@@ -171,6 +171,13 @@ def test_1p1d_equals_colocated_on_the_default_model_through_router_and_openai(de
         wait_for(lambda: prom(p.base, "inferd:kv_lease_confirmed_total") == len(items), what="confirmations")
         assert prom(p.base, "inferd:kv_leases_total") == len(items) and prom(p.base, "inferd:kv_lease_expiries_total") == 0
         wait_for(lambda: pool_empty(p.base) and pool_empty(d.base), what="both pools empty")
+        # each worker's dashboard state says what it is and what it did
+        sp, sd = (httpx.get(s.base + "/v1/engine/state", timeout=10).json()["engines"][0] for s in (p, d))
+        assert (sp["config"]["role"], sd["config"]["role"]) == ("prefill", "decode")
+        assert sd["kv_transfer"]["tokens"] == tokens and sd["kv"]["used_blocks"] == sp["kv"]["used_blocks"] == 0
+        decode_rows = [dict(zip(sd["finished"]["fields"], r)) for r in sd["finished"]["rows"]]
+        assert len(decode_rows) == len(items)
+        assert all(r["cached_tokens"] == r["prompt_tokens"] - 1 for r in decode_rows)
         want = run_all(d.base, items)  # colocated: the decode worker computes the whole prompt
         assert assert_same(got, want) <= 2
     finally:

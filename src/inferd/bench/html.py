@@ -14,16 +14,9 @@ from inferd.bench.metrics import pct_name, request_metrics
 from inferd.bench.svgplot import cdf, histogram, plot
 from inferd.bench.sweep import SLO_TARGET
 from inferd.errors import InferdError
+from inferd.style import BASE_CSS, ROLE
 
-_CSS = """
-body{font-family:sans-serif;margin:20px;color:#222;max-width:1300px}
-h1{font-size:20px;margin:0 0 4px} h2{font-size:16px;margin:22px 0 8px;border-bottom:1px solid #ccc}
-.meta{color:#555;font-size:13px} table{border-collapse:collapse;font-size:13px;margin:6px 0}
-td,th{border:1px solid #ddd;padding:3px 8px;text-align:right} th{background:#f4f4f4}
-td:first-child,th:first-child{text-align:left} .grid{display:flex;flex-wrap:wrap;gap:10px}
-.ok{color:#070;font-weight:bold} .bad{color:#b00;font-weight:bold} .warn{color:#a60;font-size:13px}
-#plot-check{color:#999;font-size:11px;margin-top:20px}
-"""
+_CSS = BASE_CSS + "#plot-check{color:#999;font-size:11px;margin-top:20px}\n"
 _CHECK = """
 window.addEventListener('load', function () {
   var plots = document.querySelectorAll('svg.plot'), bad = [];
@@ -157,19 +150,21 @@ def run_page(res: dict, requests: list[dict], title: str | None = None) -> str:
             continue
         edges, counts, w = histogram(vals)
         figs.append(plot(f"{name} histogram", label, "requests" if name != "ITL" else "gaps",
-                         [{"label": name, "x": edges, "y": counts, "kind": "bars", "bar_width": w}],
+                         [{"label": name, "x": edges, "y": counts, "kind": "bars", "bar_width": w,
+                           "color": ROLE[name.lower()]}],
                          yint=True, note=f"{len(vals)} values"))
         xs, ys = cdf(vals)
         p50 = res.get(f"median_{name.lower()}_ms")
         ptop = res.get(f"{top}_{name.lower()}_ms")
-        figs.append(plot(f"{name} CDF", label, "fraction ≤ x", [{"label": name, "x": xs, "y": ys, "kind": "step"}],
+        figs.append(plot(f"{name} CDF", label, "fraction ≤ x",
+                         [{"label": name, "x": xs, "y": ys, "kind": "step", "color": ROLE[name.lower()]}],
                          vlines=[(p50, "p50"), (ptop, top)]))
     body.append("<h2>Distributions</h2><div class=\"grid\">" + "\n".join(figs) + "</div>")
 
     send_s = [r["send_ns"] / 1e9 for r, _ in ok]
-    tl = [{"label": "E2EL", "x": send_s, "y": [m["e2el"] for _, m in ok], "kind": "points"},
+    tl = [{"label": "E2EL", "x": send_s, "y": [m["e2el"] for _, m in ok], "kind": "points", "color": ROLE["e2el"]},
           {"label": "TTFT", "x": [r["send_ns"] / 1e9 for r, m in ok if m.get("ttft") is not None],
-           "y": col("ttft"), "kind": "points"}]
+           "y": col("ttft"), "kind": "points", "color": ROLE["ttft"]}]
     dur = max((r["end_ns"] for r in recs), default=0) / 1e9
     bw = max(0.25, dur / 60) if dur > 0 else 1.0
     nb = max(1, int(math.ceil(dur / bw)))

@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 from html import escape
 
-PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#7f7f7f")
+from inferd.style import PALETTE
+
 W, H = 600, 340
 ML, MR, MT, MB = 70, 20, 46, 52  # margins: room for the y label, the title and legend, the x label
 

@@ -21,6 +21,9 @@ if TYPE_CHECKING:  # the API process never loads torch: the engine runs in its o
 log = logging.getLogger("inferd")
 
 
+STATE_TIMEOUT_S = 10.0  # a state query waits for the running step; a longer wait means a stuck engine
+
+
 class Overloaded(Exception):
     """More requests waiting than --max-waiting: the caller answers 503."""
 
@@ -80,6 +83,16 @@ class AsyncLLM:
     def abort(self, request_id: str):
         self._cmds.put(("abort", request_id, None))
 
+    async def state(self, steps: int = 240) -> list[dict]:
+        """The engine's dashboard state (inferd.engine.state), built on the engine thread between
+        two steps: one engine, so a list of one."""
+        if self.dead:
+            return [{"engine": 0, "dead": self.dead}]
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._cmds.put(("state", steps, (loop, fut)))
+        return [{"engine": 0, **await asyncio.wait_for(fut, STATE_TIMEOUT_S)}]
+
     def shutdown(self):
         self._stop = True
         self._cmds.put(("stop", None, None))
@@ -98,6 +111,22 @@ class AsyncLLM:
                 loop.call_soon_threadsafe(_settle, fut, e)
         elif cmd == "abort":
             self.engine.abort(arg)
+        elif cmd == "state":
+            loop, fut = reply
+            try:
+                st = self.engine.state(arg)
+            except Exception as e:  # noqa: BLE001 - a bug here must not stop the engine
+                st = {"error": f"{type(e).__name__}: {e}"}
+            loop.call_soon_threadsafe(_resolve, fut, st)
+
+    def _deliver(self, outs):
+        for out in outs:
+            target = self._streams.get(out.request_id)
+            if target is not None:
+                loop, q = target
+                loop.call_soon_threadsafe(q.put_nowait, out)
+            if out.finished and self.on_finish:
+                self.on_finish(out)
 
     def _run(self):
         eng = self.engine
@@ -121,21 +150,17 @@ class AsyncLLM:
                     except queue.Empty:
                         cmd = None
                 handled = eng.housekeeping() or handled
-                if handled and self.on_step:  # an abort or a freed lease on an idle engine shows in the gauges
-                    self.on_step(eng.snapshot())
                 if not eng.has_unfinished():
+                    if handled:  # an abort or a freed lease on an idle engine shows in the gauges
+                        self._deliver(eng.take_aborted())
+                        if self.on_step:
+                            self.on_step(eng.snapshot())
                     continue
-                outs = eng.step()
-                for out in outs:
-                    target = self._streams.get(out.request_id)
-                    if target is not None:
-                        loop, q = target
-                        loop.call_soon_threadsafe(q.put_nowait, out)
-                    if out.finished and self.on_finish:
-                        self.on_finish(out)
+                self._deliver(eng.step())
                 if self.on_step:
                     self.on_step(eng.snapshot())
         except Exception as e:  # a bug in a step: fail every open stream rather than hang them
+
             log.exception("engine loop died")
             self.dead = f"{type(e).__name__}: {e}"
             for loop, q in list(self._streams.values()):
@@ -162,6 +187,11 @@ async def outputs_until_done(client, q: asyncio.Queue, request_id: str, params) 
         client._streams.pop(request_id, None)
         if not finished and not client.dead:
             client.abort(request_id)
+
+
+def _resolve(fut: asyncio.Future, value):
+    if not fut.done():
+        fut.set_result(value)
 
 
 def _settle(fut: asyncio.Future, err):

@@ -55,6 +55,19 @@ class Shutdown:
 
 
 @dataclass
+class StateQuery:
+    """Asks for the engine's dashboard state (inferd.engine.state); answered between two steps."""
+    seq: int
+    steps: int = 240
+
+
+@dataclass
+class StateReply:
+    seq: int
+    state: dict
+
+
+@dataclass
 class Ready:
     """The core loaded its model: what the API process needs to know about it."""
     pid: int
@@ -173,12 +186,20 @@ def _serve(engine, pull, send, parent: int):
                     send(AddFailed(msg.request_id, e))
             elif isinstance(msg, Abort):
                 engine.abort(msg.request_id)
+            elif isinstance(msg, StateQuery):  # changes nothing: no gauges to send after it
+                try:
+                    st = engine.state(msg.steps)
+                except Exception as e:  # noqa: BLE001 - a bug here must not stop the engine
+                    st = {"error": f"{type(e).__name__}: {e}"}
+                send(StateReply(msg.seq, {"pid": os.getpid(), **st}))
+                timeout = 0
+                continue
             handled = True
             timeout = 0
         if engine.has_unfinished():
             send(StepOutputs([_slim(o) for o in engine.step()], engine.snapshot(), adds))
         elif engine.housekeeping() or handled:  # an abort or a freed lease on an idle engine shows in the gauges
-            send(StepOutputs([], engine.snapshot(), adds))
+            send(StepOutputs([_slim(o) for o in engine.take_aborted()], engine.snapshot(), adds))
 
 
 def _slim(out):
@@ -187,6 +208,8 @@ def _slim(out):
     its length); the client rebuilds them."""
     from dataclasses import replace
 
+    if out.finish_reason == "abort":  # once, and nobody streams it: the whole count is what the metrics need
+        return replace(out, text="")
     return replace(out, output_ids=None, text="", timings=out.timings if out.finished else None)
 
 
@@ -232,6 +255,8 @@ class EngineCoreClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waiting = self._running = 0
         self._adds_sent = self._adds_seen = 0
+        self._state_waits: dict[int, asyncio.Future] = {}
+        self._state_seq = 0
         self._lock = threading.Lock()
         base = os.path.join(tempfile.gettempdir(), f"inferd-core-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         to_core, from_core = f"ipc://{base}-in", f"ipc://{base}-out"
@@ -335,6 +360,27 @@ class EngineCoreClient:
             except EngineDead:  # it died meanwhile: nothing left to abort
                 pass
 
+    async def state(self, steps: int = 240, engine: int = 0) -> list[dict]:
+        """The core's dashboard state, asked over the pipe and answered between two of its steps."""
+        from inferd.engine.async_engine import STATE_TIMEOUT_S, EngineDead
+
+        if self.dead:
+            return [{"engine": engine, "dead": self.dead}]
+        loop = asyncio.get_running_loop()
+        self._attach(loop)
+        self._state_seq += 1
+        seq = self._state_seq
+        fut = loop.create_future()
+        self._state_waits[seq] = fut
+        try:
+            self._send(StateQuery(seq, steps))
+            st = await asyncio.wait_for(fut, STATE_TIMEOUT_S)
+        except EngineDead as e:
+            return [{"engine": engine, "dead": str(e)}]
+        finally:
+            self._state_waits.pop(seq, None)
+        return [{"engine": engine, **st}]
+
     def shutdown(self):
         import zmq
 
@@ -404,6 +450,10 @@ class EngineCoreClient:
                 self._waiting, self._running = snap.waiting, snap.running
                 if self.on_step:
                     self.on_step(snap)
+        elif isinstance(msg, StateReply):
+            fut = self._state_waits.get(msg.seq)
+            if fut is not None and not fut.done():
+                fut.set_result(msg.state)
         elif isinstance(msg, AddFailed):
             self._deliver(msg.request_id, msg.error)
         elif isinstance(msg, Fault):
@@ -437,5 +487,8 @@ class EngineCoreClient:
         log.error("engine core failed: %s", reason)
         for q, _ in list(self._streams.values()):
             q.put_nowait(EngineDead(f"engine stopped: {reason}"))
+        for fut in list(self._state_waits.values()):
+            if not fut.done():
+                fut.set_result({"dead": reason})
         if self.on_fault:
             self.on_fault(reason)

@@ -26,6 +26,7 @@ from inferd.engine.sampler import build_batch, sample, top_logprobs
 from inferd.engine.scheduler import ScheduledBatch, Scheduler
 from inferd.engine.spec.attention import SpecPagedAttention
 from inferd.engine.structured import advance
+from inferd.engine.state import STEP_HISTORY, History, engine_state
 from inferd.engine.stats import EngineSnapshot, EngineStats, StepStats  # noqa: F401  (re-exported)
 from inferd.errors import InferdError
 
@@ -101,7 +102,9 @@ class LLMEngine:
         self.groups: dict[str, set[str]] = {}  # client request id -> live sequence ids
         self.stats = EngineStats()
         self.faults = Faults()
-        self.keep_history = False
+        self.keep_history = False  # the whole step history (tests); the dashboard's ring is always kept
+        self.history = History()
+        self.aborted: list[RequestOutput] = []  # see take_aborted
         self._ids = itertools.count()
         self.eos_ids = set(self.tokenizer.eos_token_ids) if self.tokenizer else (
             {mcfg.eos_token_id} if isinstance(mcfg.eos_token_id, int) else set(mcfg.eos_token_id or []))
@@ -215,6 +218,8 @@ class LLMEngine:
             req.prompt_logprobs = [None]
 
     def _detach(self, req: Request):
+        if req.finished:
+            self.history.finish(req)
         self.requests.pop(req.request_id, None)
         g = self.groups.get(req.group)
         if g is not None:
@@ -236,30 +241,52 @@ class LLMEngine:
             req.finish_reason = "abort"
             req.timings.finished = now
             self._detach(req)
+            self.aborted.append(RequestOutput(req.group, [], list(req.output_ids), True, "abort", None, req.num_prompt,
+                                              req.timings, index=req.index, text=req.text))
         if self.spec is not None:
             self.spec.release_finished()
         return True
 
     def snapshot(self) -> EngineSnapshot:
         bm = self.block_manager
-        spec = None
-        if self.spec is not None:
-            st = self.spec.stats
-            spec = {k: getattr(st, k) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens",
-                                                "num_emitted_tokens", "draft_time", "verify_time")}
-            spec.update(acceptance_rate=st.acceptance_rate, mean_accepted_length=st.mean_accepted_length)
         kv = self.kv.snapshot() if self.kv is not None else None
-        waiting = len(self.scheduler.waiting) + (len(self.kv.blocked) + len(self.kv.pending) if self.kv is not None
-                                                 and self.kv.connector is not None else 0)
-        return EngineSnapshot(len(self.scheduler.running), waiting, bm.num_used, bm.num_blocks,
-                              bm.queries, bm.hits, self.stats.preemptions, spec, self.stats.steps, kv,
+        return EngineSnapshot(len(self.scheduler.running), self.num_waiting(), bm.num_used, bm.num_blocks,
+                              bm.queries, bm.hits, self.stats.preemptions, self.spec_counters(), self.stats.steps, kv,
                               self.stats.prefill_tokens)
+
+    def num_waiting(self) -> int:
+        """Queued requests, with those whose prompt KV is still on its way from a producer."""
+        pulls = self.kv is not None and self.kv.connector is not None
+        return len(self.scheduler.waiting) + (len(self.kv.blocked) + len(self.kv.pending) if pulls else 0)
+
+    def spec_counters(self) -> dict | None:
+        if self.spec is None:
+            return None
+        st = self.spec.stats
+        spec = {k: getattr(st, k) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens",
+                                            "num_emitted_tokens", "draft_time", "verify_time")}
+        spec.update(acceptance_rate=st.acceptance_rate, mean_accepted_length=st.mean_accepted_length)
+        return spec
+
+    def state(self, steps: int = STEP_HISTORY) -> dict:
+        """What the dashboard shows of this engine (inferd.engine.state); call between steps."""
+        return engine_state(self, steps)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or (self.kv is not None and self.kv.busy())
 
     # -- the loop -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        outs = self._step()
+        return self.take_aborted() + outs if self.aborted else outs
+
+    def take_aborted(self) -> list[RequestOutput]:
+        """The finished outputs of requests aborted since the last call: nobody reads their streams any
+        more, but the metrics count them (finish reason "abort", the tokens they got)."""
+        out, self.aborted = self.aborted, []
+        return out
+
+    def _step(self) -> list[RequestOutput]:
         t0 = time.monotonic()
         if self.kv is not None:
             self.kv.housekeeping()
@@ -512,6 +539,8 @@ class LLMEngine:
             if req.num_computed <= req.num_prompt and req.num_preemptions == 0 and k > 0:
                 req.num_prefill_chunks += 1
                 s.max_prefill_chunks = max(s.max_prefill_chunks, req.num_prefill_chunks)
+        self.history.step(s.steps, n, batch.num_prefill_tokens, batch.num_decode_tokens, batch.num_recompute_tokens,
+                          len(batch.preempted), used, dt)
         if self.keep_history:
             s.history.append(StepStats(n, batch.num_prefill_tokens, batch.num_decode_tokens,
                                        batch.num_recompute_tokens, len(batch.preempted), used, dt))

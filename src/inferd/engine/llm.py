@@ -57,6 +57,8 @@ class LLM:
         prompt_info: dict[str, tuple] = {}
         while self.engine.has_unfinished():
             for o in self.engine.step():
+                if o.request_id not in done:  # one aborted before this call
+                    continue
                 if o.prompt_ids is not None:
                     prompt_info.setdefault(o.request_id, (o.prompt_ids, o.prompt_logprobs))
                 if o.logprobs:

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API over AsyncLLM (FastAPI on uvicorn).
 
 Routes: /v1/completions (completions.py), /v1/chat/completions (chat.py), both streaming and not;
-here /v1/models, /health, /metrics, /tokenize, /detokenize. Every failure a client can cause is an
+the chat page, the dashboard and /v1/engine/state (web.py); here /v1/models, /health, /metrics,
+/tokenize, /detokenize. Every failure a client can cause is an
 OpenAI error body with a 4xx; past --max-waiting queued requests the answer is 503 with Retry-After.
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inferd.engine.async_engine import AsyncLLM
 from inferd.errors import InferdError
-from inferd.server import chat, completions
+from inferd.server import chat, completions, web
 from inferd.server.generation import Served
 from inferd.server.limits import Front, Limits
 from inferd.server.metrics import Metrics
@@ -106,6 +107,7 @@ def create_app(llm: AsyncLLM, served_name: str, api_key: str | None = None,
     # -- generation -----------------------------------------------------------------------------
     app.include_router(completions.router(srv))
     app.include_router(chat.router(srv))
+    app.include_router(web.router(srv, app.state))  # the chat page, the dashboard and its state JSON
     app.openapi = lambda: openapi_document(app)
     return app
 

@@ -111,6 +111,13 @@ class EngineGroup:
                                                             kv_transfer_params):
             yield out
 
+    async def state(self, steps: int = 240) -> list[dict]:
+        """Every engine's dashboard state, asked at once."""
+        import asyncio
+
+        parts = await asyncio.gather(*(c.state(steps, engine=i) for i, c in enumerate(self.clients)))
+        return [st for part in parts for st in part]
+
     def shutdown(self):
         threads = [threading.Thread(target=c.shutdown) for c in self.clients if c is not None]
         for t in threads:

@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse
 
 from inferd.server.generation import ARRIVAL
 from inferd.server.protocol import ApiError
+from inferd.server.web import is_public
 
 
 @dataclass
@@ -51,7 +52,8 @@ class Front:
         elif sum(len(k) + len(v) for k, v in scope["headers"]) > lim.max_header_bytes:
             err = ApiError(f"request headers are larger than the limit of {lim.max_header_bytes} bytes",
                            status=431, code="headers_too_large")
-        elif self.expected is not None and not scope["path"].startswith(("/health", "/metrics")):
+        elif (self.expected is not None and not scope["path"].startswith(("/health", "/metrics"))
+              and not is_public(scope["path"])):
             got = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             if not hmac.compare_digest(got, self.expected):
                 err = ApiError("invalid or missing API key", status=401, type_="authentication_error",

@@ -187,7 +187,7 @@ class Metrics:
             self.prompt_tokens.labels(**lab).inc(out.num_prompt_tokens)
         self.gen_tokens.labels(**lab).inc(len(out.output_ids))
         self.requests.labels(finished_reason=out.finish_reason or "abort", **lab).inc()
-        if t is None:
+        if t is None or out.finish_reason == "abort":  # an abort's latencies are when its client left
             return
         if t.ttft is not None:
             self.ttft.labels(**lab).observe(t.ttft)

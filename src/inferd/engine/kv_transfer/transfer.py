@@ -277,13 +277,19 @@ class KVTransfer:
                 "remote_shm": self.pool.shm}
 
     def snapshot(self) -> dict:
+        """The counters, and the transfer times since the last snapshot (taken: they feed a histogram)."""
+        c = self.view()
+        c["seconds"], self.seconds = self.seconds, []
+        return c
+
+    def view(self) -> dict:
+        """The counters, changing nothing (the dashboard's read)."""
         c = dict(self.counters)
         if self.leases is not None:
             c["lease_confirmed"], c["lease_expired"] = self.leases.confirmed, self.leases.expired
             c["leased_blocks"] = self.leases.num_blocks
             c["bytes_sent"] = self.server.bytes_sent
         c["connector"] = self.cfg.kv_connector
-        c["seconds"], self.seconds = self.seconds, []
         return c
 
     def close(self):
