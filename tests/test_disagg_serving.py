@@ -178,6 +178,11 @@ def test_1p1d_equals_colocated_on_the_default_model_through_router_and_openai(de
         decode_rows = [dict(zip(sd["finished"]["fields"], r)) for r in sd["finished"]["rows"]]
         assert len(decode_rows) == len(items)
         assert all(r["cached_tokens"] == r["prompt_tokens"] - 1 for r in decode_rows)
+        # the router's dashboard state: both workers' engines, numbered across them, each with its backend
+        both = httpx.get(r.base + "/v1/engine/state", timeout=10).json()["engines"]
+        assert [(e["engine"], e["backend"], e["config"]["role"]) for e in both] == [(0, p.base, "prefill"),
+                                                                                    (1, d.base, "decode")]
+        assert both[1]["kv_transfer"]["tokens"] == tokens
         want = run_all(d.base, items)  # colocated: the decode worker computes the whole prompt
         assert assert_same(got, want) <= 2
     finally:

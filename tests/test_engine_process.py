@@ -111,5 +111,9 @@ def test_engine_in_process_mode_serves_the_same_tokens(server, tmp_path):
         assert "engine core: process" not in srv.log_text(100_000)
         got = httpx.post(srv.base + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
         assert got == want
+        # the dashboard's state comes from the engine thread: this process, one finished request
+        st = httpx.get(srv.base + "/v1/engine/state", timeout=10).json()["engines"]
+        assert len(st) == 1 and st[0]["pid"] == srv.proc.pid and len(st[0]["finished"]["rows"]) == 1
+        assert st[0]["steps"]["rows"][-1][0] == st[0]["step"] > 0
     finally:
         srv.stop()

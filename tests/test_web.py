@@ -264,3 +264,32 @@ def test_state_stream_sends_only_new_rows(server):
     assert r.status_code == 404 and r.json()["error"]["param"] == "step"
     r = httpx.get(server.base + "/v1/engine/state", params={"engine": 5}, headers=server.auth)
     assert r.status_code == 404 and r.json()["error"]["param"] == "engine"
+
+
+def test_the_router_serves_the_dashboard_of_its_backends(server, page):
+    """`inferd router` in front: the same pages, and the state of every backend's engines (here one
+    server, and one backend that is down), the API key passed through to the backend."""
+    dead = f"http://127.0.0.1:{conftest.free_port()}"
+    router = conftest.ServerProc(["--backend", server.base, "--backend", dead, "--health-interval", "0.5"],
+                                 command="router")
+    try:
+        router.wait_ready()
+        assert httpx.get(router.base + "/v1/engine/state", timeout=10).status_code == 401  # the backend's answer
+        doc = httpx.get(router.base + "/v1/engine/state", headers=server.auth, timeout=10).json()
+        assert [(e["engine"], e["backend"]) for e in doc["engines"]] == [(0, server.base), (1, dead)]
+        assert "kv" in doc["engines"][0] and doc["engines"][1]["dead"].startswith("unreachable")
+        page_ = httpx.get(router.base + "/dashboard", timeout=10)
+        assert page_.status_code == 200 and page_.headers["content-security-policy"].startswith("default-src 'self'")
+        pg = page
+        pg.goto(router.base + "/dashboard")
+        give_key(pg)
+        pg.wait_for_selector("#status[data-state=live]")
+        pg.wait_for_selector('section.engine[data-engine="0"][data-step]')
+        pg.wait_for_selector('section.engine.dead[data-engine="1"]')
+        assert server.base in pg.text_content('section.engine[data-engine="0"] .engine-title')
+        assert not page.errors, page.errors
+        # SIGTERM with the dashboard still open: its stream ends, so the router exits (it waited forever)
+        router.proc.terminate()
+        assert router.proc.wait(15) == 0
+    finally:
+        router.stop()

@@ -14,7 +14,7 @@ from inferd.bench.metrics import pct_name, request_metrics
 from inferd.bench.svgplot import cdf, histogram, plot
 from inferd.bench.sweep import SLO_TARGET
 from inferd.errors import InferdError
-from inferd.style import BASE_CSS, ROLE
+from inferd.web.style import BASE_CSS, ROLE
 
 _CSS = BASE_CSS + "#plot-check{color:#999;font-size:11px;margin-top:20px}\n"
 _CHECK = """

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from html import escape
 
-from inferd.style import PALETTE
+from inferd.web.style import PALETTE
 
 W, H = 600, 340
 ML, MR, MT, MB = 70, 20, 46, 52  # margins: room for the y label, the title and legend, the x label

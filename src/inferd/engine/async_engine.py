@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 from typing import TYPE_CHECKING, AsyncIterator
@@ -91,7 +92,7 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._cmds.put(("state", steps, (loop, fut)))
-        return [{"engine": 0, **await asyncio.wait_for(fut, STATE_TIMEOUT_S)}]
+        return [{"engine": 0, "pid": os.getpid(), **await asyncio.wait_for(fut, STATE_TIMEOUT_S)}]
 
     def shutdown(self):
         self._stop = True

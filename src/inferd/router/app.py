@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 
 import anyio
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
@@ -26,6 +27,8 @@ from starlette.routing import Route
 from inferd.router.backends import Pool
 from inferd.router.disagg import kv_params_of, prefill_body, route
 from inferd.router.policy import Balancer
+from inferd.web.assets import HEADERS, PAGES, asset
+from inferd.web.feed import events
 
 log = logging.getLogger("inferd")
 
@@ -319,6 +322,86 @@ def create_router_app(urls: list[str], policy: str = "prefix", health_interval: 
     async def prom(request: Request) -> Response:
         return Response(generate_latest(metrics.registry), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    # -- the pages, and the dashboard's state of every backend's engines ---------------------------
+    async def page(request: Request) -> Response:
+        name = PAGES.get(request.url.path) or request.path_params.get("name", "")
+        found = asset(name)
+        if found is None:
+            return JSONResponse(error_body("no such file", "not_found_error", 404), status_code=404)
+        return Response(found[0], media_type=found[1], headers=HEADERS)
+
+    engine_counts: dict[str, int] = {}  # engines per backend at its last answer: indexes stay put while one is down
+
+    async def backend_states(request: Request) -> tuple[list[dict], str | None] | Response:
+        """Every backend's engines, numbered across backends in their order (prefill workers first)."""
+        auth = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+
+        async def one(url):
+            try:
+                r = await client.get(url + "/v1/engine/state", headers=auth, timeout=10.0)
+            except httpx.HTTPError as e:
+                return url, None, f"unreachable: {type(e).__name__}"
+            if r.status_code != 200:
+                return url, r, f"/v1/engine/state answered {r.status_code}"
+            try:
+                return url, r.json(), None
+            except ValueError:
+                return url, None, "/v1/engine/state answered no JSON"
+
+        answers = await asyncio.gather(*(one(u) for u in pool.backends))
+        out, model = [], None
+        for url, body, err in answers:
+            if err is not None and body is not None and body.status_code == 401:
+                return JSONResponse(body.json() if body.headers.get("content-type", "").startswith(
+                    "application/json") else error_body("invalid or missing API key", "authentication_error", 401),
+                    status_code=401)
+            if err is not None:
+                for i in range(engine_counts.get(url, 1)):
+                    out.append({"backend": url, "backend_engine": i, "dead": err})
+                continue
+            model = model or body.get("model")
+            engine_counts[url] = len(body.get("engines", []))
+            out.extend({**st, "backend": url, "backend_engine": st.get("engine", 0)} for st in body.get("engines", []))
+        for i, st in enumerate(out):
+            st["engine"] = i
+        return out, model
+
+    def state_document(engines: list[dict], model) -> dict:
+        return {"object": "engine.state", "model": model, "time": time.time(),
+                "draining": bool(getattr(app.state, "draining", False)), "engines": engines}
+
+    async def engine_state(request: Request) -> Response:
+        got = await backend_states(request)
+        if isinstance(got, Response):
+            return got
+        return JSONResponse(state_document(*got))
+
+    async def engine_state_stream(request: Request) -> Response:
+        try:
+            interval = float(request.query_params.get("interval", "0.25"))
+        except ValueError:
+            interval = -1.0
+        if not 0.1 <= interval <= 10:
+            return JSONResponse(error_body("interval: a number of seconds from 0.1 to 10"), status_code=400)
+        got = await backend_states(request)
+        if isinstance(got, Response):
+            return got
+        model = got[1]
+
+        async def fetch():
+            nonlocal model
+            again = await backend_states(request)
+            if isinstance(again, Response):
+                raise RuntimeError("a backend refused the API key")
+            model = again[1] or model
+            return again[0]
+
+        body = events(fetch, lambda engines: state_document(engines, model), interval,
+                      lambda: getattr(request.app.state, "draining", False),
+                      lambda e: error_body(str(e), "server_error", 503))
+        return StreamingResponse(body, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
     async def not_found(request: Request, exc) -> Response:
         code = getattr(exc, "status_code", 404)
         kind = "not_found_error" if code == 404 else "invalid_request_error"
@@ -329,7 +412,12 @@ def create_router_app(urls: list[str], policy: str = "prefix", health_interval: 
               Route("/v1/chat/completions", generate, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]),
               Route("/health", health, methods=["GET"]),
-              Route("/metrics", prom, methods=["GET"])]
+              Route("/metrics", prom, methods=["GET"]),
+              Route("/", page, methods=["GET"]),
+              Route("/dashboard", page, methods=["GET"]),
+              Route("/static/{name}", page, methods=["GET"]),
+              Route("/v1/engine/state", engine_state, methods=["GET"]),
+              Route("/v1/engine/state/stream", engine_state_stream, methods=["GET"])]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found, 405: not_found})
     app.state.pool, app.state.balancer, app.state.metrics = pool, balancer, metrics
     return app

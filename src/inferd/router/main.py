@@ -84,5 +84,18 @@ def run(args) -> int:
                  ", ".join(urls), args.host, args.port)
     else:
         log.info("routing (%s) over %s on http://%s:%d", args.policy, ", ".join(urls), args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    app.state.draining = False
+
+    class Server(uvicorn.Server):
+        # SIGTERM/SIGINT: open dashboard streams end at their next event (they never would by themselves),
+        # open requests finish, then exit 0; a second signal exits at once. Not uvicorn's handler: it
+        # re-raises the signal after shutdown, so a clean exit would read as killed.
+        def handle_exit(self, sig, frame):
+            if self.should_exit:
+                self.force_exit = True
+                return
+            app.state.draining = True
+            self.should_exit = True
+
+    Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False)).run()
     return 0

@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse
 
 from inferd.server.generation import ARRIVAL
 from inferd.server.protocol import ApiError
-from inferd.server.web import is_public
+from inferd.web.assets import is_public
 
 
 @dataclass

@@ -1,66 +1,36 @@
-"""The built-in pages: a chat page at `/`, a live engine dashboard at `/dashboard`, and the JSON that
-feeds the dashboard (`/v1/engine/state`, and `/v1/engine/state/stream` as server-sent events).
+"""The built-in pages (inferd.web: a chat page at `/`, the live dashboard at `/dashboard`) and the
+JSON that feeds the dashboard: `/v1/engine/state`, and `/v1/engine/state/stream` as server-sent events.
 
-The pages are static files shipped in the package (`inferd/server/static/`, read with
-importlib.resources): no CDN, no build step, nothing the browser fetches from anywhere else. They
-hold no data, so they are served without the API key; everything they show comes from the API,
-which asks for it (the key is typed into the page and sent as a bearer token).
+The pages hold no data, so they are served without the API key; everything they show comes from
+the API, which asks for it (the key is typed into the page and sent as a bearer token).
 
-The engines are asked for their state only while somebody reads it, at most once per `MIN_INTERVAL_S`
-however many dashboards are open: one state serves every reader that asks within that time.
+The engines are asked for their state only while somebody reads it, at most once per
+`MIN_INTERVAL_S` however many dashboards are open: one state serves every reader that asks within
+that time.
 """
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections import OrderedDict
-from functools import lru_cache
-from importlib import resources
 
 from fastapi import APIRouter, Query
 from fastapi.responses import Response, StreamingResponse
 
-from inferd.engine.state import STEP_HISTORY
 from inferd.server.protocol import COMMON_ERRORS, ApiError, error_responses
-from inferd.style import theme_css
+from inferd.web.assets import HEADERS, PAGES, asset
+from inferd.web.feed import STEP_ROWS, events, trim
 
-# Scripts and styles from this origin only, no inline script or style: model output that slipped
-# into the DOM as markup could still not run. No framing (clickjacking of the stop button).
-CSP = ("default-src 'self'; img-src 'self' data:; object-src 'none'; base-uri 'none'; form-action 'none'; "
-       "frame-ancestors 'none'")
-PAGE_HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff",
-                "Referrer-Policy": "no-referrer", "Cache-Control": "no-cache"}
-PAGES = {"/": "chat.html", "/dashboard": "dashboard.html"}
-TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
-         ".css": "text/css; charset=utf-8"}
 MIN_INTERVAL_S = 0.1
 DEFAULT_INTERVAL_S = 0.25
 KEEP_STATES = 64  # recent states per engine, findable by their step id (?engine=&step=)
 
 
-def is_public(path: str) -> bool:
-    """The pages and their assets carry no data: they load without the API key."""
-    return path in PAGES or path.startswith("/static/")
-
-
-@lru_cache(maxsize=None)
-def asset(name: str) -> bytes | None:
-    if name == "theme.css":  # the role colours shared with the bench's reports (inferd.style)
-        return theme_css().encode()
-    base = resources.files("inferd.server") / "static"
-    if "/" in name or name.startswith(".") or not any(name.endswith(ext) for ext in TYPES):
-        return None
-    f = base / name
-    return f.read_bytes() if f.is_file() else None
-
-
-def _asset_response(name: str) -> Response:
-    data = asset(name)
-    if data is None:
+def page_response(name: str) -> Response:
+    found = asset(name)
+    if found is None:
         raise ApiError("no such file", status=404, type_="not_found_error")
-    ext = name[name.rfind("."):]
-    return Response(data, media_type=TYPES[ext], headers=PAGE_HEADERS)
+    return Response(found[0], media_type=found[1], headers=HEADERS)
 
 
 class StateCache:
@@ -78,7 +48,7 @@ class StateCache:
             if self.latest is not None and time.monotonic() - self.at < max_age:
                 return self.latest
             try:
-                engines = await self.llm.state(STEP_HISTORY)
+                engines = await self.llm.state(STEP_ROWS)
             except asyncio.TimeoutError:
                 raise ApiError("the engine did not answer within 10 s", status=503, type_="server_error") from None
             for st in engines:
@@ -95,16 +65,6 @@ class StateCache:
         return self.by_step.get(engine, {}).get(step)
 
 
-def trim(st: dict, steps: int, after_step: int = -1, after_finished: int = 0) -> dict:
-    """A copy of one engine's state with only the step rows and finished requests a reader asked for."""
-    if "steps" not in st:
-        return st
-    rows = [r for r in st["steps"]["rows"] if r[0] > after_step]
-    fin = [r for r in st["finished"]["rows"] if r[0] > after_finished]
-    return {**st, "steps": {**st["steps"], "rows": rows[-steps:] if steps > 0 else []},
-            "finished": {**st["finished"], "rows": fin}}
-
-
 def router(srv, app_state) -> APIRouter:
     r = APIRouter()
     cache = StateCache(srv.llm)
@@ -115,18 +75,18 @@ def router(srv, app_state) -> APIRouter:
 
     @r.get("/", include_in_schema=False)
     async def chat_page():
-        return _asset_response(PAGES["/"])
+        return page_response(PAGES["/"])
 
     @r.get("/dashboard", include_in_schema=False)
     async def dashboard_page():
-        return _asset_response(PAGES["/dashboard"])
+        return page_response(PAGES["/dashboard"])
 
     @r.get("/static/{name}", include_in_schema=False)
     async def static(name: str):
-        return _asset_response(name)
+        return page_response(name)
 
     @r.get("/v1/engine/state", responses=error_responses(*COMMON_ERRORS, 404, 503))
-    async def engine_state(steps: int = Query(STEP_HISTORY, ge=0, le=STEP_HISTORY),
+    async def engine_state(steps: int = Query(STEP_ROWS, ge=0, le=STEP_ROWS),
                            engine: int | None = Query(None, ge=0), step: int | None = Query(None, ge=0)):
         """Each engine's state after its last step: running and waiting requests (ids and lengths),
         the KV block map, recent steps and finished requests, counters. With `engine` and `step`:
@@ -150,33 +110,11 @@ def router(srv, app_state) -> APIRouter:
         """The same state as server-sent events, one event every `interval` seconds while the
         connection is open. After the first event, each carries only the step rows and finished
         requests that are new since the last one."""
-        first = await cache.fetch(interval / 2)  # an engine that does not answer is a 503 before the stream starts
-
-        async def events():
-            last_step: dict[int, int] = {}
-            last_fin: dict[int, int] = {}
-            engines = first
-            while True:
-                out = []
-                for st in engines:
-                    e = st.get("engine", 0)
-                    out.append(trim(st, STEP_HISTORY, last_step.get(e, -1), last_fin.get(e, 0)))
-                    if st.get("steps", {}).get("rows"):
-                        last_step[e] = st["steps"]["rows"][-1][0]
-                    if st.get("finished", {}).get("rows"):
-                        last_fin[e] = st["finished"]["rows"][-1][0]
-                yield f"data: {json.dumps(document(out), separators=(',', ':'))}\n\n"
-                if getattr(app_state, "draining", False):  # an open dashboard must not hold a drain up
-                    return
-                await asyncio.sleep(interval)
-                try:
-                    engines = await cache.fetch(interval / 2)
-                except ApiError as e:
-                    yield f"event: error\ndata: {json.dumps(e.body())}\n\n"
-                    return
-
-        return StreamingResponse(events(), media_type="text/event-stream",
+        await cache.fetch(interval / 2)  # an engine that does not answer is a 503 before the stream starts
+        body = events(lambda: cache.fetch(interval / 2), document, interval,
+                      lambda: getattr(app_state, "draining", False),
+                      lambda e: e.body() if isinstance(e, ApiError) else {"error": {"message": str(e)}})
+        return StreamingResponse(body, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     return r
-

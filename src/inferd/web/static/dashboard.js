@@ -116,13 +116,15 @@
 
   function draw(v) {
     const st = v.state, n = v.node;
+    const where = st.backend ? ' (' + st.backend + ', its engine ' + st.backend_engine + ')' : '';
     if (st.dead || st.error) {
       n.classList.add('dead');
-      text(n, 'engine-title', 'engine ' + (st.engine || 0) + ': ' + (st.dead || st.error));
+      text(n, 'engine-title', 'engine ' + (st.engine || 0) + where + ': ' + (st.dead || st.error));
       return;
     }
+    n.classList.remove('dead');
     const cfg = st.config || {};
-    const parts = ['engine ' + (st.engine || 0)];
+    const parts = ['engine ' + (st.engine || 0) + where];
     if (st.pid) parts.push('pid ' + st.pid);
     if (cfg.tensor_parallel_size > 1) parts.push('tensor parallel × ' + cfg.tensor_parallel_size);
     if (cfg.role) parts.push(cfg.role + ' worker');
