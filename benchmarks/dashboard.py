@@ -1,5 +1,5 @@
 """What watching costs: the engine's step time with the dashboard closed, with its event stream read
-(what the server and the engine pay: a state built every 0.25 s), and with the real page open in
+(what the server and the engine pay: a state built every 0.5 s, the page's rate), and with the real page open in
 headless Chromium on the same machine (that plus the browser's own CPU, which on a 2-core box
 competes with the engine's threads).
 
@@ -36,18 +36,20 @@ BATCH = 8
 
 @contextlib.contextmanager
 def stream_reader(base: str):
-    """Reads /v1/engine/state/stream as the page does (every 0.25 s), parsing each event."""
+    """Reads /v1/engine/state/stream as the page does (every 0.5 s), parsing each event; returns
+    [events read, engine milliseconds spent building them]."""
     import httpx
 
     stop = threading.Event()
-    seen = [0]
+    seen = [0, 0.0]
 
     def run():
-        with httpx.stream("GET", base + "/v1/engine/state/stream", params={"interval": 0.25}, timeout=60) as r:
+        with httpx.stream("GET", base + "/v1/engine/state/stream", params={"interval": 0.5}, timeout=60) as r:
             for line in r.iter_lines():
                 if line.startswith("data:"):
-                    json.loads(line[5:])
+                    doc = json.loads(line[5:])
                     seen[0] += 1
+                    seen[1] += sum(e.get("build_ms", 0) for e in doc["engines"])
                 if stop.is_set():
                     return
 
@@ -108,12 +110,14 @@ def main():
                 with ctx(base) if mode != "closed" else ctx() as watcher:
                     res = run_bench(base, *BENCH)
                 step, ms = decode_steps(base, step)
-                frames = watcher[0] if mode == "stream" else None
+                frames = list(watcher) if mode == "stream" else None
                 results[mode].append({"decode_step_ms": statistics.median(ms), "decode_steps": len(ms),
                                       "out_tok_s": res["output_throughput"], "mean_tpot_ms": res["mean_tpot_ms"],
                                       "frames": frames})
                 print(f"[round {rnd + 1}] {mode}: decode step {statistics.median(ms):.2f} ms over {len(ms)} steps, "
-                      f"{res['output_throughput']:.1f} out tok/s", file=sys.stderr, flush=True)
+                      f"{res['output_throughput']:.1f} out tok/s"
+                      + (f", {frames[0]} states read, {frames[1] / max(1, frames[0]):.2f} ms each to build" if frames
+                         else ""), file=sys.stderr, flush=True)
     closed = [r["decode_step_ms"] for r in results["closed"]] if "closed" in results else None
     base_ms = statistics.median(closed) if closed else None
     noise = (max(closed) - min(closed)) / base_ms * 100 if closed and len(closed) > 1 else None

@@ -56,7 +56,7 @@ def test_shared_then_cached_blocks_and_rows(tiny_model):
 
 def stable(st: dict) -> dict:
     """The state without what moves with the clock."""
-    return {**st, "time": None, "running": [{**r, "age_ms": None} for r in st["running"]]}
+    return {**st, "time": None, "build_ms": None, "running": [{**r, "age_ms": None} for r in st["running"]]}
 
 
 def assert_no_leaks_but_cached(eng):

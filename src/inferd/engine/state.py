@@ -92,7 +92,7 @@ def _role(engine) -> str | None:
 def engine_state(engine, steps: int = STEP_HISTORY) -> dict:
     """One engine's state after its last step; `step` is that step's id (EngineStats.steps)."""
     bm, sched, cfg, hist = engine.block_manager, engine.scheduler, engine.config, engine.history
-    now = time.monotonic()
+    now = t0 = time.monotonic()
     m = kv_map(bm.ref, bm.evictable)
     stats = engine.stats
     waiting = list(sched.waiting)
@@ -105,7 +105,7 @@ def engine_state(engine, steps: int = STEP_HISTORY) -> dict:
                 "preemptions": stats.preemptions, "prefix_queries": bm.queries, "prefix_hits": bm.hits,
                 "prefix_hit_rate": bm.hits / bm.queries if bm.queries else None, "failed": stats.failed,
                 "evictions": bm.evictions}
-    return {
+    out = {
         "step": stats.steps,
         "time": time.time(),
         "num_running": len(sched.running), "num_waiting": engine.num_waiting(),
@@ -121,3 +121,5 @@ def engine_state(engine, steps: int = STEP_HISTORY) -> dict:
                    "speculative_method": cfg.speculative_method, "role": _role(engine),
                    "tensor_parallel_size": cfg.tensor_parallel_size, "scheduling": cfg.scheduling},
     }
+    out["build_ms"] = round((time.monotonic() - t0) * 1e3, 3)  # what this read cost the engine, between two steps
+    return out

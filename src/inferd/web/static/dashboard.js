@@ -74,7 +74,7 @@
     ctl = mine;
     status('connecting', 'connecting');
     try {
-      const r = await inferd.api('/v1/engine/state/stream?interval=0.25', { signal: mine.signal });
+      const r = await inferd.api('/v1/engine/state/stream?interval=0.5', { signal: mine.signal });
       if (!r.ok) throw new Error(await inferd.errorText(r));
       status('live', 'live');
       for await (const ev of inferd.events(r)) {
@@ -155,7 +155,6 @@
   function drawSteps(v) {
     const rows = recentSteps(v), n = v.node;
     const chart = n.querySelector('.step-chart');
-    chart.textContent = '';
     // fields: step, time, seqs, prefill, decode, recompute, preempted, kv_used, ms
     if (rows.length > 1) {
       const span = rows[rows.length - 1][1] - rows[0][1];
@@ -165,42 +164,62 @@
     }
     const ms = rows.map((r) => r[8]).sort((a, b) => a - b);
     text(n, 'step-ms', ms.length ? inferd.ms(quantile(ms, 0.5)) + ' ms' : '-');
-    const W = 600, H = 220, L = 44, R = 34, T = 10, B = 24;
+    // a canvas, not SVG elements: a few hundred rectangles redrawn a few times a second cost the
+    // browser far less as pixels than as DOM nodes (and the browser may share the engine's cores)
+    const W = chart.width, H = chart.height, L = 44, R = 34, T = 10, B = 24;
     const pw = W - L - R, ph = H - T - B;
+    const ctx = chart.getContext('2d');
+    ctx.clearRect(0, 0, W, H);
     const maxTok = Math.max(1, ...rows.map((r) => r[3] + r[4] + r[5]));
     const maxSeq = Math.max(1, ...rows.map((r) => r[2]));
     const bw = pw / STEPS_SHOWN;
-    svg('line', { x1: L, x2: L + pw, y1: T + ph, y2: T + ph, class: 'axis' }, chart);
-    svg('text', { x: L - 4, y: T + 8, class: 'tick', 'text-anchor': 'end' }, chart).textContent = String(maxTok);
-    svg('text', { x: L - 4, y: T + ph, class: 'tick', 'text-anchor': 'end' }, chart).textContent = '0';
-    svg('text', { x: L + pw + 4, y: T + 8, class: 'tick batch-tick' }, chart).textContent = String(maxSeq);
-    svg('text', { x: L, y: H - 6, class: 'tick' }, chart).textContent = rows.length ? 'step ' + rows[0][0] : 'no steps yet';
+    ctx.fillStyle = '#666';
+    ctx.font = '10px sans-serif';
+    ctx.textAlign = 'right';
+    ctx.fillText(String(maxTok), L - 4, T + 8);
+    ctx.fillText('0', L - 4, T + ph);
+    ctx.textAlign = 'left';
+    ctx.fillText(String(maxSeq), L + pw + 4, T + 8);
+    ctx.fillText(rows.length ? 'step ' + rows[0][0] : 'no steps yet', L, H - 6);
     if (rows.length) {
-      svg('text', { x: L + pw, y: H - 6, class: 'tick', 'text-anchor': 'end' }, chart).textContent
-        = 'step ' + rows[rows.length - 1][0];
+      ctx.textAlign = 'right';
+      ctx.fillText('step ' + rows[rows.length - 1][0], L + pw, H - 6);
     }
-    const line = [];
+    ctx.fillStyle = '#999';
+    ctx.fillRect(L, T + ph, pw, 1);
+    const colour = { prefill: cssVar('prefill'), recompute: cssVar('recompute'), decode: cssVar('decode') };
+    const bars = { prefill: 0, recompute: 0, decode: 0 };
     rows.forEach((r, i) => {
-      const x = L + i * bw;
       let y = T + ph;
       for (const [k, cls] of [[3, 'prefill'], [5, 'recompute'], [4, 'decode']]) {
         if (!r[k]) continue;
-        const h = (r[k] / maxTok) * ph;
+        const h = Math.max(1, (r[k] / maxTok) * ph);
         y -= h;
-        const rect = svg('rect', { x: x.toFixed(1), y: y.toFixed(1), width: Math.max(1, bw - 1).toFixed(1),
-                                   height: h.toFixed(1), class: 'bar ' + cls }, chart);
-        svg('title', {}, rect).textContent = 'step ' + r[0] + ': ' + r[k] + ' ' + cls + ' tokens, '
-          + r[2] + ' sequences, ' + r[8] + ' ms';
+        ctx.fillStyle = colour[cls];
+        ctx.fillRect(L + i * bw, y, Math.max(1, bw - 1), h);
+        bars[cls]++;
       }
-      line.push((x + bw / 2).toFixed(1) + ',' + (T + ph - (r[2] / maxSeq) * ph).toFixed(1));
     });
-    if (line.length) svg('polyline', { points: line.join(' '), class: 'batch-line' }, chart);
-    chart.dataset.prefillBars = String(chart.querySelectorAll('rect.prefill').length);
-    chart.dataset.decodeBars = String(chart.querySelectorAll('rect.decode').length);
+    if (rows.length) {
+      ctx.strokeStyle = cssVar('batch');
+      ctx.lineWidth = 1.5;
+      ctx.beginPath();
+      rows.forEach((r, i) => {
+        const x = L + i * bw + bw / 2, y = T + ph - (r[2] / maxSeq) * ph;
+        if (i) ctx.lineTo(x, y); else ctx.moveTo(x, y);
+      });
+      ctx.stroke();
+    }
+    chart.dataset.prefillBars = String(bars.prefill);
+    chart.dataset.decodeBars = String(bars.decode);
+    chart.dataset.recomputeBars = String(bars.recompute);
   }
 
   function drawKV(v) {
     const kv = v.state.kv, n = v.node, map = kv.map;
+    n.querySelector('.kv-map').dataset.step = String(v.state.step);
+    if (map === v.drawnMap) return;
+    v.drawnMap = map;
     const canvas = n.querySelector('.kv-map');
     const W = canvas.width;
     const cell = Math.max(2, Math.min(14, Math.floor(Math.sqrt((W * 220) / Math.max(1, map.length)))));
@@ -218,7 +237,6 @@
       ctx.fillRect((b % cols) * cell, Math.floor(b / cols) * cell, cell - (cell > 3 ? 1 : 0), cell - (cell > 3 ? 1 : 0));
     }
     const used = counts.u + counts.s;
-    canvas.dataset.step = String(v.state.step);
     canvas.dataset.used = String(used);
     n.dataset.kvUsed = String(used);
     text(n, 'kv-used-tile', used + ' / ' + map.length);
@@ -235,6 +253,9 @@
   }
 
   function drawDists(v) {
+    const last = v.finished.length ? v.finished[v.finished.length - 1][0] : 0;
+    if (last === v.drawnFinished) return;
+    v.drawnFinished = last;
     // finished fields: seq, id, prompt, output, cached, finish_reason, time, queue_ms, ttft_ms, tpot_ms, e2e_ms, preemptions
     const col = { queue: 7, ttft: 8, tpot: 9 };
     for (const fig of v.node.querySelectorAll('svg.dist')) {
@@ -267,6 +288,9 @@
   }
 
   function drawRequests(v) {
+    const key = JSON.stringify([v.state.running, v.state.waiting.length, v.state.num_waiting]);
+    if (key === v.drawnRequests) return;
+    v.drawnRequests = key;
     const tbody = v.node.querySelector('table.requests tbody');
     tbody.textContent = '';
     const rows = v.state.running.map((r) => [r, r.phase]).concat(v.state.waiting.map((r) => [r, 'waiting']));
