@@ -18,6 +18,7 @@ from inferd.bench.progress import Progress, want_progress
 from inferd.bench.svgplot import nice_ticks, tick_labels
 from inferd.bench.sweep import auto_rates, capacity, parse_sweep
 from inferd.errors import InferdError
+from inferd.web.style import ROLE, theme_css
 
 SLA = "p99_ttft_ms<5000,max_concurrent_requests<=4"  # with the mock, only the concurrency clause can fail
 
@@ -118,6 +119,8 @@ def test_report_and_compare_on_saved_files(sweep_run, tmp_path):
     for title in ("TTFT histogram", "TTFT CDF", "TPOT histogram", "TPOT CDF", "ITL histogram", "ITL CDF",
                   "Latency over the run", "Request rate over the run"):
         assert f'data-title="{title}"' in page
+    for metric in ("ttft", "tpot", "itl"):  # the report's latencies wear the dashboard's colours (inferd.web.style)
+        assert f'fill="{ROLE[metric]}"' in page and f"--{metric}:{ROLE[metric]};" in theme_css()
     cmp_ = bench("compare", str(tmp_path / "c2.json"), str(d / "s.json"))
     assert cmp_.returncode == 0, cmp_.stderr
     assert "A = c2.json" in cmp_.stdout and "B = s.json (capacity c=4)" in cmp_.stdout

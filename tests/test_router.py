@@ -327,10 +327,11 @@ def test_prefix_routing_finds_what_round_robin_evicts(tiny_chat_gguf):
             return sum(v for b in backends["prefix"] for k, v in prom(b.base).items()
                        if k.startswith("inferd:generation_tokens_total"))
 
-        def finished():
+        def finished(aborted=False):
             return sum(v for b in backends["prefix"] for k, v in prom(b.base).items()
-                       if k.startswith("inferd:request_success_total"))
-        gen0, fin0 = generated(), finished()
+                       if k.startswith("inferd:request_success_total")
+                       and ('finished_reason="abort"' in k) == aborted)
+        gen0, fin0, ab0 = generated(), finished(), finished(aborted=True)
         with httpx.stream("POST", rt.base + "/v1/completions", timeout=60,
                           json={"prompt": prompts[0].prompt, "max_tokens": 700, "ignore_eos": True,
                                 "stream": True}) as r:
@@ -344,6 +345,7 @@ def test_prefix_routing_finds_what_round_robin_evicts(tiny_chat_gguf):
                        if k.startswith(("inferd:num_requests_running", "inferd:kv_cache_usage_perc")))
         wait_for(idle, "the backend to abort the abandoned stream")
         assert generated() - gen0 < 700 and finished() == fin0  # cut short, never finished
+        assert finished(aborted=True) == ab0 + 1  # counted as vLLM counts it: finished_reason="abort"
         assert prom(rt.base)[f'inferd:router_requests_in_flight{{backend="{backends["prefix"][0].base}"}}'] == 0
     finally:
         for p in [*routers.values(), *(b for bs in backends.values() for b in bs)]:

@@ -386,6 +386,21 @@ def main(argv=None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    code, args = _run(parser, argv, args)
+    if (getattr(args, "tensor_parallel_size", 1) or 1) > 1:
+        from inferd.engine.parallel.comm import torchrun_rank
+
+        if torchrun_rank() is not None:
+            # A rank torchrun started ends without interpreter teardown, as the ranks inferd starts do:
+            # destroying gloo's process group and the rendezvous store there aborted rank 0 now and then
+            # (SIGABRT, "terminate called without an active exception") after its work was done and printed.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    return code
+
+
+def _run(parser, argv, args) -> tuple[int, object]:
     try:
         if getattr(args, "config", None):
             args = apply_yaml_config(parser, argv, args)
@@ -397,18 +412,18 @@ def main(argv=None) -> int:
             if launched is not None and launched[0] != 0:  # torchrun's other ranks serve rank 0's engine
                 from inferd.config import EngineConfig
 
-                return run_torchrun_rank(EngineConfig.from_args(args), *launched)
-        return args.func(args) or 0
+                return run_torchrun_rank(EngineConfig.from_args(args), *launched), args
+        return args.func(args) or 0, args
     except InferdError as e:
         sys.stderr.write(f"inferd: error: {e}\n")
-        return 2
+        return 2, args
     except KeyboardInterrupt:
-        return 130
+        return 130, args
     except Exception as e:  # an unexpected failure still gets one line; INFERD_DEBUG=1 shows the trace
         if os.environ.get("INFERD_DEBUG"):
             raise
         sys.stderr.write(f"inferd: internal error: {type(e).__name__}: {e}\n")
-        return 1
+        return 1, args
 
 
 if __name__ == "__main__":
