@@ -15,6 +15,7 @@ import threading
 from typing import TYPE_CHECKING, AsyncIterator
 
 from inferd.engine.request import RequestOutput, SamplingParams
+from inferd.engine.state import STEP_HISTORY, read_state
 
 if TYPE_CHECKING:  # the API process never loads torch: the engine runs in its own process
     from inferd.engine.engine import LLMEngine
@@ -84,7 +85,7 @@ class AsyncLLM:
     def abort(self, request_id: str):
         self._cmds.put(("abort", request_id, None))
 
-    async def state(self, steps: int = 240) -> list[dict]:
+    async def state(self, steps: int = STEP_HISTORY) -> list[dict]:
         """The engine's dashboard state (inferd.engine.state), built on the engine thread between
         two steps: one engine, so a list of one."""
         if self.dead:
@@ -114,11 +115,7 @@ class AsyncLLM:
             self.engine.abort(arg)
         elif cmd == "state":
             loop, fut = reply
-            try:
-                st = self.engine.state(arg)
-            except Exception as e:  # noqa: BLE001 - a bug here must not stop the engine
-                st = {"error": f"{type(e).__name__}: {e}"}
-            loop.call_soon_threadsafe(_resolve, fut, st)
+            loop.call_soon_threadsafe(_resolve, fut, read_state(self.engine, arg))
 
     def _deliver(self, outs):
         for out in outs:
@@ -161,7 +158,6 @@ class AsyncLLM:
                 if self.on_step:
                     self.on_step(eng.snapshot())
         except Exception as e:  # a bug in a step: fail every open stream rather than hang them
-
             log.exception("engine loop died")
             self.dead = f"{type(e).__name__}: {e}"
             for loop, q in list(self._streams.values()):

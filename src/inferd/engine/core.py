@@ -28,6 +28,7 @@ import threading
 import uuid
 from dataclasses import dataclass, field
 
+from inferd.engine.state import STEP_HISTORY
 from inferd.errors import InferdError
 
 log = logging.getLogger("inferd")
@@ -58,7 +59,7 @@ class Shutdown:
 class StateQuery:
     """Asks for the engine's dashboard state (inferd.engine.state); answered between two steps."""
     seq: int
-    steps: int = 240
+    steps: int = STEP_HISTORY
 
 
 @dataclass
@@ -187,11 +188,9 @@ def _serve(engine, pull, send, parent: int):
             elif isinstance(msg, Abort):
                 engine.abort(msg.request_id)
             elif isinstance(msg, StateQuery):  # changes nothing: no gauges to send after it
-                try:
-                    st = engine.state(msg.steps)
-                except Exception as e:  # noqa: BLE001 - a bug here must not stop the engine
-                    st = {"error": f"{type(e).__name__}: {e}"}
-                send(StateReply(msg.seq, {"pid": os.getpid(), **st}))
+                from inferd.engine.state import read_state
+
+                send(StateReply(msg.seq, {"pid": os.getpid(), **read_state(engine, msg.steps)}))
                 timeout = 0
                 continue
             handled = True
@@ -360,7 +359,7 @@ class EngineCoreClient:
             except EngineDead:  # it died meanwhile: nothing left to abort
                 pass
 
-    async def state(self, steps: int = 240, engine: int = 0) -> list[dict]:
+    async def state(self, steps: int = STEP_HISTORY, engine: int = 0) -> list[dict]:
         """The core's dashboard state, asked over the pipe and answered between two of its steps."""
         from inferd.engine.async_engine import STATE_TIMEOUT_S, EngineDead
 

@@ -42,10 +42,15 @@ class History:
     def finish(self, req):
         t = req.timings
         self.num_finished += 1
-        self.finished.append((self.num_finished, req.group if req.index == 0 else f"{req.group}#{req.index}", req.num_prompt,
+        self.finished.append((self.num_finished, shown_id(req), req.num_prompt,
                               len(req.output_ids), req.prefix_hit_tokens + req.remote_tokens, req.finish_reason,
                               time.time(), _ms(t.queue_time), _ms(t.ttft), _ms(t.tpot), _ms(t.e2e),
                               req.num_preemptions))
+
+
+def shown_id(req) -> str:
+    """The client's request id; the n > 1 samples of one request as id#index."""
+    return req.group if req.index == 0 else f"{req.group}#{req.index}"
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -73,7 +78,7 @@ def kv_counts(m: str) -> dict:
 def _listed(reqs, now: float) -> list[dict]:
     out = []
     for r in list(reqs)[:MAX_LISTED]:
-        out.append({"id": r.group if r.index == 0 else f"{r.group}#{r.index}",
+        out.append({"id": shown_id(r),
                     "phase": "prefill" if r.num_computed < r.num_prompt else "decode",
                     "prompt_tokens": r.num_prompt, "output_tokens": len(r.output_ids),
                     "computed_tokens": r.num_computed, "blocks": len(r.block_table),
@@ -87,6 +92,14 @@ def _role(engine) -> str | None:
         return None
     c = engine.kv.cfg
     return "both" if c.producer and c.consumer else "prefill" if c.producer else "decode"
+
+
+def read_state(engine, steps: int = STEP_HISTORY) -> dict:
+    """engine.state(), or what went wrong building it: a bug here must not stop the engine."""
+    try:
+        return engine.state(steps)
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"{type(e).__name__}: {e}"}
 
 
 def engine_state(engine, steps: int = STEP_HISTORY) -> dict:

@@ -111,7 +111,7 @@ class EngineGroup:
                                                             kv_transfer_params):
             yield out
 
-    async def state(self, steps: int = 240) -> list[dict]:
+    async def state(self, steps: int) -> list[dict]:
         """Every engine's dashboard state, asked at once."""
         import asyncio
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-STEP_ROWS = 240
+STEP_ROWS = 240  # as many as an engine keeps (inferd.engine.state.STEP_HISTORY)
 
 
 def trim(st: dict, steps: int = STEP_ROWS, after_step: int = -1, after_finished: int = 0) -> dict:
