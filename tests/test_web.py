@@ -84,6 +84,16 @@ def metric(server, name: str, **labels) -> float:
     return total
 
 
+def open_chat(pg, server, max_tokens: int):
+    """The chat page with the key given, its model loaded, greedy, at most max_tokens an answer."""
+    pg.goto(server.base + "/")
+    give_key(pg)
+    pg.wait_for_function("() => document.getElementById('model').textContent.startsWith('smol')")
+    pg.fill("#temperature", "0")
+    pg.fill("#max-tokens", str(max_tokens))
+    return pg
+
+
 def chat(pg, text: str):
     pg.fill("#prompt", text)
     pg.press("#prompt", "Enter")
@@ -92,12 +102,7 @@ def chat(pg, text: str):
 # -- the chat page ------------------------------------------------------------------------------
 
 def test_chat_streams_the_apis_greedy_answer_and_renders_markup_as_text(server, page):
-    pg = page
-    pg.goto(server.base + "/")
-    give_key(pg)
-    pg.wait_for_function("() => document.getElementById('model').textContent.startsWith('smol')")
-    pg.fill("#temperature", "0")
-    pg.fill("#max-tokens", "48")
+    pg = open_chat(page, server, max_tokens=48)
     pg.fill("#system", "You are a terse assistant.")
     # every change of the answer's text, as it happens: streamed means several, not one at the end
     pg.evaluate("""() => { window.lengths = [];
@@ -129,12 +134,7 @@ def test_chat_streams_the_apis_greedy_answer_and_renders_markup_as_text(server, 
 
 
 def test_stop_aborts_the_request_and_frees_its_blocks(server, page):
-    pg = page
-    pg.goto(server.base + "/")
-    give_key(pg)
-    pg.wait_for_function("() => document.getElementById('model').textContent.startsWith('smol')")
-    pg.fill("#temperature", "0")
-    pg.fill("#max-tokens", "1500")
+    pg = open_chat(page, server, max_tokens=1500)
     aborted_before = metric(server, "inferd:request_success_total", finished_reason="abort")
     chat(pg, "Count from 1 to 1000, one number a line.")
     pg.wait_for_function("() => { const m = document.querySelector('.msg.assistant[data-state=streaming] .content');"
