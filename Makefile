@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.inferd-installed
 ARGS   ?=
 
-.PHONY: run test test-fast test-integration install clean chromium iproute2
+.PHONY: run test test-fast test-integration install clean chromium iproute2 docs
 
 # torch first and pinned: a CPU build of 2.13.0 lies on local disk; an unpinned torch pulls CUDA (GBs).
 $(STAMP): pyproject.toml Makefile
@@ -49,6 +49,10 @@ test-fast: $(STAMP)
 test-integration: $(STAMP)
 	INFERD_TIMING_TESTS=1 $(PY) -m pytest -q -m integration $(ARGS)
 	INFERD_TIMING_TESTS=1 $(PY) -m pytest -q tests/test_bench_mock.py tests/test_bench_rate.py $(ARGS)
+
+# the documentation site (docs/, mkdocs.yml) on http://127.0.0.1:8001; `make test` builds it strictly
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve -a 127.0.0.1:8001
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

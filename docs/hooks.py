@@ -1,0 +1,84 @@
+"""MkDocs hook: the reference pages made from their one source at every build, never edited by hand.
+
+- reference/flags.md: every flag of every `inferd` subcommand, from the argument parsers (inferd.cli);
+- reference/metrics.md: every Prometheus series `inferd serve` and `inferd router` export, from the
+  metrics modules, with the vLLM names they are also exposed as.
+
+tests/test_docs.py imports these functions and checks the pages are complete.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _cell(text) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def flags_markdown() -> str:
+    from inferd.cli import build_parser
+
+    out = ["# Command-line flags", "",
+           "Generated from the argument parsers at every docs build (`docs/hooks.py`): what `inferd CMD --help` "
+           "prints, one table a subcommand. A flag's YAML key (`--config`) is its long name without the dashes.", ""]
+    for name, sub in _subcommands(build_parser()).items():
+        out += [f"## `inferd {name}`", "", _cell(sub.description or ""), "",
+                "| flag | default | what it does |", "|---|---|---|"]
+        for a in sub._actions:
+            if isinstance(a, argparse._HelpAction):
+                continue
+            flag = ", ".join(f"`{s}`" for s in a.option_strings) or f"`{a.dest}` (positional)"
+            if a.choices and not isinstance(a.choices, dict):
+                flag += " {" + ", ".join(str(c) for c in a.choices) + "}"
+            default = "" if a.default in (None, argparse.SUPPRESS) else f"`{a.default}`"
+            out.append(f"| {flag} | {_cell(default)} | {_cell(a.help or '')} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def metrics_markdown() -> str:
+    from inferd.router.app import RouterMetrics
+    from inferd.server.metrics import VLLM_NAMES, Metrics
+
+    out = ["# Prometheus metrics", "",
+           "Generated from the metrics modules at every docs build (`docs/hooks.py`). Every `inferd serve` series "
+           "carries `model_name` and `engine` labels; the vLLM names are the same values under the names "
+           "Kubernetes LLM routers read.", "",
+           "## `inferd serve` (`GET /metrics`)", "", "| series | type | also exposed as | meaning |",
+           "|---|---|---|---|"]
+    m = Metrics("model", speculative=True, engines=1, kv_transfer=True)
+    for fam in m.registry.collect():
+        also = ", ".join(f"`{n}`" for n in VLLM_NAMES.get(fam.name, ()))
+        out.append(f"| `{fam.name}` | {fam.type} | {also} | {_cell(fam.documentation)} |")
+    out += ["", "## `inferd router` (`GET /metrics`)", "", "| series | type | meaning |", "|---|---|---|"]
+    for fam in RouterMetrics(["http://a", "http://b"]).registry.collect():
+        out.append(f"| `{fam.name}` | {fam.type} | {_cell(fam.documentation)} |")
+    return "\n".join(out) + "\n"
+
+
+def _write(path: str, text: str):
+    try:
+        with open(path) as f:
+            if f.read() == text:  # unchanged: `mkdocs serve` must not rebuild forever
+                return
+    except OSError:
+        pass
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def on_pre_build(config, **kwargs):
+    ref = os.path.join(config["docs_dir"], "reference")
+    _write(os.path.join(ref, "flags.md"), flags_markdown())
+    _write(os.path.join(ref, "metrics.md"), metrics_markdown())
