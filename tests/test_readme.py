@@ -1,0 +1,81 @@
+"""The README's commands, run as a new user would run them, with tiny settings: serve (what `make run`
+starts), one request with curl and one with the `openai` client, `inferd bench` against that server,
+`inferd eval` of a quantization. The commands are read from the README itself, so a README that
+drifts from the CLI fails here."""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+import conftest
+
+pytestmark = pytest.mark.slow
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+VENV_BIN = os.path.dirname(sys.executable)
+TINY = {"--num-prompts": "4", "--max-concurrency": "2", "--windows": "2"}  # the only changes to the README's commands
+
+
+def blocks(lang: str) -> list[str]:
+    text = open(os.path.join(ROOT, "README.md")).read()
+    return re.findall(rf"```{lang}\n(.*?)```", text, flags=re.S)
+
+
+def shell_commands(prefix: str) -> list[list[str]]:
+    out = []
+    for block in blocks("bash"):
+        for line in block.replace("\\\n", " ").splitlines():
+            if line.startswith(prefix):
+                args = shlex.split(line.split("  #")[0])
+                for i, a in enumerate(args[:-1]):
+                    if a in TINY:
+                        args[i + 1] = TINY[a]
+                out.append(args)
+    return out
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = conftest.ServerProc([])  # `make run` is `inferd serve` with no flags, here on a free port
+    try:
+        yield srv.wait_ready()
+    finally:
+        srv.stop()
+
+
+def on(server, args: list[str]) -> list[str]:
+    return [a.replace("http://127.0.0.1:8000", server.base) for a in args]
+
+
+def test_the_readme_request_with_curl(server):
+    block = next(b for b in blocks("bash") if b.lstrip().startswith("curl"))
+    cmd = block.replace("http://127.0.0.1:8000", server.base).replace("\\\n", " ")
+    r = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "data: [DONE]" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+
+
+def test_the_readme_request_with_the_openai_client(server):
+    code = next(b for b in blocks("python") if "OpenAI(" in b).replace("http://127.0.0.1:8000", server.base)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip(), r.stderr[-2000:]
+
+
+def test_the_readme_bench_command(server, tmp_path):
+    (cmd,) = shell_commands(".venv/bin/inferd bench")
+    cmd = on(server, cmd)
+    cmd[0] = os.path.join(VENV_BIN, "inferd")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "TTFT" in r.stdout and (tmp_path / "report.html").is_file()
+
+
+def test_the_readme_eval_command(tmp_path):
+    (cmd,) = shell_commands(".venv/bin/inferd eval")
+    cmd[0] = os.path.join(VENV_BIN, "inferd")
+    r = subprocess.run(cmd + ["--ctx", "64"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "reference" in r.stdout
