@@ -4,6 +4,8 @@
 - reference/metrics.md: every Prometheus series `inferd serve` and `inferd router` export, from the
   metrics modules, with the vLLM names they are also exposed as.
 
+Both are committed (links to them work on GitHub too); tests/test_docs.py fails when they are stale.
+
 tests/test_docs.py imports these functions and checks the pages are complete.
 """
 from __future__ import annotations
@@ -18,10 +20,12 @@ def _cell(text) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
-def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, tuple[argparse.ArgumentParser, str]]:
+    """name -> (its parser, the one-line help `inferd --help` shows for it)"""
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
-            return dict(action.choices)
+            helps = {a.dest: a.help or "" for a in action._choices_actions}
+            return {name: (sub, helps.get(name, "")) for name, sub in action.choices.items()}
     return {}
 
 
@@ -31,8 +35,8 @@ def flags_markdown() -> str:
     out = ["# Command-line flags", "",
            "Generated from the argument parsers at every docs build (`docs/hooks.py`): what `inferd CMD --help` "
            "prints, one table a subcommand. A flag's YAML key (`--config`) is its long name without the dashes.", ""]
-    for name, sub in _subcommands(build_parser()).items():
-        out += [f"## `inferd {name}`", "", _cell(sub.description or ""), "",
+    for name, (sub, summary) in _subcommands(build_parser()).items():
+        out += [f"## `inferd {name}`", "", _cell(summary), "",
                 "| flag | default | what it does |", "|---|---|---|"]
         for a in sub._actions:
             if isinstance(a, argparse._HelpAction):
@@ -78,7 +82,15 @@ def _write(path: str, text: str):
         f.write(text)
 
 
-def on_pre_build(config, **kwargs):
-    ref = os.path.join(config["docs_dir"], "reference")
+def write_reference(docs_dir: str = HERE):
+    ref = os.path.join(docs_dir, "reference")
     _write(os.path.join(ref, "flags.md"), flags_markdown())
     _write(os.path.join(ref, "metrics.md"), metrics_markdown())
+
+
+def on_pre_build(config, **kwargs):
+    write_reference(config["docs_dir"])
+
+
+if __name__ == "__main__":  # `python docs/hooks.py`: refresh the committed pages without a build
+    write_reference()

@@ -4,6 +4,7 @@ starts), one request with curl and one with the `openai` client, `inferd bench` 
 drifts from the CLI fails here."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -17,7 +18,8 @@ import conftest
 pytestmark = pytest.mark.slow
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 VENV_BIN = os.path.dirname(sys.executable)
-TINY = {"--num-prompts": "4", "--max-concurrency": "2", "--windows": "2"}  # the only changes to the README's commands
+TINY = {"--num-prompts": "4", "--max-concurrency": "2", "--windows": "3"}  # values the test shrinks
+SHORT = {"bench": ["--input-len", "32", "--output-len", "16"], "eval": ["--ctx", "64"]}  # flags it adds
 
 
 def blocks(lang: str) -> list[str]:
@@ -68,14 +70,24 @@ def test_the_readme_bench_command(server, tmp_path):
     (cmd,) = shell_commands(".venv/bin/inferd bench")
     cmd = on(server, cmd)
     cmd[0] = os.path.join(VENV_BIN, "inferd")
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    r = subprocess.run(cmd + SHORT["bench"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "TTFT" in r.stdout and (tmp_path / "report.html").is_file()
 
 
 def test_the_readme_eval_command(tmp_path):
+    """Also the eval CLI's own test: the numbers exist, are sane and order as they must."""
     (cmd,) = shell_commands(".venv/bin/inferd eval")
     cmd[0] = os.path.join(VENV_BIN, "inferd")
-    r = subprocess.run(cmd + ["--ctx", "64"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    out = tmp_path / "eval.json"
+    r = subprocess.run(cmd + SHORT["eval"] + ["--result-json", str(out)], capture_output=True, text=True,
+                       timeout=600, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "reference" in r.stdout
+    res = json.loads(out.read_text())
+    by = {c["config"].split()[0]: c for c in res["configs"]}
+    assert set(by) == {"int8", "int4"}
+    assert all(0 <= c["mean_kl"] < 0.5 and c["top1_agreement"] > 0.8 for c in by.values()), by
+    assert by["int8"]["mean_kl"] > 0  # int4 at group 32 lands back on the file's Q4_1 grid: its KL can be 0
+    assert by["int4"]["weight_mib"] < by["int8"]["weight_mib"]
+    assert "Q4_1" in res["note"]  # the reference itself is 4-bit, and the report says so

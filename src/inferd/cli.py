@@ -67,7 +67,9 @@ def add_engine_args(p: argparse.ArgumentParser):
     g.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype) | float32 | bfloat16")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn off automatic prefix caching")
-    g.add_argument("--scheduling", default="continuous", choices=["continuous", "static"])
+    g.add_argument("--scheduling", default="continuous", choices=["continuous", "static"],
+                   help="continuous: admit and retire sequences every step; static: run fixed batches to the "
+                        "end (to compare)")
     add_spec_args(p)
 
 
@@ -95,11 +97,12 @@ def engine_config_from_args(args):
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128):
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--max-tokens", type=int, default=max_tokens, help="most tokens to generate")
     g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: smallest set of tokens with this "
+                   "much probability (1 = off)")
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -131,12 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(sv)
     add_engine_args(sv)
     sv.add_argument("--config", default=None, help="YAML file of options (keys as flag names, _ or -)")
-    sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    sv.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     sv.add_argument("--served-model-name", default=None, help="model id the API reports and accepts")
     sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or INFERD_API_KEY)")
     sv.add_argument("--max-waiting", type=int, default=512, help="queued requests beyond this get 503")
-    sv.add_argument("--log-level", default="info")
+    sv.add_argument("--log-level", default="info", help="debug | info | warning | error")
     sv.add_argument("--max-request-body-bytes", type=int, default=4 * 1024 * 1024,
                     help="a larger request body gets 413 before it is read whole")
     sv.add_argument("--max-request-header-bytes", type=int, default=16 * 1024,
@@ -173,22 +176,24 @@ def build_parser() -> argparse.ArgumentParser:
     sv.set_defaults(func=cmd_serve)
 
     ev = sub.add_parser("eval", help="quality of quantized configs vs the unaltered model (ppl, KL, top-1)")
-    ev.add_argument("--model", default=None)
+    ev.add_argument("--model", default=None, help="the unaltered model: .gguf, Hugging Face folder "
+                    "(default: the embedded default, whose weights are already Q4_1)")
     ev.add_argument("--quantization", default="none,int8,int4",
                     help="comma-separated configurations to compare with the fp32 reference")
-    ev.add_argument("--quant-group-size", type=int, default=32)
+    ev.add_argument("--quant-group-size", type=int, default=32, help="input channels per scale of int4/awq")
     ev.add_argument("--awq-path", default=None,
                     help="awq config: this AWQ folder (from inferd quantize); default: calibrate in memory "
                          "at --quant-group-size the way inferd quantize does")
-    ev.add_argument("--quantize-lm-head", action="store_true")
+    ev.add_argument("--quantize-lm-head", action="store_true", help="quantize the output layer too")
     ev.add_argument("--dtype", default="auto", help="activation dtype of the evaluated configs")
-    ev.add_argument("--dataset", default="wikitext", choices=["wikitext"])
+    ev.add_argument("--dataset", default="wikitext", choices=["wikitext"],
+                    help="evaluation text (WikiText-2 test split, shipped with the repository)")
     ev.add_argument("--dataset-path", default=None, help="a text file instead of WikiText-2's test split")
-    ev.add_argument("--ctx", type=int, default=512)
-    ev.add_argument("--windows", type=int, default=64)
+    ev.add_argument("--ctx", type=int, default=512, help="tokens per window")
+    ev.add_argument("--windows", type=int, default=64, help="windows of --ctx tokens evaluated")
     ev.add_argument("--no-speed", dest="speed", action="store_false", help="skip the decode speed columns")
-    ev.add_argument("--threads", type=int, default=None)
-    ev.add_argument("--result-json", default=None)
+    ev.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
+    ev.add_argument("--result-json", default=None, help="write the results as JSON")
     ev.add_argument("--plot", default=None, help="PNG of decode speed against mean KL, one point per config")
     ev.add_argument("--speed-dtype", default="auto",
                     help="activation dtype of the speed columns when --dtype float32 (default: the serving dtype)")
@@ -197,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     qz = sub.add_parser("quantize", help="AWQ int4: calibrate, search scales and clipping, write a Hugging Face "
                                          "AWQ folder that inferd serve/generate/eval load")
     qz.add_argument("--model", default=None, help="the model to quantize (default: the embedded default)")
-    qz.add_argument("--method", default="awq", choices=["awq"])
+    qz.add_argument("--method", default="awq", choices=["awq"], help="quantization method")
     qz.add_argument("--group-size", type=int, default=64, help="input channels per scale: 32, 64, 128 or 256")
     qz.add_argument("--calib", default="wikitext",
                     help="wikitext (WikiText-2 test text after the characters inferd eval uses) or a text file")
@@ -206,20 +211,21 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("--grid", type=int, default=20, help="grid points of the scale exponent and of the clipping")
     qz.add_argument("--no-clip", dest="clip", action="store_false", help="skip the clipping search")
     qz.add_argument("--out", required=True, help="output folder (created; must be empty)")
-    qz.add_argument("--threads", type=int, default=None)
+    qz.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
     qz.set_defaults(func=cmd_quantize)
 
     t = sub.add_parser("throughput", help="offline throughput of the engine on N seeded requests")
     add_model_args(t)
     add_engine_args(t)
-    t.add_argument("--num-prompts", type=int, default=64)
-    t.add_argument("--dataset", default="random", choices=["random", "jsonl"])
+    t.add_argument("--num-prompts", type=int, default=64, help="requests to run")
+    t.add_argument("--dataset", default="random", choices=["random", "jsonl"],
+                   help="random: seeded token ids; jsonl: prompts from --dataset-path")
     t.add_argument("--dataset-path", default=None, help="jsonl: one {\"prompt\": ..., \"output_len\": N} per line")
     t.add_argument("--input-len", default="64-256", help="prompt tokens: N or MIN-MAX (uniform)")
     t.add_argument("--output-len", default="32-256", help="output tokens: N or MIN-MAX (uniform)")
     t.add_argument("--ignore-eos", action="store_true", help="always generate exactly the output length")
-    t.add_argument("--temperature", type=float, default=0.0)
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    t.add_argument("--seed", type=int, default=0, help="seed of the prompts and of sampling")
     t.add_argument("--output-json", default=None, help="write the results as JSON")
     t.set_defaults(func=cmd_throughput)
 
@@ -259,15 +265,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "datasets: ignored, the trace sets the times)")
     b.add_argument("--burstiness", default="1", help="gamma shape of the gaps: 1 = Poisson, inf = constant rate")
     b.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
-    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--seed", type=int, default=0, help="seed of the prompts and of the arrival times")
     b.add_argument("--warmup", type=int, default=0, help="requests sent (and left out of the results) first")
     b.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     b.add_argument("--extra-body", default=None, help="JSON merged into every request body (null removes a key)")
-    b.add_argument("--percentiles", default="50,90,95,99")
+    b.add_argument("--percentiles", default="50,90,95,99", help="percentiles reported for each latency")
     b.add_argument("--goodput", nargs="+", default=None, help="SLOs in ms, e.g. ttft:500 tpot:50 e2el:5000; "
                    "also gives slo_attainment (share of requests meeting all), and a rate sweep's goodput_rate")
     b.add_argument("--sla", default=None, help="e.g. \"p99_ttft_ms<500,p99_tpot_ms<50\": violated -> exit 3")
-    b.add_argument("--result-json", default=None)
+    b.add_argument("--result-json", default=None, help="write the results as JSON")
     b.add_argument("--csv", default=None, help="one row per request")
     b.add_argument("--trace", default=None, help="raw trace (JSONL) for `inferd bench report`")
     b.add_argument("--html", default=None, help="self-contained HTML report with plots (a run or a --sweep)")
@@ -287,18 +293,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     en = sub.add_parser("env", help="this machine and build: CPU features, the kernel variant chosen, torch, threads "
                                     "(INFERD_ISA=generic|avx2|avx512|avx512_vnni|avx512_amx forces a variant)")
-    en.add_argument("--json", action="store_true")
+    en.add_argument("--json", action="store_true", help="print JSON")
     en.set_defaults(func=cmd_env)
 
     ms = sub.add_parser("mock-server", help="OpenAI-compatible server with an exact, known token schedule")
-    ms.add_argument("--ttft-ms", type=float, default=200.0)
-    ms.add_argument("--tpot-ms", type=float, default=20.0)
+    ms.add_argument("--ttft-ms", type=float, default=200.0, help="time to the first token")
+    ms.add_argument("--tpot-ms", type=float, default=20.0, help="time between tokens")
     ms.add_argument("--output-len", type=int, default=128, help="tokens before 'EOS' (ignore_eos: max_tokens)")
-    ms.add_argument("--tokens-per-chunk", type=int, default=1)
+    ms.add_argument("--tokens-per-chunk", type=int, default=1, help="tokens in each streamed chunk")
     ms.add_argument("--role-chunk", action="store_true", help="chat: begin with a role-only chunk")
-    ms.add_argument("--host", default="127.0.0.1")
+    ms.add_argument("--host", default="127.0.0.1", help="address to listen on")
     ms.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    ms.add_argument("--served-model-name", default="mock")
+    ms.add_argument("--served-model-name", default="mock", help="model id the API reports and accepts")
     ms.add_argument("--log", default=None, help="JSONL log of every chunk's actual send time")
     ms.set_defaults(func=cmd_mock_server)
     return p

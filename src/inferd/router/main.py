@@ -10,8 +10,8 @@ log = logging.getLogger("inferd")
 
 
 def add_router_args(p):
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8080, help="TCP port to listen on")
     p.add_argument("--backend", action="append", default=None, metavar="URL",
                    help="an OpenAI-compatible server (repeat): inferd, vLLM, llama-server, SGLang, ...")
     p.add_argument("--backends-file", default=None, help="YAML: a list of backend URLs (or of {url: ...})")
@@ -22,12 +22,14 @@ def add_router_args(p):
                    help="a decode worker (inferd serve --role decode; repeat), with --prefill")
     p.add_argument("--disagg-min-prompt-chars", type=int, default=0,
                    help="with --prefill: prompts shorter than this many characters go straight to a decode worker")
-    p.add_argument("--policy", default="prefix", choices=["prefix", "least_loaded", "round_robin"])
+    p.add_argument("--policy", default="prefix", choices=["prefix", "least_loaded", "round_robin"],
+                   help="prefix: the backend that served the longest prefix of the prompt, unless loads are uneven")
     p.add_argument("--health-interval", type=float, default=2.0, help="seconds between health/metrics checks")
     p.add_argument("--require-all-backends", action="store_true",
                    help="exit (2) at start if any backend does not answer /health with 200")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a backend may take between reads")
-    p.add_argument("--max-request-body-bytes", type=int, default=4 << 20)
+    p.add_argument("--max-request-body-bytes", type=int, default=4 << 20,
+                   help="a larger request body gets 413 before it is read whole")
     p.add_argument("--prefix-chunk-chars", type=int, default=64,
                    help="prefix policy: characters per hashed chunk (the match granularity)")
     p.add_argument("--prefix-cache-chunks", type=int, default=1 << 16,
@@ -36,8 +38,10 @@ def add_router_args(p):
                    help="prefix policy: follow a backend's cache when it has at least this share of the prompt")
     p.add_argument("--balance-abs-threshold", type=float, default=4,
                    help="prefix policy: loads further apart than this (and the rel. threshold) go to the least loaded")
-    p.add_argument("--balance-rel-threshold", type=float, default=1.5)
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--balance-rel-threshold", type=float, default=1.5,
+                   help="prefix policy: loads are uneven when the busiest has this many times the idlest's "
+                        "(and --balance-abs-threshold more)")
+    p.add_argument("--log-level", default="info", help="debug | info | warning | error")
 
 
 def run(args) -> int:
