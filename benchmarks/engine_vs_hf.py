@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import hf_decode_rate  # noqa: E402
+from common import cpu_features, hf_decode_rate  # noqa: E402
 from inferd.engine.engine import LLMEngine  # noqa: E402
 from inferd.engine.rate import decode_rate  # noqa: E402
 from inferd.engine.request import SamplingParams  # noqa: E402
@@ -116,7 +116,8 @@ def main():
             hf_b1.append(hf_decode_rate(hf, prompt, 128))
     med = lambda xs: sorted(xs)[len(xs) // 2]
 
-    print(f"\n{a.num_prompts} requests, inputs 64-256, outputs 32-256 (ignore_eos), bf16, {a.threads} threads, "
+    print(f"\n{cpu_features()}; {a.threads} threads")
+    print(f"{a.num_prompts} requests, inputs 64-256, outputs 32-256 (ignore_eos), bf16, {a.threads} threads, "
           f"KV cache {a.kv_cache_dtype}")
     print(f"bf16 GEMM ceiling measured here: {peak / 1e9:.0f} GFLOP/s; inferd continuous achieved "
           f"{flops / cont_dt / 1e9:.0f} GFLOP/s = {100 * flops / cont_dt / peak:.1f}% of it "

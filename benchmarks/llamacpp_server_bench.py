@@ -24,6 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
+from common import cpu_features  # noqa: E402
 from llamacpp import ensure_llama_server, llamacpp_env  # noqa: E402
 from serving import METRICS, fmt, free_port, inferd_env, inferd_serve_cmd, print_table, run_bench, server  # noqa: E402
 
@@ -108,7 +109,7 @@ def main() -> None:
 
     names = list(results)
     base = "llama.cpp" if "llama.cpp" in results else None
-    print()
+    print(f"\n{cpu_features()}; {a.threads} threads\n")
     for conc, n in levels:
         header = ["metric", *names]
         if base:

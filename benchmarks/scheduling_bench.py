@@ -17,6 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from common import cpu_features  # noqa: E402
 from serving import METRICS, fmt, free_port, inferd_env, inferd_serve_cmd, print_table, run_bench, server  # noqa: E402
 
 
@@ -54,7 +55,7 @@ def main() -> None:
         better_high = key.endswith("throughput")
         ratio = (cv / sv if better_high else sv / cv) if cv and sv else None
         rows.append([label, fmt(cv, spec), fmt(sv, spec), fmt(ratio, "{:.2f}x")])
-    print()
+    print(f"\n{cpu_features()}; {a.threads} threads")
     print_table(f"{a.num_prompts} requests, input {a.input_len}, output {a.output_len} tokens (ignore_eos), "
                 f"request rate {a.request_rate}, max_num_seqs={a.max_num_seqs}, {a.threads} threads, "
                 f"completed {c['completed']}/{s['completed']}",

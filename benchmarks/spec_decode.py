@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
+from common import cpu_features  # noqa: E402
 from inferd.engine.engine import LLMEngine  # noqa: E402
 from inferd.engine.request import SamplingParams  # noqa: E402
 from inferd.loader import load_model  # noqa: E402
@@ -144,6 +145,7 @@ def main():
             row["accepted_per_verify"] = d["spec_num_accepted_tokens"] / max(1, d["spec_num_drafts"])
             row["draft_s"], row["verify_s"] = d["spec_draft_time_s"], d["spec_verify_time_s"]
         rows.append(row)
+    print(cpu_features())
     print(f"batch-1 greedy decode, SmolLM2-135M-Instruct ({args.dtype}, target weights: {args.quantization}), "
           f"{torch.backends.cpu.get_cpu_capability()} kernels, {len(prompts)} repeat/edit prompts, "
           f"max_tokens={args.max_tokens}, torch threads={torch.get_num_threads()}")

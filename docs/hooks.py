@@ -4,7 +4,9 @@
 - reference/metrics.md: every Prometheus series `inferd serve` and `inferd router` export, from the
   metrics modules, with the vLLM names they are also exposed as.
 
-Both are committed (links to them work on GitHub too); tests/test_docs.py fails when they are stale.
+- index.md: the README, its links made relative to docs/ (one text for both front pages).
+
+The reference pages are committed (links to them work on GitHub too); tests/test_docs.py fails when they are stale.
 
 tests/test_docs.py imports these functions and checks the pages are complete.
 """
@@ -86,6 +88,19 @@ def write_reference(docs_dir: str = HERE):
     ref = os.path.join(docs_dir, "reference")
     _write(os.path.join(ref, "flags.md"), flags_markdown())
     _write(os.path.join(ref, "metrics.md"), metrics_markdown())
+
+
+def readme_as_home(readme: str) -> str:
+    """The README is the site's home page too: one text, its links rewritten from the repository's
+    root (docs/x.md) to the site's (x.md)."""
+    return readme.replace("](docs/", "](")
+
+
+def on_page_markdown(markdown, page, config, files, **kwargs):
+    if page.file.src_uri == "index.md":
+        with open(os.path.join(os.path.dirname(config["docs_dir"]), "README.md")) as f:
+            return readme_as_home(f.read())
+    return markdown
 
 
 def on_pre_build(config, **kwargs):

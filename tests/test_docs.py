@@ -73,3 +73,5 @@ def test_the_site_builds_strictly(tmp_path):
                        capture_output=True, text=True, timeout=300, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert (tmp_path / "site" / "reference" / "flags" / "index.html").is_file()
+    home = (tmp_path / "site" / "index.html").read_text()
+    assert "Headline results" in home and 'href="quantization/"' in home  # the README, its links rewritten
