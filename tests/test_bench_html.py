@@ -221,6 +221,28 @@ def test_crosscheck_uses_window_deltas():
     assert not crosscheck(res, before, before)["available"]  # nothing moved during the window
 
 
+def test_crosscheck_against_a_server_that_has_served_nothing():
+    """A labelled histogram has no series before its first observation: declared only, it counts as 0,
+    so the first run against a fresh server still gets its cross-check."""
+    fresh = parse_exposition("# HELP inferd:time_to_first_token_seconds TTFT.\n"
+                             "# TYPE inferd:time_to_first_token_seconds histogram\n"
+                             "# TYPE inferd:num_requests_running gauge\n")
+    assert fresh == {"inferd:time_to_first_token_seconds_sum": 0.0, "inferd:time_to_first_token_seconds_count": 0.0}
+    after = {"inferd:time_to_first_token_seconds_sum": 0.4, "inferd:time_to_first_token_seconds_count": 4.0}
+    cc = crosscheck({"completed": 4, "mean_ttft_ms": 100.0}, fresh, after)
+    assert cc["available"] and cc["metrics"]["ttft"]["server_mean_ms"] == pytest.approx(100.0)
+
+
+def test_inferd_serve_exposes_its_latency_series_before_the_first_request():
+    """Each engine's histograms exist at 0 from the start (as its gauges and counters do), as vLLM's do."""
+    from inferd.server.metrics import Metrics
+
+    text = Metrics("m", engines=2).render().decode()
+    for e in ("0", "1"):
+        assert f'inferd:e2e_request_latency_seconds_count{{engine="{e}",model_name="m"}} 0.0' in text
+    assert parse_exposition(text)["inferd:time_to_first_token_seconds_count"] == 0.0
+
+
 def test_progress_line_and_tty_rule():
     class FakeResp:
         status = 200

@@ -25,9 +25,17 @@ _LINE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 
 def parse_exposition(text: str) -> dict[str, float]:
     """`<name>_sum` and `<name>_count` of every histogram, summed over label sets (one server may
-    label by model, engine or finished reason)."""
+    label by model, engine or finished reason). A histogram that is declared but has no series yet (a
+    labelled one before its first observation, as on a server that has served nothing) counts as 0,
+    so that a run against a fresh server still has a window."""
     out: dict[str, float] = {}
     for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            parts = line.split()
+            if len(parts) == 4 and parts[3] == "histogram":
+                out.setdefault(parts[2] + "_sum", 0.0)
+                out.setdefault(parts[2] + "_count", 0.0)
+            continue
         if not line or line[0] == "#":
             continue
         m = _LINE.match(line)

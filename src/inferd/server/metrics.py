@@ -134,7 +134,8 @@ class Metrics:
             lab = self.labels(e)
             for g in (self.running, self.waiting, self.kv_usage):
                 g.labels(**lab).set(0)
-            for c in (self.steps, self.prompt_tokens, self.gen_tokens, self.pc_queries, self.pc_hits, self.computed):
+            for c in (self.steps, self.prompt_tokens, self.gen_tokens, self.pc_queries, self.pc_hits, self.computed,
+                      self.ttft, self.itl, self.e2e, self.queue):
                 c.labels(**lab)
 
     def labels(self, engine: int = 0) -> dict:
