@@ -1,6 +1,6 @@
-"""The README's commands, run as a new user would run them, with tiny settings: serve (what `make run`
-starts), one request with curl and one with the `openai` client, `inferd bench` against that server,
-`inferd eval` of a quantization. The commands are read from the README itself, so a README that
+"""The README's commands, run as a new user would run them, with tiny settings: `make run` itself, one
+request with curl and one with the `openai` client, `inferd bench` against that server, `inferd eval`
+of a quantization. The commands are read from the README itself, so a README that
 drifts from the CLI fails here."""
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -40,9 +42,54 @@ def shell_commands(prefix: str) -> list[list[str]]:
     return out
 
 
+class MakeRun:
+    """The README's `make run`, as written, plus `ARGS="--port P"` (the README's way to pass flags) for
+    a free port; in its own session so that stopping it stops make and the server under it."""
+
+    def __init__(self):
+        (line,) = [ln for b in blocks("bash") for ln in b.splitlines() if ln.startswith("make run")]
+        assert line.split("#")[0].split() == ["make", "run"], line
+        self.port = conftest.free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log = open(os.path.join(ROOT, "build", f"readme-make-run-{self.port}.log"), "w+b")
+        self.proc = subprocess.Popen(["make", "--no-print-directory", "run", f"ARGS=--port {self.port}"], cwd=ROOT,
+                                     stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     start_new_session=True)
+
+    def wait_ready(self, timeout: float = 600):  # a first `make run` may still be installing
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"make run exited with {self.proc.returncode}: {self.tail()}"
+            try:
+                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        pytest.fail(f"make run did not serve within {timeout:.0f} s: {self.tail()}")
+
+    def tail(self) -> str:
+        self.log.seek(0)
+        return self.log.read()[-3000:].decode("utf-8", "replace")
+
+    def stop(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)  # inferd drains and exits; make follows
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self.log.close()
+        os.unlink(self.log.name)
+
+
 @pytest.fixture(scope="module")
 def server():
-    srv = conftest.ServerProc([])  # `make run` is `inferd serve` with no flags, here on a free port
+    os.makedirs(os.path.join(ROOT, "build"), exist_ok=True)
+    srv = MakeRun()
     try:
         yield srv.wait_ready()
     finally:
