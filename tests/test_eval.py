@@ -23,3 +23,18 @@ def test_compare_identity_and_shift():
 
 
 # the CLI itself: tests/test_readme.py runs the README's `inferd eval` command and checks its numbers
+
+
+def test_table_fits_long_names_and_has_no_speed_columns_without_speed():
+    from inferd.eval import format_table
+
+    row = {"config": "int4-gptq W4A8 +lm_head float32 act", "perplexity": 26.2, "mean_kl": 0.003, "p99_kl": 0.01,
+           "top1_agreement": 0.966, "weight_mib": 92, "continuations": ["x"]}
+    res = {"model": "m", "windows": 2, "ctx": 64, "note": "Q4_1", "prompts": ["p"], "reference_continuations": ["x"],
+           "reference": {"config": "reference (fp32, dequantized)", "perplexity": 26.1, "weight_mib": 513},
+           "configs": [row]}
+    lines = format_table(res).splitlines()
+    assert "nan" not in format_table(res) and "tok/s" not in lines[2]
+    assert lines[2].index("ppl") + 3 == lines[5].index("26.200") + 6  # columns stay aligned under their heads
+    row.update(decode_tok_s_batch1=120.0, throughput_tok_s_batch32=600.0)
+    assert "b32 tok/s" in format_table(res).splitlines()[2] and "600.0" in format_table(res)

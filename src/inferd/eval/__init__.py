@@ -195,15 +195,22 @@ def _awq_config(model, awq_path, group_size, dtype, ref):
 
 
 def format_table(res: dict) -> str:
-    head = f"{'config':<28} {'ppl':>8} {'mean KL':>9} {'p99 KL':>8} {'top-1':>7} {'MiB':>7} {'b1 tok/s':>9} {'b32 tok/s':>10}"
+    w = max(28, *(len(r["config"]) for r in [res["reference"], *res["configs"]]))
+    speed = any("decode_tok_s_batch1" in r for r in res["configs"])  # absent with --no-speed: no nan columns
+    head = f"{'config':<{w}} {'ppl':>8} {'mean KL':>9} {'p99 KL':>8} {'top-1':>7} {'MiB':>7}"
+    if speed:
+        head += f" {'b1 tok/s':>9} {'b32 tok/s':>10}"
     lines = [f"inferd eval: {res['model']}, {res['windows']} windows x {res['ctx']} tokens (WikiText-2 test)",
              f"note: {res['note']}", head, "-" * len(head)]
     r = res["reference"]
-    lines.append(f"{r['config']:<28} {r['perplexity']:>8.3f} {0:>9.4f} {0:>8.4f} {100:>6.1f}% {r['weight_mib']:>7.0f}")
+    lines.append(f"{r['config']:<{w}} {r['perplexity']:>8.3f} {0:>9.4f} {0:>8.4f} {100:>6.1f}% {r['weight_mib']:>7.0f}")
     for r in res["configs"]:
-        lines.append(f"{r['config']:<28} {r['perplexity']:>8.3f} {r['mean_kl']:>9.4f} {r['p99_kl']:>8.4f} "
-                     f"{100 * r['top1_agreement']:>6.1f}% {r['weight_mib']:>7.0f} "
-                     f"{r.get('decode_tok_s_batch1', float('nan')):>9.1f} {r.get('throughput_tok_s_batch32', float('nan')):>10.1f}")
+        line = (f"{r['config']:<{w}} {r['perplexity']:>8.3f} {r['mean_kl']:>9.4f} {r['p99_kl']:>8.4f} "
+                f"{100 * r['top1_agreement']:>6.1f}% {r['weight_mib']:>7.0f}")
+        if speed:
+            line += (f" {r.get('decode_tok_s_batch1', float('nan')):>9.1f}"
+                     f" {r.get('throughput_tok_s_batch32', float('nan')):>10.1f}")
+        lines.append(line)
     lines.append("")
     lines.append("greedy continuations:")
     for i, p in enumerate(res["prompts"]):
