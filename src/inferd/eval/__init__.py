@@ -118,7 +118,7 @@ def run_eval(model: str | None, configs: list[str], group_size: int = 32, ctx: i
     loaded, labels = {}, {}
     for c in configs:
         base, a8 = split_config(c)
-        labels[c] = base + (f" g{group_size}" if base == "int4" else "")
+        labels[c] = base + (f" g{group_size}" if base in ("int4", "int4-gptq") else "")
         if base == "awq":
             # W4A8's fast path takes fp32 glue (resolve_dtype); weight-only AWQ runs on bf16 activations
             awq_dtype = "float32" if a8 and dtype == "auto" else dtype
