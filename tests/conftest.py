@@ -65,6 +65,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(base: str, proc: subprocess.Popen, timeout: float, what: str, log_text):
+    """Until GET base/health is 200; fails the test, with the log's tail, if proc exits or time runs out."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"{what} exited with {proc.returncode} before ready\n{log_text()}")
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    pytest.fail(f"{what} did not come up within {timeout:.0f} s\n{log_text()}")
+
+
 class ServerProc:
     """`python -m inferd serve ARGS --port P` on a free loopback port, its output in a log file
     (log_path, else a temporary one removed at stop). Start it, do other work, then wait_ready()."""
@@ -96,23 +113,11 @@ class ServerProc:
         return data[-tail:].decode("utf-8", "replace")
 
     def wait_ready(self):
-        import httpx
-
         if self.ready:
             return self
-        deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"inferd serve exited with {self.proc.returncode} before ready: {' '.join(self.cmd)}\n"
-                            f"{self.log_text()}")
-            try:
-                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
-                    self.ready = True
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        pytest.fail(f"inferd serve did not come up within {self.timeout:.0f} s\n{self.log_text()}")
+        wait_healthy(self.base, self.proc, self.timeout, " ".join(self.cmd), self.log_text)
+        self.ready = True
+        return self
 
     def alive(self) -> bool:
         return self.proc.poll() is None

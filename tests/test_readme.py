@@ -11,7 +11,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -57,18 +56,8 @@ class MakeRun:
                                      start_new_session=True)
 
     def wait_ready(self, timeout: float = 600):  # a first `make run` may still be installing
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"make run exited with {self.proc.returncode}: {self.tail()}"
-            try:
-                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        pytest.fail(f"make run did not serve within {timeout:.0f} s: {self.tail()}")
+        conftest.wait_healthy(self.base, self.proc, timeout, "make run", self.tail)
+        return self
 
     def tail(self) -> str:
         self.log.seek(0)
