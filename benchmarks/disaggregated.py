@@ -261,7 +261,7 @@ def expected_bytes_per_token(model: str | None, kv_dtype: str | None) -> tuple[i
     size = DTYPE_BYTES.get(kv_dtype or "")
     try:
         if model and os.path.isdir(model):
-            from inferd.model_files import read_config_json
+            from inferd.loading.checks import read_config_json
 
             c = read_config_json(os.path.join(model, "config.json"))
             layers, kvh = c["num_hidden_layers"], c.get("num_key_value_heads", c["num_attention_heads"])

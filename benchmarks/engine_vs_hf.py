@@ -26,7 +26,7 @@ from common import cpu_features, hf_decode_rate  # noqa: E402
 from inferd.engine.engine import LLMEngine  # noqa: E402
 from inferd.engine.rate import decode_rate  # noqa: E402
 from inferd.engine.request import SamplingParams  # noqa: E402
-from inferd.loader import default_model_path, load_model  # noqa: E402
+from inferd.loading.loader import default_model_path, load_model  # noqa: E402
 from inferd.commands.throughput import random_requests  # noqa: E402
 
 

@@ -88,7 +88,7 @@ def default_prompt(gguf_path: str, prompt_len: int, seed: int = 0) -> list[int]:
 
 
 def main() -> None:
-    from inferd.loader import default_model_path
+    from inferd.loading.loader import default_model_path
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gguf", default=None, help="default: inferd's default model")

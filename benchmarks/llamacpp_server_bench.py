@@ -63,7 +63,7 @@ def inferd_configs(quantization: str, configs: list[str]) -> dict[str, list[str]
 
 
 def main() -> None:
-    from inferd.loader import default_model_path
+    from inferd.loading.loader import default_model_path
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gguf", default=None, help="default: inferd's default model")

@@ -49,7 +49,7 @@ sys.path.insert(0, HERE)
 from common import bytes_per_decode_token, cpu_features, hf_decode_rate as hf_rate, int8_peak_gops, read_bandwidth_gbs  # noqa: E402
 from inferd.engine.rate import decode_rate, prefill_rate  # noqa: E402
 from inferd.quant import weight_bytes  # noqa: E402
-from inferd.loader import default_model_path, load_model  # noqa: E402
+from inferd.loading.loader import default_model_path, load_model  # noqa: E402
 
 CONFIGS = [  # (label, quantization, group size, quantize lm_head, dtype, int8 activations: W4A8)
     ("inferd bf16", "none", 32, False, "bfloat16", False),

@@ -44,7 +44,7 @@ CONFIGS = [("dense (auto dtype)", []), ("gguf", ["--quantization", "gguf"])]
 def offline_engine(extra: list[str], threads: int):
     import torch
 
-    from inferd.loader import load_model
+    from inferd.loading.loader import load_model
 
     torch.set_num_threads(threads)
     quant = extra[extra.index("--quantization") + 1] if "--quantization" in extra else "none"

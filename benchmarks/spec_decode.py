@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from common import cpu_features  # noqa: E402
 from inferd.engine.engine import LLMEngine  # noqa: E402
 from inferd.engine.request import SamplingParams  # noqa: E402
-from inferd.loader import load_model  # noqa: E402
+from inferd.loading.loader import load_model  # noqa: E402
 
 PASSAGE_A = ("The lighthouse stood on a narrow spit of rock at the mouth of the harbour. Every evening the keeper "
              "climbed the one hundred and twelve steps to light the lamp, and every morning he climbed them again "

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 def make_tiny_model(seed: int = 0, scale: float = 0.15, **over):
     """A small random Llama with well-separated logits (fp32), as a LoadedModel without tokenizer."""
     from inferd.model.config import ModelConfig
-    from inferd.loader import LoadedModel, ModelSource, build_model
+    from inferd.loading.loader import LoadedModel, ModelSource, build_model
 
     kw = dict(architecture="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,

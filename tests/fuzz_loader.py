@@ -18,7 +18,7 @@ import numpy as np  # noqa: E402
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
 from inferd.errors import InferdError  # noqa: E402
-from inferd.loader import load_model  # noqa: E402
+from inferd.loading.loader import load_model  # noqa: E402
 from test_gguf import write_tiny_gguf  # noqa: E402
 
 out_dir, n_examples = sys.argv[1], int(sys.argv[2])

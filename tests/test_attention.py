@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from inferd.kernels import native
-from inferd.engine.attention import PagedAttention
-from inferd.engine.kv_cache import KVPool
+from inferd.worker.attention import PagedAttention
+from inferd.worker.kv_pool import KVPool
 
 
 def test_kernel_builds():

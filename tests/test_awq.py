@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from conftest import make_tiny_model
 from helpers import FUSED, TINY, build_hf_awq_checkpoint, hf_awq_config, pack_by_hand  # noqa: F401
 from inferd.model.llama import ContiguousKV
-from inferd.loader import load_model
+from inferd.loading.loader import load_model
 from inferd.quant import Int4Linear, dequantize_int4, quantize_int4
 from inferd.quant.awq import attach, awq_quantize, fake_quant, int_grid, output_error, quantize_groups
 from inferd.quant.awq_checkpoint import dequantize, pack_int4, save_awq, unpack_int4
@@ -81,7 +81,7 @@ def test_hand_built_hf_awq_checkpoint_loads_exactly(tmp_path, group):
     assert not lm.config.tie_word_embeddings
 
     # the same model with plain float weights (the intended ones) gives the same logits
-    from inferd.loader import build_model
+    from inferd.loading.loader import build_model
 
     plain = {k.replace("model.", "").replace("self_attn.", "").replace("mlp.", ""): v.float()
              for k, v in sd.items() if not k.endswith(("qweight", "qzeros", "scales"))}

@@ -46,7 +46,7 @@ def test_non_gguf_file(tmp_path):
 
 
 def test_truncated_gguf(tmp_path):
-    from inferd.loader import default_model_path
+    from inferd.loading.loader import default_model_path
 
     p = tmp_path / "cut.gguf"
     with open(default_model_path(), "rb") as f:
@@ -55,7 +55,7 @@ def test_truncated_gguf(tmp_path):
 
 
 def test_truncated_tensor_data(tmp_path):
-    from inferd.loader import default_model_path
+    from inferd.loading.loader import default_model_path
 
     p = tmp_path / "half.gguf"
     with open(default_model_path(), "rb") as f:
@@ -100,7 +100,7 @@ def test_cuda_unavailable():
 @pytest.mark.slow
 def test_dummy_builtin_shapes():
     code = (
-        "from inferd.loader import load_model\n"
+        "from inferd.loading.loader import load_model\n"
         "lm = load_model('qwen2.5-0.5b', load_format='dummy', dtype='bfloat16', with_tokenizer=False)\n"
         "n = sum(p.numel() for p in lm.model.parameters())\n"
         "print(n)\n"

@@ -1,4 +1,4 @@
-"""`inferd serve --data-parallel-size 2` (inferd.server.data_parallel): two engine processes, each
+"""`inferd serve --data-parallel-size 2` (inferd.distributed.data_parallel): two engine processes, each
 pinned to its own core, both serving (their own step counters in /metrics), the vLLM metric names
 a Kubernetes router reads with the same values as inferd's, one engine's death ending its requests
 only while the other's finish, and -- on the real model in fp32 -- the reference loop's tokens."""
@@ -145,7 +145,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 @pytest.mark.slow
 def test_dp2_greedy_fp32_equals_the_reference_loop():
     from inferd.engine.reference import reference_generate
-    from inferd.loader import load_model
+    from inferd.loading.loader import load_model
 
     srv = ServerProc(["--dtype", "float32", "--data-parallel-size", "2", "--kv-cache-memory", "64MiB"])
     try:

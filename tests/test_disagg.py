@@ -1,4 +1,4 @@
-"""Disaggregated prefill/decode (inferd.engine.kv_transfer, inferd router --prefill/--decode).
+"""Disaggregated prefill/decode (inferd.distributed.kv_transfer, inferd router --prefill/--decode).
 
 Engine level, on tiny random models in one process: a producer engine and a consumer engine,
 their outputs against the reference loop, what each computed, what the connector moved, what the
@@ -15,10 +15,10 @@ import torch
 from conftest import make_tiny_model
 from helpers import assert_no_leaks, compare, make_requests, reference_outputs
 from inferd.engine.engine import LLMEngine
-from inferd.engine.faults import Faults
-from inferd.engine.kv_transfer import parse_kv_transfer_config
-from inferd.engine.kv_transfer.leases import LeaseTable
-from inferd.engine.kv_transfer.wire import bytes_per_token, prompt_digest, token_slots
+from inferd.faults import Faults
+from inferd.distributed.kv_transfer import parse_kv_transfer_config
+from inferd.distributed.kv_transfer.leases import LeaseTable
+from inferd.distributed.kv_transfer.wire import bytes_per_token, prompt_digest, token_slots
 from inferd.engine.request import SamplingParams
 from inferd.errors import InferdError
 

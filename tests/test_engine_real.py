@@ -8,7 +8,7 @@ import torch
 
 from inferd.engine.engine import LLMEngine
 from inferd.engine.request import SamplingParams
-from inferd.loader import load_model
+from inferd.loading.loader import load_model
 from inferd.engine.reference import reference_generate
 
 PROMPTS = [

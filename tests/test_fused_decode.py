@@ -6,8 +6,8 @@ import random
 import pytest
 import torch
 
-from inferd.engine.attention import PagedAttention
-from inferd.engine.kv_cache import KVPool
+from inferd.worker.attention import PagedAttention
+from inferd.worker.kv_pool import KVPool
 from inferd.model import fused_decode
 from inferd.quant import quantize
 from inferd.quant import w4a8
@@ -88,7 +88,7 @@ def test_engine_with_fused_steps_gives_the_eager_engines_tokens():
 def test_fuse_decode_applies_only_where_it_can():
     from conftest import make_tiny_model
 
-    from inferd.loader import load_model
+    from inferd.loading.loader import load_model
 
     assert fused_decode.build(make_tiny_model().model) is None  # dense layers
     lm = make_tiny_model()

@@ -5,8 +5,8 @@ import torch
 from gguf import GGMLQuantizationType as Q, GGUFReader, GGUFWriter, quants
 
 from inferd.errors import InferdError
-from inferd.model.gguf import unpermute_qk
-from inferd.loader import load_model
+from inferd.gguf_file import unpermute_qk
+from inferd.loading.loader import load_model
 
 H, FF, NH, NKV, V, L = 64, 128, 4, 2, 96, 2
 HD = H // NH
@@ -104,7 +104,7 @@ def test_unpermute_inverts_llama_cpp_permutation():
 def test_other_types_dequantize(tmp_path, qt):
     """Random blocks (K-quants have no Python quantizer in `gguf`; Q4_0/Q4_1/Q8_0 take our whole-tensor
     call of its block maths) against its dequantizer."""
-    from inferd.model.gguf import dequantize_tensor
+    from inferd.loading.gguf import dequantize_tensor
 
     rng = np.random.default_rng(1)
     rows, cols = 4, 256

@@ -70,7 +70,7 @@ def test_gptq_quantize_rewrites_every_linear_packed(method):
 
 
 def test_gptq_needs_a_tokenizer_and_a_known_format():
-    from inferd.loader import load_model
+    from inferd.loading.loader import load_model
 
     with pytest.raises(InferdError, match="tokenizer"):
         load_model("smollm2-135m", load_format="dummy", with_tokenizer=False, quantization="int8-gptq")

@@ -156,7 +156,7 @@ def test_every_error_has_the_openai_shape(srv):
 
 
 def test_utf8_cut_by_max_tokens_is_dropped_not_replaced(srv):
-    from inferd.loader import load_model
+    from inferd.loading.loader import load_model
 
     tok = load_model(srv.cmd[srv.cmd.index("--model") + 1], with_tokenizer=True).tokenizer
     ids = tok.encode("🎉", add_special_tokens=False)
@@ -231,7 +231,7 @@ def test_a_client_that_stops_reading_is_aborted():
 
 def _engine_with_faults(spec, **kw):
     from inferd.engine.engine import LLMEngine
-    from inferd.engine.faults import Faults
+    from inferd.faults import Faults
 
     eng = LLMEngine(loaded=make_tiny_model(), kv_cache_memory="16MiB", max_num_seqs=8, **kw)
     eng.faults = Faults(spec)

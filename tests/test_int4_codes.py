@@ -17,7 +17,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q, GGUFWriter, quants
 
-from inferd.loader import load_model
+from inferd.loading.loader import load_model
 from inferd.model import fused_decode
 from inferd.quant import (Int4Linear, dequantize_int4, pack_nibbles, quantize_int4, quantize_int8,
                           unpack_nibbles)
@@ -122,7 +122,7 @@ def test_gguf_blocks_survive_to_w4a8_as_gguf_dequantizes_them(gguf_files, qt, no
     """The oracle is the `gguf` package: the dense model loads through its dequantization."""
     from gguf import GGUFReader
 
-    from inferd.model.gguf import unpermute_qk
+    from inferd.gguf_file import unpermute_qk
     from inferd.quant.gguf_native import int4_blocks
 
     path = gguf_files[qt]
@@ -146,7 +146,7 @@ def test_awq_checkpoint_codes_survive_to_w4a8(tmp_path, group, no_torch_int4_pac
     """The oracle: the integers the test wrote into an AutoAWQ-layout folder (exact in fp32)."""
     from helpers import FUSED, TINY, build_hf_awq_checkpoint
 
-    from inferd.loader import load_safetensors_folder
+    from inferd.loading.loader import load_safetensors_folder
     from inferd.quant.awq_checkpoint import read_quant_config, take_awq_linears
 
     want, _ = build_hf_awq_checkpoint(tmp_path / "awq", group)
@@ -237,7 +237,7 @@ def test_the_same_under_pytorch_held_to_avx2():
 def test_auto_dtype_takes_each_methods_fast_path_on_every_cpu(gguf_files, has_bf16, monkeypatch):
     """AVX2-only or AVX512-BF16: W4A8 gets the fp32 glue its fused decode step needs, PyTorch's
     packed kernels get bf16 activations, dense weights bf16 only where the CPU has bf16 dot products."""
-    from inferd import loader
+    from inferd.loading import loader
 
     monkeypatch.setattr(loader, "cpu_has_bf16", lambda: has_bf16)
     path = gguf_files[Q.Q4_1]

@@ -4,7 +4,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from inferd.loader import load_model
+from inferd.loading.loader import load_model
 from inferd.engine.reference import reference_generate
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

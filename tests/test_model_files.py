@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from inferd.errors import InferdError
-from inferd.model_files import check_gguf, check_safetensors
+from inferd.loading.checks import check_gguf, check_safetensors
 from test_gguf import write_tiny_gguf
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -95,7 +95,7 @@ def test_hostile_safetensors_headers(tmp_path, header, data, n, words):
 
 
 def test_config_json_bounds_before_allocation(tmp_path):
-    from inferd.loader import load_model
+    from inferd.loading.loader import load_model
 
     cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32000, "hidden_size": 2**20,
            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
@@ -117,7 +117,7 @@ def test_config_json_bounds_before_allocation(tmp_path):
 @functools.lru_cache(maxsize=1)
 def _tokenizer():
     from inferd.gguf_file import default_model_path
-    from inferd.loader import _load_tokenizer
+    from inferd.loading.loader import _load_tokenizer
 
     return _load_tokenizer(default_model_path())
 

@@ -189,7 +189,7 @@ def test_paged_decode_in_each_variant(variant, dtype, D):
 def test_fused_step_equals_eager_in_each_variant(variant, method, over):
     from test_fused_decode import _step, _tiny_a8
 
-    from inferd.engine.kv_cache import KVPool
+    from inferd.worker.kv_pool import KVPool
     from inferd.model import fused_decode
 
     lm = _tiny_a8(method, **over)

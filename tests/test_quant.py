@@ -160,7 +160,7 @@ def test_gguf_blocks_roundtrip_bit_exact(tmp_path, qt_name):
 def test_gguf_native_on_default_model_matches_dequantized():
     """fp32 activations: the file's own blocks through the int4 kernel give the dequantized model's logits."""
     from inferd.model.llama import ContiguousKV
-    from inferd.loader import load_model
+    from inferd.loading.loader import load_model
 
     ref = load_model(None, dtype="float32", with_tokenizer=False)
     g = load_model(None, dtype="float32", with_tokenizer=False, quantization="gguf")
@@ -180,7 +180,7 @@ def test_gguf_native_on_default_model_matches_dequantized():
 def test_auto_dtype_with_packed_weights_is_bf16_on_cpu():
     """--dtype auto + a packed method: bf16 activations on any CPU (fp32 ones take the kernels' slow
     path); an explicit --dtype float32 is kept."""
-    from inferd.loader import load_model
+    from inferd.loading.loader import load_model
 
     lm = load_model("smollm2-135m", load_format="dummy", with_tokenizer=False, quantization="int8")
     assert lm.model.dtype == torch.bfloat16

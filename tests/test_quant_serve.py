@@ -26,7 +26,7 @@ def qserver(default_gguf_path, tmp_path_factory):
 def test_quantized_serve_logs_packed_weights_and_matches_offline(qserver, default_gguf_path):
     from inferd.engine.llm import LLM
     from inferd.engine.request import SamplingParams
-    from inferd.loader import load_model
+    from inferd.loading.loader import load_model
 
     url, log = qserver
     text = log.read_text()

@@ -15,7 +15,7 @@ import pytest
 from conftest import ServerProc, free_port
 from helpers import wait_for, write_tiny_chat_gguf
 from inferd.router.backends import parse_backends, parse_load
-from inferd.router.policy import Balancer, PrefixIndex, chunk_hashes
+from inferd.distributed.policy import Balancer, PrefixIndex, chunk_hashes
 
 # -- the policy ---------------------------------------------------------------------------------
 

@@ -20,8 +20,8 @@ from inferd.engine.kv_cache import BlockManager
 from inferd.engine.request import SamplingParams
 from inferd.errors import InferdError
 from inferd.engine.reference import reference_generate
-from inferd.engine.spec.ngram import propose_ngram
-from inferd.engine.spec.rejection import accept_greedy, expected_acceptance, rejection_sample
+from inferd.engine.speculative.ngram import propose_ngram
+from inferd.engine.speculative.rejection import accept_greedy, expected_acceptance, rejection_sample
 from conftest import make_tiny_model
 from helpers import (assert_no_leaks, assert_speculated, compare, make_requests, mixed_requests,  # noqa: F401
                      reference_outputs, run_spec)
@@ -363,7 +363,7 @@ def test_acceptance_rate_is_sum_min_p_q(small, method):
 # -- the real model: prompt lookup on a copy task ----------------------------------------------
 
 def test_ngram_copy_task_on_the_default_model(default_gguf_path):
-    from inferd.loader import load_model
+    from inferd.loading.loader import load_model
 
     real = load_model(None, dtype="float32")
     tok = real.tokenizer

@@ -1,4 +1,4 @@
-"""Tensor parallelism (inferd.engine.parallel, inferd.model.tensor_parallel): real ranks in real
+"""Tensor parallelism (inferd.distributed, inferd.distributed.tensor_parallel): real ranks in real
 processes, the real default model for equality, tiny random models for the shapes that need
 replicated KV heads and uneven splits, and proof that the split ran (each rank's bytes, the
 collectives counted)."""
@@ -16,11 +16,11 @@ from conftest import make_tiny_model
 from helpers import assert_no_leaks, compare, compare_texts, make_requests, reference_outputs, stream_then_kill
 
 from inferd.engine.engine import LLMEngine
-from inferd.engine.parallel.comm import CollectiveError
+from inferd.distributed.comm import CollectiveError
 from inferd.engine.request import SamplingParams
 from inferd.errors import InferdError
-from inferd.loader import load_model
-from inferd.model.tensor_parallel import apply_tp, plan, split_evenly
+from inferd.loading.loader import load_model
+from inferd.distributed.tensor_parallel import apply_tp, plan, split_evenly
 from inferd.quant.linear import weight_bytes
 
 SMALL_KV = "64MiB"  # the default pool (20 % of memory, up to 2 GiB) is zeroed on every rank: seconds
@@ -89,7 +89,7 @@ def test_each_rank_holds_its_share_of_the_bytes(default_gguf_path):
 
 PEER = """
 import sys, torch
-from inferd.engine.parallel.comm import ShmComm
+from inferd.distributed.comm import ShmComm
 c = ShmComm(1, 2, sys.argv[1], slot_bytes=4096)
 g = torch.Generator().manual_seed(1)
 for dtype in (torch.float32, torch.bfloat16):
@@ -107,7 +107,7 @@ def test_shared_memory_collectives_across_two_processes():
     import subprocess
     import sys
 
-    from inferd.engine.parallel.comm import ShmComm
+    from inferd.distributed.comm import ShmComm
 
     c = ShmComm(0, 2, slot_bytes=4096)
     peer = subprocess.Popen([sys.executable, "-c", PEER, c.path])
@@ -425,7 +425,7 @@ def rank_pids(core: int) -> list[int]:
                 cmd = f.read()
         except OSError:
             continue
-        if ppid == core and b"inferd.engine.parallel.worker" in cmd:
+        if ppid == core and b"inferd.distributed.tp_worker" in cmd:
             out.append(int(d))
     return out
 

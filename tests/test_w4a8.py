@@ -111,7 +111,7 @@ def test_engine_on_w4a8_model_gives_reference_greedy_tokens():
 
 
 def test_loader_flags_and_errors():
-    from inferd.loader import load_model
+    from inferd.loading.loader import load_model
 
     lm = load_model("smollm2-135m", load_format="dummy", with_tokenizer=False, quantization="int4",
                     quantize_lm_head=True, quantize_activations=True)
@@ -128,7 +128,7 @@ def test_default_model_w4a8_engine_matches_its_reference_loop(default_gguf_path)
     """The real model: gguf's own Q4_1 blocks (W4A8) and its int8 lm_head (W8A8), served by the engine."""
     from inferd.engine.llm import LLM
     from inferd.engine.request import SamplingParams
-    from inferd.loader import load_model
+    from inferd.loading.loader import load_model
     from inferd.engine.reference import reference_generate
 
     lm = load_model(default_gguf_path, quantization="gguf", quantize_lm_head=True, quantize_activations=True)
@@ -159,7 +159,7 @@ def test_a_512_token_prefill_runs_the_integer_gemm_and_copies_no_weights(default
     per linear (every row of it), and no step makes a dequantized copy of any layer."""
     from inferd.engine.engine import LLMEngine
     from inferd.engine.request import SamplingParams
-    from inferd.loader import load_model
+    from inferd.loading.loader import load_model
 
     lm = load_model(default_gguf_path, quantization="gguf", quantize_lm_head=True, quantize_activations=True,
                     with_tokenizer=False)
@@ -181,7 +181,7 @@ def test_the_tied_embedding_is_read_from_the_heads_codes(default_gguf_path):
     """A tied model's embedding and W8A8 lm_head are one matrix: the embedding reads its rows from
     the head's Q8_0 codes (GGUF's own, so exactly the float table), and the model's weights come to
     under half of dense bf16's."""
-    from inferd.loader import load_model
+    from inferd.loading.loader import load_model
     from inferd.quant import weight_bytes
 
     lm = load_model(default_gguf_path, quantization="gguf", quantize_lm_head=True, quantize_activations=True,

@@ -1,4 +1,4 @@
-// Shared-memory collectives for tensor-parallel ranks on one host (inferd.engine.parallel.comm).
+// Shared-memory collectives for tensor-parallel ranks on one host (inferd.distributed.comm).
 //
 // Why not gloo: its all-reduce goes through loopback TCP (tens of microseconds a call, 61 calls a
 // decode step for the default model), while ranks on one host can simply read each other's memory.

@@ -394,7 +394,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     code, args = _run(parser, argv, args)
     if (getattr(args, "tensor_parallel_size", 1) or 1) > 1:
-        from inferd.engine.parallel.comm import torchrun_rank
+        from inferd.distributed.comm import torchrun_rank
 
         if torchrun_rank() is not None:
             # A rank torchrun started ends without interpreter teardown, as the ranks inferd starts do:
@@ -411,8 +411,8 @@ def _run(parser, argv, args) -> tuple[int, object]:
         if getattr(args, "config", None):
             args = apply_yaml_config(parser, argv, args)
         if (getattr(args, "tensor_parallel_size", 1) or 1) > 1:
-            from inferd.engine.parallel.comm import torchrun_rank
-            from inferd.engine.parallel.worker import run_torchrun_rank
+            from inferd.distributed.comm import torchrun_rank
+            from inferd.distributed.tp_worker import run_torchrun_rank
 
             launched = torchrun_rank()
             if launched is not None and launched[0] != 0:  # torchrun's other ranks serve rank 0's engine

@@ -1,5 +1,5 @@
 """The configuration route, one for every command: CLI flags or YAML -> EngineConfig -> the engine;
-its model part, LoadConfig, goes whole to `inferd.loader.load_model`. Knobs are named as vLLM names
+its model part, LoadConfig, goes whole to `inferd.loading.loader.load_model`. Knobs are named as vLLM names
 them where the idea is the same."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ class LoadConfig:
     """What `load_model` needs to build a model: where it is, its dtype and device, and how to quantize it."""
     model: str | None = None  # None: the embedded default
     load_format: str = "auto"  # auto | gguf | safetensors | dummy
-    dtype: str = "auto"  # auto: what the fastest path on this device takes (inferd.loader.auto_dtype)
+    dtype: str = "auto"  # auto: what the fastest path on this device takes (inferd.loading.loader.auto_dtype)
     device: str = "cpu"
     quantization: str = "none"  # a name in inferd.quant.METHODS
     quant_group_size: int = 32
@@ -61,10 +61,10 @@ class EngineConfig:
     ngram_max: int = 4
     ngram_backoff: int = 8  # after a verify that kept no guess, skip lookups for 1, 2, 4 .. this many steps; 0: never
     # disaggregated prefill/decode: vLLM's --kv-transfer-config JSON, and --role as its shorthand
-    # (parsed by inferd.engine.kv_transfer.config, which this layer cannot import)
+    # (parsed by inferd.distributed.kv_transfer.config, which this layer cannot import)
     kv_transfer_config: str | dict | None = None
     role: str | None = None  # prefill | decode | both
-    # tensor parallelism (inferd.engine.parallel): ranks, and how they talk (auto: shm on CPU, nccl on CUDA)
+    # tensor parallelism (inferd.distributed): ranks, and how they talk (auto: shm on CPU, nccl on CUDA)
     tensor_parallel_size: int = 1
     tensor_parallel_backend: str = "auto"  # auto | shm | gloo | nccl
 

@@ -1,6 +1,18 @@
-"""One exception type for every user-facing failure: the CLI prints its message on one line and
-exits 2; the server maps it to HTTP 400."""
+"""The errors that cross a boundary.
+
+InferdError is every user-facing failure: the CLI prints its message on one line and exits 2; the
+server maps it to HTTP 400. EngineDead and Overloaded are what an engine client raises to the
+server (503s); they live here, below the engine, because the data-parallel group in
+inferd.distributed raises them too (inferd.engine.client re-exports them beside the protocol)."""
 
 
 class InferdError(Exception):
     pass
+
+
+class Overloaded(Exception):
+    """More requests waiting than --max-waiting: the caller answers 503."""
+
+
+class EngineDead(RuntimeError):
+    """The engine cannot go on (its loop raised, or its process died): every request fails with 503."""

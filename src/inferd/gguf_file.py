@@ -70,7 +70,7 @@ class GGUFFile:
     """A GGUF file's metadata and tensors, parsed straight from its bytes. The `gguf` package's
     reader builds numpy views of every metadata item (4-5 s for a 49,152-token vocabulary, in every
     process that loads a model); this reads the same in ~0.1 s and leaves the tensors' data to one
-    read-only memmap. Its dequantization stays the `gguf` package's (inferd.model.gguf), and
+    read-only memmap. Its dequantization stays the `gguf` package's (inferd.loading.gguf), and
     tests/test_gguf.py holds both against the `gguf` reader."""
 
     def __init__(self, path: str):
@@ -210,6 +210,14 @@ def read_metadata(reader) -> dict[str, Any]:
         except Exception:  # a field type the installed gguf cannot decode: skip, not fatal
             continue
     return meta
+
+
+def unpermute_qk(w, n_heads: int):
+    """Undo llama.cpp's interleaving of RoPE pairs in attn_q / attn_k rows (a torch tensor or a
+    numpy array: both reshape and swap axes alike)."""
+    rows = w.shape[0]
+    rest = tuple(w.shape[1:])
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
 
 
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

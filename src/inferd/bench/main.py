@@ -74,9 +74,8 @@ def cmd_report(args) -> int:
         check_writable(args.html)
     doc = _load_json(args.action[1])
     if isinstance(doc, dict) and doc.get("format") == SWEEP_FORMAT:
-        from inferd.bench.html import sweep_page, write_html
-
         from inferd.bench.crosscheck import sweep_lines
+        from inferd.bench.html import sweep_page, write_html
 
         print("\n".join([points_table(doc)] + sweep_lines(doc.get("points") or [])))
         if args.html:
@@ -259,8 +258,7 @@ class _Runner:
 def _sweep(args, runner: "_Runner", sweep, rate: float, clauses, percentiles) -> int:
     from inferd.bench.crosscheck import sweep_lines
     from inferd.bench.report import check_sla, write_csv, write_json
-    from inferd.bench.sweep import (SWEEP_FORMAT, auto_rates, capacity, goodput_rate, point_label, points_table,
-                                    samples)
+    from inferd.bench.sweep import SWEEP_FORMAT, auto_rates, capacity, goodput_rate, point_label, points_table, samples
 
     kind, values = sweep
     points = []

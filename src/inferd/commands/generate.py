@@ -10,7 +10,7 @@ from inferd.config import EngineConfig
 from inferd.engine.llm import LLM
 from inferd.engine.request import SamplingParams
 from inferd.errors import InferdError
-from inferd.loader import load_model
+from inferd.loading.loader import load_model
 
 
 def _setup(args):

@@ -7,7 +7,7 @@ import sys
 import torch
 
 from inferd.errors import InferdError
-from inferd.loader import awq_model
+from inferd.loading.loader import awq_model
 from inferd.quant.calibrate import LINEARS
 
 

@@ -9,26 +9,30 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
+import os
 import time
 
 import torch
 
 from inferd.config import EngineConfig, available_memory_bytes
-from inferd.engine.attention import PagedAttention
-from inferd.engine.faults import Faults
-from inferd.engine.kv_cache import BlockManager, KVPool
+from inferd.distributed.comm import CollectiveError
+from inferd.engine.client import EngineInfo
+from inferd.engine.kv_cache import BlockManager
 from inferd.engine.output import detokenize, record_token
-from inferd.engine.parallel.comm import CollectiveError
 from inferd.engine.processor import check_request
 from inferd.engine.request import Request, RequestOutput, SamplingParams, Status
-from inferd.engine.runner import ModelRunner
 from inferd.engine.sampler import build_batch, sample, top_logprobs
 from inferd.engine.scheduler import ScheduledBatch, Scheduler
-from inferd.engine.spec.attention import SpecPagedAttention
-from inferd.engine.structured import advance
 from inferd.engine.state import STEP_HISTORY, History, engine_state
 from inferd.engine.stats import EngineSnapshot, EngineStats, StepStats  # noqa: F401  (re-exported)
+from inferd.engine.structured import advance
 from inferd.errors import InferdError
+from inferd.faults import Faults
+from inferd.gguf_file import default_model_path
+from inferd.worker.attention import PagedAttention
+from inferd.worker.kv_pool import KVPool
+from inferd.worker.runner import ModelRunner
+from inferd.worker.spec_attention import SpecPagedAttention
 
 log = logging.getLogger("inferd")
 
@@ -50,7 +54,7 @@ class LLMEngine:
         if cfg.tensor_parallel_size > 1:
             if loaded is not None:
                 raise InferdError("tensor parallelism loads the model on every rank: pass a model path, not a loaded model")
-            from inferd.engine.parallel.group import TensorParallelGroup
+            from inferd.distributed.tp_group import TensorParallelGroup
 
             self.tp = TensorParallelGroup(cfg, cfg.tensor_parallel_size)
         try:
@@ -62,7 +66,7 @@ class LLMEngine:
 
     def _build(self, cfg: EngineConfig, loaded, draft_loaded):
         if loaded is None:
-            from inferd.loader import load_model
+            from inferd.loading.loader import load_model
 
             loaded = load_model(cfg.load_config(), shard=self.tp.shard if self.tp is not None else None)
         self.loaded = loaded
@@ -79,8 +83,8 @@ class LLMEngine:
         n_kv = self.model.layers[0].n_kv if self.tp is not None else mcfg.num_key_value_heads
         per_block = KVPool.bytes_per_block(mcfg.num_hidden_layers, cfg.block_size, n_kv, mcfg.head_dim, kv_dtype)
         num_blocks = cfg.num_kv_blocks or max(1, self._kv_bytes() // per_block)
-        from inferd.engine.kv_transfer import parse_kv_transfer_config
-        from inferd.engine.kv_transfer.transfer import KVTransfer
+        from inferd.distributed.kv_transfer import parse_kv_transfer_config
+        from inferd.distributed.kv_transfer.transfer import KVTransfer
 
         kv_cfg = parse_kv_transfer_config(cfg.kv_transfer_config, cfg.role)
         shared = kv_cfg is not None and kv_cfg.producer and kv_cfg.kv_connector == "SharedMemoryConnector"
@@ -120,11 +124,23 @@ class LLMEngine:
         self.structured = None  # MaskPrefetch over Grammars: made by the first constrained request
         self.spec = None
         if cfg.speculative_method is not None:
-            from inferd.engine.spec.decoder import SpecDecoder
+            from inferd.engine.speculative.decoder import SpecDecoder
 
             self.spec = SpecDecoder(self, draft_loaded)
             log.info("speculative decoding: %s, %d tokens%s", cfg.speculative_method, cfg.num_speculative_tokens,
                      f" (draft: {self.spec.draft_desc})" if self.spec.draft_desc else "")
+
+    def info(self) -> EngineInfo:
+        """What a client of this engine knows of it (inferd.engine.client)."""
+        return EngineInfo(self.loaded.source.name, self.tokenizer, self.max_model_len, self.model_config.vocab_size,
+                          self.spec is not None, os.getpid(), self.cache_info())
+
+    def tokenizer_path(self) -> str | None:
+        """The file another process loads this engine's tokenizer from (None: no tokenizer)."""
+        if self.tokenizer is None:
+            return None
+        src = self.loaded.source
+        return src.path if src.kind != "builtin" else default_model_path()
 
     def cache_info(self) -> dict:
         """The KV cache's configuration, as vLLM's cache_config_info labels it."""
@@ -136,7 +152,7 @@ class LLMEngine:
         c = self.config.kv_cache_dtype
         if c == "auto":
             return self.model.dtype
-        from inferd.loader import resolve_dtype
+        from inferd.loading.loader import resolve_dtype
 
         return resolve_dtype(c)
 
@@ -172,9 +188,8 @@ class LLMEngine:
         req = Request(rid, prompt_ids, params, arrival)
         if params.structured_outputs is not None:
             req.matcher = self.grammars().matcher(params.structured_outputs)
-        k = params.best_of or params.n
-        if k > 1:
-            req.fork_into = k
+        if params.num_samples > 1:
+            req.fork_into = params.num_samples
         self._attach(req)
         if kind == "import":
             req.remote = remote
@@ -242,7 +257,7 @@ class LLMEngine:
             req.timings.finished = now
             self._detach(req)
             self.aborted.append(RequestOutput(req.group, [], list(req.output_ids), True, "abort", None, req.num_prompt,
-                                              req.timings, index=req.index, text=req.text))
+                                              req.timings, index=req.index, num_output_tokens=len(req.output_ids)))
         if self.spec is not None:
             self.spec.release_finished()
         return True
@@ -416,7 +431,7 @@ class LLMEngine:
             req.timings.finished = now
             self._detach(req)
             outs.append(RequestOutput(req.group, [], req.output_ids, True, "error", None, req.num_prompt,
-                                      req.timings, error=msg, index=req.index))
+                                      req.timings, error=msg, index=req.index, num_output_tokens=len(req.output_ids)))
         if self.spec is not None:
             self.spec.release_finished()
         self.stats.failed += len(outs)
@@ -517,10 +532,11 @@ class LLMEngine:
         first = len(req.output_ids) == 1
         return RequestOutput(req.group, [tok], req.output_ids, req.finished, req.finish_reason,
                              req.stop_reason, req.num_prompt, req.timings, index=req.index, text_delta=delta,
-                             text=req.text, logprobs=[lp] if lp is not None else None,
+                             logprobs=[lp] if lp is not None else None,
                              prompt_logprobs=req.prompt_logprobs if first else None,
                              prompt_ids=req.prompt_ids if first else None, kv_transfer_params=kv_params,
-                             num_cached_tokens=req.prefix_hit_tokens + req.remote_tokens if req.finished else 0)
+                             num_cached_tokens=req.prefix_hit_tokens + req.remote_tokens if req.finished else 0,
+                             num_output_tokens=len(req.output_ids))
 
     def _record(self, batch: ScheduledBatch, dt: float):
         s = self.stats

@@ -54,6 +54,7 @@ class LLM:
         ids = [self.engine.add_request(p, copy.deepcopy(sp)) for p, sp in zip(prompts, params)]
         done: dict[str, dict[int, CompletionOutput]] = {rid: {} for rid in ids}
         logprobs: dict[tuple, list] = {}
+        texts: dict[tuple, list[str]] = {}  # the text deltas of each sample: joined once, at its finish
         prompt_info: dict[str, tuple] = {}
         while self.engine.has_unfinished():
             for o in self.engine.step():
@@ -61,12 +62,14 @@ class LLM:
                     continue
                 if o.prompt_ids is not None:
                     prompt_info.setdefault(o.request_id, (o.prompt_ids, o.prompt_logprobs))
+                key = (o.request_id, o.index)
                 if o.logprobs:
-                    logprobs.setdefault((o.request_id, o.index), []).extend(o.logprobs)
+                    logprobs.setdefault(key, []).extend(o.logprobs)
+                texts.setdefault(key, []).append(o.text_delta)
                 if o.finished:
-                    lps = logprobs.get((o.request_id, o.index))
+                    lps = logprobs.get(key)
                     done[o.request_id][o.index] = CompletionOutput(
-                        o.request_id, prompt_info[o.request_id][0], list(o.output_ids), o.text,
+                        o.request_id, prompt_info[o.request_id][0], list(o.output_ids), "".join(texts.pop(key)),
                         o.finish_reason, o.stop_reason, o.timings, o.index, lps,
                         prompt_info[o.request_id][1], sum(x[0] for x in lps) if lps else 0.0)
         results = []

@@ -44,7 +44,6 @@ def detokenize(req: Request, tok: int) -> str:
             j, s = hit
             out = buf[: j + len(s)] if p.include_stop_str_in_output else buf[:j]
             req.held = ""
-            req.text += out
             req.finish_reason, req.stop_reason = "stop", s
             return out
         if req.finish_reason is None:
@@ -54,5 +53,4 @@ def detokenize(req: Request, tok: int) -> str:
             buf = buf[: len(buf) - keep]
     else:
         req.held = ""
-    req.text += buf
     return buf

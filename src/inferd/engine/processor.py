@@ -43,7 +43,7 @@ def check_request(prompt: str | list[int], params: SamplingParams, tokenizer, vo
     elif params.max_tokens > room:
         raise InferdError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
                           f"exceeds the context limit of {max_model_len}")
-    k = params.best_of or params.n
+    k = params.num_samples
     need = kv_blocks_needed(len(prompt_ids), params.max_tokens, k, block_size)
     if need > num_kv_blocks:
         raise InferdError(f"request needs up to {need} KV blocks but the cache holds {num_kv_blocks}")

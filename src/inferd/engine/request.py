@@ -111,13 +111,18 @@ class SamplingParams:
                     raise InferdError(f"unknown structured_outputs field(s): {', '.join(sorted(unknown))}")
                 self.structured_outputs = StructuredOutputs(**self.structured_outputs)
             self.structured_outputs.validate()
-        if self.n > 1 or (self.best_of or 1) > 1:
+        if self.num_samples > 1:
             if self.temperature == 0:
                 raise InferdError("n > 1 needs temperature > 0 (greedy samples would all be equal)")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences the engine runs for the request: best_of of them when set, else n."""
+        return self.best_of or self.n
 
 
 class Status(enum.Enum):
@@ -163,7 +168,6 @@ class Request:
         self.group = group or request_id  # the client's request id (n > 1 samples share it)
         self.index = index
         self.detok = None  # IncrementalDetokenizer, when the engine has a tokenizer
-        self.text = ""  # emitted text (stop strings cut)
         self.held = ""  # decoded text held back: it may be the start of a stop string
         self.logprobs: list = []  # per generated token: (logprob, rank, [(id, logprob)])
         self.prompt_logprobs: list | None = None  # per prompt token: None for the first, then as above
@@ -184,7 +188,7 @@ class Request:
         self.num_preemptions = 0
         self.num_prefill_chunks = 0
         self.prefix_hit_tokens = 0  # on first admission only
-        # disaggregated prefill/decode (inferd.engine.kv_transfer): a producer's request leases its
+        # disaggregated prefill/decode (inferd.distributed.kv_transfer): a producer's request leases its
         # prompt KV when it finishes; a consumer's pulls it (RemoteKV) before it is scheduled
         self.kv_export = False
         self.remote = None
@@ -245,10 +249,10 @@ class RequestOutput:
     timings: Timings | None = None
     error: str | None = None
     index: int = 0  # which of the n samples
-    text_delta: str = ""
-    text: str = ""
+    text_delta: str = ""  # the text these tokens add (stop strings cut); the whole text is the consumer's to join
     logprobs: list | None = None  # for new_token_ids
     prompt_logprobs: list | None = None  # once, with the first output
     prompt_ids: list[int] | None = None
     kv_transfer_params: dict | None = None  # a KV producer's finished request: where its prompt KV is
     num_cached_tokens: int = 0  # prompt tokens not computed here (prefix cache, remote KV), when finished
+    num_output_tokens: int = 0  # tokens generated so far (output_ids does not cross a process boundary)

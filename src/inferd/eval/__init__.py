@@ -98,8 +98,8 @@ def run_eval(model: str | None, configs: list[str], group_size: int = 32, ctx: i
              dtype: str = "auto", quantize_lm_head: bool = False, speed: bool = True,
              text_path: str | None = None, continuation_tokens: int = 16, progress=None,
              speed_dtype: str = "auto", awq_path: str | None = None) -> dict:
-    from inferd.loader import load_model, resolve_dtype
     from inferd.engine.reference import reference_generate
+    from inferd.loading.loader import load_model, resolve_dtype
     from inferd.quant import weight_bytes
 
     ref = load_model(model, dtype="float32")
@@ -179,10 +179,10 @@ def run_eval(model: str | None, configs: list[str], group_size: int = 32, ctx: i
 
 def _awq_config(model, awq_path, group_size, dtype, ref):
     """The awq configuration: a saved AWQ folder, or the same calibration run in memory."""
-    from inferd.loader import load_model
+    from inferd.loading.loader import load_model
 
     if awq_path is None:
-        from inferd.loader import awq_model
+        from inferd.loading.loader import awq_model
 
         lm, _ = awq_model(model, group_size, dtype)
         return lm, f"awq g{group_size}"

@@ -2,7 +2,7 @@
 
 The model sees a flat list of tokens with their positions and never a padded [batch, seq] grid:
 who attends to what is the business of an attention backend passed in with each call
-(`ContiguousKV` for the reference loop, the paged cache in `inferd.engine.attention` for the engine).
+(`ContiguousKV` for the reference loop, the paged cache in `inferd.worker.attention` for the engine).
 That keeps one model definition under every scheduling policy.
 """
 from __future__ import annotations

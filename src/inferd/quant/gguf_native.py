@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from inferd.errors import InferdError
-from inferd.model.gguf import unpermute_qk
+from inferd.gguf_file import unpermute_qk
 
 GROUP = 32
 

@@ -104,8 +104,8 @@ def collect_hessians(model, calib: list[list[int]], progress=None) -> dict:
 
 def gptq_codes(calib_model, calib: list[list[int]], method: str, group_size: int = 32, progress=None):
     """GPTQ codes of every fused linear of the fp32 `calib_model`: ({(layer, name): codes}, report)."""
-    from inferd.quant.linear import dequantize_int4, quantize_int4, quantize_int8
     from inferd.quant.calibrate import output_error
+    from inferd.quant.linear import dequantize_int4, quantize_int4, quantize_int8
 
     if method not in ("int8", "int4"):
         raise InferdError(f"GPTQ rounds to int8 or int4, not {method}")

@@ -5,7 +5,6 @@ from __future__ import annotations
 from torch import nn
 
 from inferd.errors import InferdError
-
 from inferd.quant.linear import Int4Linear, Int8Linear, quantize_int4, quantize_int8
 
 

@@ -32,7 +32,6 @@ import torch
 from torch import nn
 
 from inferd.errors import InferdError
-
 from inferd.kernels.native import BLOCK
 from inferd.kernels.native import ops as load  # torch.ops.inferd, or None without native code
 

@@ -24,9 +24,9 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from inferd.distributed.policy import Balancer
 from inferd.router.backends import Pool
 from inferd.router.disagg import kv_params_of, prefill_body, route
-from inferd.router.policy import Balancer
 from inferd.web.assets import HEADERS, PAGES, asset
 from inferd.web.feed import events
 

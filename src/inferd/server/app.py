@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API over AsyncLLM (FastAPI on uvicorn).
+"""The OpenAI-compatible HTTP API over an engine client (FastAPI on uvicorn).
 
 Routes: /v1/completions (completions.py), /v1/chat/completions (chat.py), both streaming and not;
 the chat page, the dashboard and /v1/engine/state (web.py); here /v1/models, /health, /metrics,
@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from inferd.engine.async_engine import AsyncLLM
+from inferd.engine.client import EngineClient
 from inferd.errors import InferdError
 from inferd.server import chat, completions, web
 from inferd.server.generation import Served
@@ -24,7 +24,7 @@ from inferd.server.protocol import (COMMON_ERRORS, ApiError, DetokenizeRequest, 
                                     ModelList, TokenizeRequest, TokenizeResponse, error_responses)
 
 
-def create_app(llm: AsyncLLM, served_name: str, api_key: str | None = None,
+def create_app(llm: EngineClient, served_name: str, api_key: str | None = None,
                metrics: Metrics | None = None, aliases: set[str] | None = None, limits: Limits | None = None,
                allowed_origins: list[str] | None = None, prompt_tokens_details: bool = False) -> FastAPI:
     app = FastAPI(title="inferd", docs_url=None, redoc_url=None)
@@ -99,7 +99,7 @@ def create_app(llm: AsyncLLM, served_name: str, api_key: str | None = None,
     @app.post("/detokenize", responses={200: {"model": DetokenizeResponse}, **error_responses(*COMMON_ERRORS, 404)})
     async def detokenize(req: DetokenizeRequest):
         srv.check_model(req.model)
-        bad = [t for t in req.tokens if not 0 <= t < srv.engine.model_config.vocab_size]
+        bad = [t for t in req.tokens if not 0 <= t < srv.info.vocab_size]
         if bad:
             raise ApiError(f"token id {bad[0]} is outside the vocabulary", param="tokens")
         return {"prompt": srv.tok.decode(req.tokens)}

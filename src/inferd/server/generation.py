@@ -8,14 +8,14 @@ two answers cannot drift apart.
 from __future__ import annotations
 
 import asyncio
-import logging
 import contextvars
 import json
+import logging
 from typing import Any, AsyncIterator, Callable
 
 from fastapi.responses import StreamingResponse
 
-from inferd.engine.async_engine import AsyncLLM, EngineDead, Overloaded
+from inferd.engine.client import EngineClient, EngineDead, Overloaded
 from inferd.engine.processor import default_max_tokens
 from inferd.errors import InferdError
 from inferd.server.protocol import ApiError
@@ -34,14 +34,14 @@ Chunk = dict[str, Any]
 class Served:
     """The model behind the API: its names, tokenizer, context length and engine."""
 
-    def __init__(self, llm: AsyncLLM, name: str, aliases: set[str] | None = None, limits=None):
+    def __init__(self, llm: EngineClient, name: str, aliases: set[str] | None = None, limits=None):
         self.llm = llm
         self.limits = limits
-        self.engine = llm.engine
-        self.tok = self.engine.tokenizer
+        self.info = llm.info
+        self.tok = self.info.tokenizer
         self.name = name
         self.names = {name} | set(aliases or ())
-        self.max_len = self.engine.max_model_len
+        self.max_len = self.info.max_model_len
         self.stall_timeout = limits.stall_timeout_s if limits is not None else None
         self.prompt_details = False  # usage.prompt_tokens_details (--enable-prompt-tokens-details)
 

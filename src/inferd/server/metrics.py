@@ -186,7 +186,7 @@ class Metrics:
         t = out.timings
         if out.index == 0:
             self.prompt_tokens.labels(**lab).inc(out.num_prompt_tokens)
-        self.gen_tokens.labels(**lab).inc(len(out.output_ids))
+        self.gen_tokens.labels(**lab).inc(out.num_output_tokens)
         self.requests.labels(finished_reason=out.finish_reason or "abort", **lab).inc()
         if t is None or out.finish_reason == "abort":  # an abort's latencies are when its client left
             return

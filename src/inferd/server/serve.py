@@ -5,6 +5,7 @@ import logging
 import os
 import sys
 
+from inferd.engine.client import EngineClient
 from inferd.errors import InferdError
 
 log = logging.getLogger("inferd")
@@ -47,7 +48,6 @@ def serve(args) -> int:
     import uvicorn
 
     from inferd.config import EngineConfig
-    from inferd.engine.async_engine import AsyncLLM
     from inferd.server.app import create_app
     from inferd.server.limits import Limits
     from inferd.server.metrics import Metrics
@@ -71,7 +71,7 @@ def serve(args) -> int:
     dp = args.data_parallel_size
     if dp < 1:
         raise InferdError("--data-parallel-size must be >= 1")
-    from inferd.engine.kv_transfer import parse_kv_transfer_config
+    from inferd.distributed.kv_transfer import parse_kv_transfer_config
 
     kv_cfg = parse_kv_transfer_config(cfg.kv_transfer_config, cfg.role)  # a bad config fails before the model loads
     if kv_cfg is not None and dp > 1:
@@ -79,38 +79,17 @@ def serve(args) -> int:
                           "prefill or decode worker instead of --data-parallel-size")
     if dp > 1 and args.engine_in_process:
         raise InferdError("--data-parallel-size > 1 runs each engine in its own process: drop --engine-in-process")
-    if dp > 1:
-        from inferd.server.data_parallel import EngineGroup
-
-        llm = EngineGroup(cfg, dp, max_waiting=args.max_waiting, on_step=on_step, on_finish=on_finish,
-                          on_fault=lambda reason: _exit_when_drained(llm, args.drain_timeout),
-                          policy=args.data_parallel_routing)
-        engine = llm.engine
-        model_name, speculative = engine.model_name, engine.speculative
-        caches = [c.engine.cache_info() for c in llm.clients]
-    elif args.engine_in_process:
-        from inferd.engine.engine import LLMEngine  # torch in this process only in this mode
-
-        engine = LLMEngine(cfg)
-        model_name, speculative = engine.loaded.source.name, engine.spec is not None
-        llm = AsyncLLM(engine, max_waiting=args.max_waiting, on_step=on_step, on_finish=on_finish)
-        caches = [engine.cache_info()]
-    else:
-        from inferd.engine.core import EngineCoreClient
-
-        llm = EngineCoreClient(cfg, max_waiting=args.max_waiting, on_step=on_step, on_finish=on_finish,
-                               on_fault=_exit_soon)
-        engine = llm.engine
-        model_name, speculative = engine.model_name, engine.speculative
-        caches = [engine.cache_info()]
-    if engine.tokenizer is None:
+    llm = start_engine(cfg, args, on_step, on_finish)
+    if llm.info.tokenizer is None:
         llm.shutdown()
         raise InferdError("the server needs a model with a tokenizer")
-    name = args.served_model_name or model_name
-    aliases = {n for n in (args.model, model_name) if n}
-    metrics = Metrics(name, speculative=speculative, engines=dp, kv_transfer=kv_cfg is not None)
-    for i, c in enumerate(caches):
-        metrics.cache_info(i, c["block_size"], c["num_blocks"], c["dtype"], c["prefix_caching"])
+    info = llm.info
+    name = args.served_model_name or info.model_name
+    aliases = {n for n in (args.model, info.model_name) if n}
+    metrics = Metrics(name, speculative=info.speculative, engines=dp, kv_transfer=kv_cfg is not None)
+    for i, c in enumerate(getattr(llm, "clients", [llm])):
+        cache = c.info.cache
+        metrics.cache_info(i, cache["block_size"], cache["num_blocks"], cache["dtype"], cache["prefix_caching"])
     metrics_box["m"] = metrics
     limits = Limits.from_args(args)
     app = create_app(llm, name, api_key=api_key, metrics=metrics, aliases=aliases, limits=limits,
@@ -127,6 +106,31 @@ def serve(args) -> int:
     finally:
         llm.shutdown()
     return 0
+
+
+def start_engine(cfg, args, on_step, on_finish) -> EngineClient:
+    """The server's engine client: one core process (the default), N of them behind a group
+    (--data-parallel-size), or the engine on a thread of this process (--engine-in-process)."""
+    from dataclasses import replace
+
+    from inferd.engine.core_client import EngineCoreClient
+
+    kw = dict(max_waiting=args.max_waiting, on_step=on_step, on_finish=on_finish)
+    if args.data_parallel_size > 1:
+        from inferd.distributed.data_parallel import EngineGroup
+
+        def start(i, cpus, **hooks):
+            return EngineCoreClient(replace(cfg, threads=cfg.threads or len(cpus)), max_waiting=args.max_waiting,
+                                    cpus=cpus, name=f"inferd-engine-core-{i}", **hooks)
+
+        group = EngineGroup(start, args.data_parallel_size, **kw, policy=args.data_parallel_routing,
+                            on_fault=lambda reason: _exit_when_drained(group, args.drain_timeout))
+        return group
+    if args.engine_in_process:
+        from inferd.engine.async_engine import AsyncLLM  # torch in this process only in this mode
+
+        return AsyncLLM.from_config(cfg, **kw)
+    return EngineCoreClient(cfg, **kw, on_fault=_exit_soon)
 
 
 def parse_origins(value: str | None) -> list[str] | None:

@@ -20,9 +20,9 @@ from torch import nn
 from inferd.config import LoadConfig, available_memory_bytes
 from inferd.errors import InferdError
 from inferd.gguf_file import DEFAULT_GGUF_FILE, default_model_path  # noqa: F401  (re-exported)
+from inferd.loading.checks import check_config, check_gguf, check_safetensors, read_config_json
 from inferd.model.config import ModelConfig, builtin_config, config_from_hf, load_hf_config  # noqa: F401
 from inferd.model.llama import LlamaModel, rope_inv_freq
-from inferd.model_files import check_config, check_gguf, check_safetensors, read_config_json
 
 log = logging.getLogger("inferd")
 
@@ -265,11 +265,12 @@ def _load(lc: LoadConfig, shard=None) -> LoadedModel:
         if lc.with_tokenizer and src.name.lower().startswith("smollm2"):
             tok = _load_tokenizer(default_model_path())
     elif src.kind == "gguf":
-        from inferd.model import gguf as G
+        from inferd.gguf_file import open_gguf, read_metadata
+        from inferd.loading import gguf as G
 
         check_gguf(src.path)  # before the gguf reader trusts a count or an offset
-        reader = G.open_gguf(src.path)
-        meta = G.read_metadata(reader)
+        reader = open_gguf(src.path)
+        meta = read_metadata(reader)
         cfg = _checked(lambda: G.config_from_metadata(meta), src.path)
         sd = None if dummy else G.load_gguf_state_dict(reader, cfg)
         if lc.with_tokenizer:

@@ -1,7 +1,8 @@
-"""`inferd serve --data-parallel-size N`: N engine processes behind one API server.
+"""`inferd serve --data-parallel-size N`: N engine replicas behind one engine client.
 
-Each engine is an `EngineCoreClient` (its own process, model copy and KV pool) pinned to its own
-share of the cores; the API process picks one per request with the router's `Balancer` over token
+Each replica is an engine client of its own (today an `EngineCoreClient`: its own process, model copy
+and KV pool), started by the function the caller hands in, on its own share of the cores; the group
+picks one per request with `Balancer` (inferd.distributed.policy, shared with the router) over token
 ids (one chunk = one KV block, so "prefix affinity" means "the engine that already holds these
 blocks"), loads being each engine's open requests, known here without asking.
 
@@ -17,9 +18,10 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from typing import Callable
 
-from inferd.errors import InferdError
-from inferd.router.policy import Balancer
+from inferd.distributed.policy import Balancer
+from inferd.errors import EngineDead, InferdError
 
 log = logging.getLogger("inferd")
 
@@ -39,14 +41,12 @@ def split_cores(cores: list[int], n: int) -> list[list[int]]:
 
 
 class EngineGroup:
-    """AsyncLLM's interface over N engine processes."""
+    """The EngineClient (inferd.engine.client) of N replicas. `start(i, cpus, on_step=, on_finish=,
+    on_fault=)` starts replica i pinned to `cpus` and returns its client: the group never knows
+    what a replica is (a process here; an actor elsewhere)."""
 
-    def __init__(self, cfg, size: int, max_waiting: int = 512, on_step=None, on_finish=None, on_fault=None,
-                 policy: str = "prefix"):
-        from dataclasses import replace
-
-        from inferd.engine.core import EngineCoreClient
-
+    def __init__(self, start: Callable, size: int, max_waiting: int = 512, on_step=None, on_finish=None,
+                 on_fault=None, policy: str = "prefix"):
         if size < 1:
             raise InferdError("--data-parallel-size must be >= 1")
         cores = sorted(os.sched_getaffinity(0))
@@ -58,18 +58,17 @@ class EngineGroup:
         self.clients: list = [None] * size
         errors: list[BaseException] = []
 
-        def start(i: int):
+        def start_one(i: int):
             try:
-                ecfg = replace(cfg, threads=cfg.threads or len(shares[i]))
-                self.clients[i] = EngineCoreClient(
-                    ecfg, max_waiting=max_waiting, cpus=shares[i], name=f"inferd-engine-core-{i}",
+                self.clients[i] = start(
+                    i, shares[i],
                     on_step=(lambda snap, i=i: on_step(snap, i)) if on_step else None,
                     on_finish=(lambda out, i=i: on_finish(out, i)) if on_finish else None,
                     on_fault=lambda reason, i=i: self._fault(i, reason))
             except BaseException as e:  # noqa: BLE001 - re-raised below, after the others stopped
                 errors.append(e)
 
-        threads = [threading.Thread(target=start, args=(i,)) for i in range(size)]
+        threads = [threading.Thread(target=start_one, args=(i,)) for i in range(size)]
         for t in threads:  # the engines load their models at once
             t.start()
         for t in threads:
@@ -78,15 +77,15 @@ class EngineGroup:
             self.shutdown()
             raise errors[0]
         for i, c in enumerate(self.clients):
-            log.info("engine %d: process %d on cores %s", i, c.engine.pid, shares[i])
-        self.engine = self.clients[0].engine
+            log.info("engine %d: process %d on cores %s", i, c.info.pid, shares[i])
+        self.info = self.clients[0].info
         self.max_waiting = max_waiting
-        block = self.engine.cache_info().get("block_size", 16)
-        blocks = self.engine.cache_info().get("num_blocks", 1 << 16)
+        block = self.info.cache.get("block_size", 16)
+        blocks = self.info.cache.get("num_blocks", 1 << 16)
         self.balancer = Balancer(range(size), policy, chunk=block, capacity=blocks)
         self.picks = [0] * size  # requests sent to each engine
 
-    # -- AsyncLLM's interface ---------------------------------------------------------------------
+    # -- EngineClient -------------------------------------------------------------------------------
     @property
     def num_waiting(self) -> int:
         return sum(c.num_waiting for c in self.clients)
@@ -100,8 +99,6 @@ class EngineGroup:
 
     async def generate(self, prompt_ids: list[int], params, request_id: str, arrival: float | None = None,
                        kv_transfer_params: dict | None = None):
-        from inferd.engine.async_engine import EngineDead
-
         if self.dead:
             raise EngineDead(f"engine stopped: {self.dead}")
         live = [i for i, c in enumerate(self.clients) if not c.dead]
@@ -111,12 +108,18 @@ class EngineGroup:
                                                             kv_transfer_params):
             yield out
 
+    def abort(self, request_id: str):
+        """Leaving generate() aborts on the replica that has it; this asks every live one."""
+        for c in self.clients:
+            if not c.dead:
+                c.abort(request_id)
+
     async def state(self, steps: int) -> list[dict]:
-        """Every engine's dashboard state, asked at once."""
+        """Every engine's dashboard state, asked at once, each labelled with its replica."""
         import asyncio
 
-        parts = await asyncio.gather(*(c.state(steps, engine=i) for i, c in enumerate(self.clients)))
-        return [st for part in parts for st in part]
+        parts = await asyncio.gather(*(c.state(steps) for c in self.clients))
+        return [{**st, "engine": i} for i, part in enumerate(parts) for st in part]
 
     def shutdown(self):
         threads = [threading.Thread(target=c.shutdown) for c in self.clients if c is not None]

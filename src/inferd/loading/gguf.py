@@ -12,8 +12,7 @@ import numpy as np
 import torch
 
 from inferd.errors import InferdError
-
-from inferd.gguf_file import open_gguf, read_metadata  # noqa: F401  (re-exported: model.gguf is the model's view)
+from inferd.gguf_file import unpermute_qk
 
 
 def config_from_metadata(meta: dict[str, Any]):
@@ -82,13 +81,6 @@ def dequantize_tensor(t) -> np.ndarray:
         arr = np.asarray(arr, dtype=np.float32)
     shape = tuple(int(s) for s in reversed(list(t.shape)))  # GGUF lists ne[0] (innermost) first
     return arr.reshape(shape)
-
-
-def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's interleaving of RoPE pairs in attn_q / attn_k rows."""
-    rows = w.shape[0]
-    rest = w.shape[1:]
-    return w.reshape(n_heads, rows // n_heads // 2, 2, *rest).transpose(1, 2).reshape(rows, *rest)
 
 
 _NAME_MAP = {

@@ -1,7 +1,7 @@
 """A tensor-parallel group as rank 0 sees it: start the other ranks, connect, shard, hand over steps.
 
 Rank 0 is the engine (scheduler, KV block tables, sampler); ranks 1..N-1 are worker processes
-(`inferd.engine.parallel.worker`) that hold their shard of the weights and of the KV pool and run
+(`inferd.distributed.tp_worker`) that hold their shard of the weights and of the KV pool and run
 whatever step rank 0 sends (`ModelRunner.run` of a `StepPlan`). Sampling happens on rank 0 only,
 from the gathered logits: one sampler, so seeded streams need no agreement between ranks.
 
@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from inferd.engine.parallel.comm import ShmComm, connect, resolve_backend, torchrun_backend, torchrun_rank
+from inferd.distributed.comm import ShmComm, connect, resolve_backend, torchrun_backend, torchrun_rank
 from inferd.errors import InferdError
 from inferd.quant.linear import weight_bytes
 
@@ -100,14 +100,14 @@ class TensorParallelGroup:
         env = dict(os.environ)
         for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # before torch loads in the worker
             env[k] = str(self.threads)
-        p = subprocess.Popen([sys.executable, "-m", "inferd.engine.parallel.worker"], stdin=subprocess.PIPE, env=env)
+        p = subprocess.Popen([sys.executable, "-m", "inferd.distributed.tp_worker"], stdin=subprocess.PIPE, env=env)
         p.stdin.write(pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL))
         p.stdin.close()
         return p
 
     def shard(self, model):
         """The rewrite load_model applies between quantizing and packing (rank 0's share)."""
-        from inferd.model.tensor_parallel import apply_tp, plan_of
+        from inferd.distributed.tensor_parallel import apply_tp, plan_of
 
         shards = plan_of(model.cfg, self.world)
         for s in shards:

@@ -9,7 +9,7 @@ K/V read in place, causality from the per-row context length, no mask.
 """
 from __future__ import annotations
 
-from inferd.engine.attention import PagedAttention
+from inferd.worker.attention import PagedAttention
 
 
 class SpecPagedAttention(PagedAttention):

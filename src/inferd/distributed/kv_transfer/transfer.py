@@ -2,7 +2,7 @@
 
 A producer (prefill worker) runs a request marked `kv_transfer_params: {"do_remote_decode": true}`
 like any other; when it finishes (the router asks for max_tokens=1), its prompt blocks are not
-freed but leased (inferd.engine.kv_transfer.leases), and its answer carries kv_transfer_params
+freed but leased (inferd.distributed.kv_transfer.leases), and its answer carries kv_transfer_params
 naming the lease, its blocks and where to fetch them. A consumer (decode worker) given those
 params allocates blocks for the prompt in its own pool, pulls the KV of every prompt position but
 the last over the connector (a thread of its own, so steps go on meanwhile), confirms, and then
@@ -25,11 +25,11 @@ from collections import deque
 
 import torch
 
-from inferd.engine.kv_transfer.config import KVTransferConfig, parse_kv_transfer_config
-from inferd.engine.kv_transfer.connectors import (KVServer, SharedMemoryConnector, TransferError, dtype_name,
-                                                  make_connector)
-from inferd.engine.kv_transfer.leases import LeaseTable
-from inferd.engine.kv_transfer.wire import RemoteKV, bytes_per_token, check_remote, prompt_digest, token_slots
+from inferd.distributed.kv_transfer.config import KVTransferConfig, parse_kv_transfer_config
+from inferd.distributed.kv_transfer.connectors import (KVServer, SharedMemoryConnector, TransferError, dtype_name,
+                                                       make_connector)
+from inferd.distributed.kv_transfer.leases import LeaseTable
+from inferd.distributed.kv_transfer.wire import RemoteKV, bytes_per_token, check_remote, prompt_digest, token_slots
 from inferd.errors import InferdError
 
 __all__ = ["KVTransfer", "KVTransferConfig", "parse_kv_transfer_config"]
@@ -97,7 +97,7 @@ class KVTransfer:
             if self.leases is None:
                 raise InferdError("kv_transfer_params ask for remote decode, but this engine is not a KV producer "
                                   "(--kv-transfer-config kv_role kv_producer or kv_both)")
-            if sampling.n != 1 or (sampling.best_of or 1) != 1:
+            if sampling.num_samples != 1:
                 raise InferdError("a request prefilled for remote decode must have n = 1")
             return "export", None
         if params.get("do_remote_prefill"):

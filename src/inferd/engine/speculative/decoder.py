@@ -21,11 +21,11 @@ import torch
 
 from inferd.engine.request import Status
 from inferd.engine.sampler import build_batch, process_logits, top_logprobs
+from inferd.engine.speculative.draft import DraftProposer, SeqView, parse_self_draft, self_draft_model
+from inferd.engine.speculative.ngram import NgramProposer
+from inferd.engine.speculative.rejection import accept_greedy, rejection_sample
 from inferd.errors import InferdError
-from inferd.engine.spec.attention import SpecPagedAttention
-from inferd.engine.spec.draft import DraftProposer, SeqView, parse_self_draft, self_draft_model
-from inferd.engine.spec.ngram import NgramProposer
-from inferd.engine.spec.rejection import accept_greedy, rejection_sample
+from inferd.worker.spec_attention import SpecPagedAttention
 
 
 @dataclass
@@ -95,7 +95,7 @@ class SpecDecoder:
                 model = self_draft_model(engine.model, n, cfg.draft_quantization, cfg.quant_group_size)
                 self.draft_desc = f"self, first {n} of {engine.model_config.num_hidden_layers} layers"
             else:
-                from inferd.loader import load_model
+                from inferd.loading.loader import load_model
 
                 lm = load_model(cfg.draft_model, dtype=str(engine.model.dtype).replace("torch.", ""),
                                 device=cfg.device, with_tokenizer=False, quantization=cfg.draft_quantization,

@@ -26,8 +26,8 @@ import warnings
 
 import torch
 
-from inferd.engine.faults import InjectedFault
-from inferd.engine.kv_transfer.wire import LAYOUT, PROTOCOL, RemoteKV, check_reply_header, token_slots
+from inferd.distributed.kv_transfer.wire import LAYOUT, PROTOCOL, RemoteKV, check_reply_header, token_slots
+from inferd.faults import InjectedFault
 
 log = logging.getLogger("inferd")
 

@@ -1,7 +1,7 @@
 """A tensor-parallel rank other than 0: load its shard, build its share of the KV pool, then run
 every step rank 0 sends until rank 0 says stop (or goes away).
 
-Started by `TensorParallelGroup` as `python -m inferd.engine.parallel.worker` with its spec pickled
+Started by `TensorParallelGroup` as `python -m inferd.distributed.tp_worker` with its spec pickled
 on standard input. It exits non-zero with one line if anything fails, which rank 0 sees as a dead
 rank; it exits (zero) when rank 0's process is gone.
 """
@@ -38,18 +38,18 @@ def serve(spec: dict) -> int:
 
     import torch
 
-    from inferd.engine.parallel.comm import CollectiveError, connect
+    from inferd.distributed.comm import CollectiveError, connect
 
     torch.set_num_threads(spec["threads"])
     device = torch.device(f"cuda:{rank}" if cfg.device.startswith("cuda") else "cpu")
     try:
         _, comm = connect(spec["backend"], rank, world, spec["store"], spec["shm"], device)
-        from inferd.engine.attention import PagedAttention
-        from inferd.engine.kv_cache import KVPool
-        from inferd.engine.runner import ModelRunner
-        from inferd.engine.spec.attention import SpecPagedAttention
-        from inferd.loader import load_model, resolve_dtype
-        from inferd.model.tensor_parallel import apply_tp, shard_of
+        from inferd.distributed.tensor_parallel import apply_tp, shard_of
+        from inferd.loading.loader import load_model, resolve_dtype
+        from inferd.worker.attention import PagedAttention
+        from inferd.worker.kv_pool import KVPool
+        from inferd.worker.runner import ModelRunner
+        from inferd.worker.spec_attention import SpecPagedAttention
 
         lc = cfg.load_config(with_tokenizer=False)
         if device.type == "cuda":
@@ -64,7 +64,7 @@ def serve(spec: dict) -> int:
                       mcfg.head_dim, kv_dtype, model.device)
         attention = SpecPagedAttention if setup["speculative"] else PagedAttention
         runner = ModelRunner(model, attention(pool, mcfg.head_dim, setup["window"]), enforce_eager=True, comm=comm)
-        from inferd.engine.parallel.group import ready_counts
+        from inferd.distributed.tp_group import ready_counts
         from inferd.quant.linear import weight_bytes
 
         comm.all_reduce_(ready_counts(rank, world, weight_bytes(model)))  # rank 0 learns every rank is ready
@@ -87,7 +87,7 @@ def serve(spec: dict) -> int:
 
 def run_torchrun_rank(cfg, rank: int, world: int) -> int:
     """A rank other than 0 that torchrun started: the worker loop, over gloo (or nccl)."""
-    from inferd.engine.parallel.comm import torchrun_backend
+    from inferd.distributed.comm import torchrun_backend
 
     backend = torchrun_backend(cfg.tensor_parallel_backend, cfg.device)
     per_host = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # ranks sharing this host's cores

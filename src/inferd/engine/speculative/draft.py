@@ -18,10 +18,11 @@ import re
 import torch
 from torch import nn
 
-from inferd.engine.kv_cache import BlockManager, KVPool
+from inferd.engine.kv_cache import BlockManager
 from inferd.engine.sampler import build_batch, categorical, process_logits
 from inferd.errors import InferdError
-from inferd.engine.spec.attention import SpecPagedAttention
+from inferd.worker.kv_pool import KVPool
+from inferd.worker.spec_attention import SpecPagedAttention
 
 
 class DraftSeq:

@@ -6,10 +6,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from inferd.engine.attention import PagedAttention
-from inferd.engine.request import Request
 from inferd.model import fused_decode
 from inferd.model.llama import LlamaModel
+from inferd.worker.attention import PagedAttention
 
 log = logging.getLogger("inferd")
 
@@ -32,7 +31,7 @@ class ModelRunner:
         self.model = model
         self.attn = attention
         self.device = model.device
-        # tensor parallelism (inferd.engine.parallel): this rank's collectives; rank 0 also sends each
+        # tensor parallelism (inferd.distributed): this rank's collectives; rank 0 also sends each
         # step's plan to the others and receives the gathered logits
         self.comm = comm
         # The one place that decides fused vs eager (as nano-vllm's runner owns eager vs CUDA graph):
@@ -41,12 +40,8 @@ class ModelRunner:
         self.fused = None if enforce_eager or comm is not None else fused_decode.build(model)
         if self.fused is not None:
             log.info("decode-only steps: one fused C++ call (--enforce-eager: eager)")
-        shard = getattr(model, "tp_shard", None)
-        self.vocab_widths = None  # each rank's slice of the vocabulary, for the logits gather
-        if shard is not None:
-            from inferd.model.tensor_parallel import plan_of
-
-            self.vocab_widths = [s.vocab[1] - s.vocab[0] for s in plan_of(model.cfg, shard.world)]
+        # each rank's slice of the vocabulary, for the logits gather (set by the tensor-parallel rewrite)
+        self.vocab_widths = getattr(model, "tp_vocab_widths", None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.fused is not None:
@@ -55,7 +50,7 @@ class ModelRunner:
                 return hidden
         return self.model(input_ids, positions, self.attn)
 
-    def plan(self, requests: list[Request], num_new: list[int]) -> StepPlan:
+    def plan(self, requests: list, num_new: list[int]) -> StepPlan:
         """Which token each row of the flat batch is, and which rows' logits are wanted."""
         ids: list[int] = []
         starts = []
@@ -88,7 +83,7 @@ class ModelRunner:
                         prompt_spans)
 
     @torch.inference_mode()
-    def execute(self, requests: list[Request], num_new: list[int]):
+    def execute(self, requests: list, num_new: list[int]):
         """Compute num_new[i] tokens of each request. Returns logits [S, vocab] (fp32) for the
         requests whose last known token was computed (they sample next; one row each, or
         1 + len(spec_tokens) rows for a request verifying guesses), their batch indices, and

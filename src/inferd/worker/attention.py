@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from inferd.engine.kv_cache import KVPool
+from inferd.worker.kv_pool import KVPool
 
 
 @dataclass
