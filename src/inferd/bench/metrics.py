@@ -32,7 +32,6 @@ import math
 from typing import Iterable
 
 NS_PER_MS = 1_000_000
-GOODPUT_KEYS = ("ttft", "tpot", "e2el")
 # metric name -> what it measures; each gets mean/median/std/pNN fields "<stat>_<name>_ms"
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
 EXTRA_METRICS = ("itl_per_token", "ttft_from_schedule", "e2el_from_schedule", "send_lag", "slot_wait")

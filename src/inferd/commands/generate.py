@@ -8,6 +8,7 @@ import torch
 
 from inferd.config import EngineConfig
 from inferd.engine.llm import LLM
+from inferd.engine.processor import resolve_max_tokens
 from inferd.engine.request import SamplingParams
 from inferd.errors import InferdError
 from inferd.loading.loader import load_model
@@ -46,8 +47,6 @@ def _setup(args):
 
 
 def _check_sampling(args):
-    if args.max_tokens < 1:
-        raise InferdError("--max-tokens must be at least 1")
     if args.temperature < 0:
         raise InferdError("--temperature must be >= 0")
     if not 0 < args.top_p <= 1:
@@ -58,10 +57,8 @@ def _check_sampling(args):
 
 def _stream(llm, prompt_ids, args, max_len):
     """Yield text deltas for one completion, stopping at an end token or the context limit."""
-    room = max_len - len(prompt_ids)
-    if room < 1:
-        raise InferdError(f"prompt is {len(prompt_ids)} tokens; the context limit is {max_len}")
-    params = SamplingParams(max_tokens=min(args.max_tokens, room), temperature=args.temperature,
+    params = SamplingParams(max_tokens=resolve_max_tokens(args.max_tokens, len(prompt_ids), max_len, clamp=True),
+                            temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     for delta, _ in llm.stream(prompt_ids, params):
         if delta:

@@ -224,7 +224,6 @@ def apply_tp(model: nn.Module, shard: Shard, comm) -> nn.Module:
         model.lm_head = head
     else:
         model.lm_head = take_rows(model.lm_head, torch.arange(v0, v1))
-    model.tp_shard = shard
     # every rank's slice of the vocabulary: what the runner's logits gather needs
     model.tp_vocab_widths = [s.vocab[1] - s.vocab[0] for s in plan_of(cfg, shard.world)]
     return model

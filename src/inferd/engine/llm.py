@@ -75,7 +75,7 @@ class LLM:
         results = []
         for rid, sp in zip(ids, params):
             samples = [done[rid][i] for i in sorted(done[rid])]
-            if sp.best_of and sp.best_of > sp.n:
+            if sp.num_samples > sp.n:
                 samples = sorted(samples, key=lambda c: -c.cumulative_logprob)[: sp.n]
                 if sp.logprobs is None:
                     for c in samples:

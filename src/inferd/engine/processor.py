@@ -1,6 +1,10 @@
 """Admission: a prompt and its sampling parameters checked against the model and the KV cache
 before anything is queued (the engine's first step, as vLLM's processor is). Every failure is one
-InferdError a client can read; the server answers it with a 400."""
+InferdError a client can read; the server answers it with a 400.
+
+The request rules live here and only here: how many samples a request runs (SamplingParams.num_samples),
+what max_tokens a request gets when it names none, and its bounds. The server and the CLI call the
+same functions before they queue anything, so a bad request fails the same way everywhere."""
 from __future__ import annotations
 
 from inferd.engine.request import SamplingParams
@@ -10,6 +14,20 @@ from inferd.errors import InferdError
 def default_max_tokens(prompt_len: int, max_model_len: int) -> int:
     """max_tokens when a request leaves it out: the rest of the context, as in vLLM."""
     return max_model_len - prompt_len
+
+
+def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, clamp: bool = False) -> int:
+    """The max_tokens a request runs with. None: the rest of the context, at least 1, so that a
+    prompt filling the context gets the context-limit error rather than this one. `clamp` (the
+    CLI's --max-tokens, a ceiling rather than a demand): at most the room the context leaves.
+    Resolved before the request is queued so that min_tokens is checked against it."""
+    if requested is None:
+        return max(1, default_max_tokens(prompt_len, max_model_len))
+    if requested < 1:
+        raise InferdError("max_tokens must be at least 1")
+    if clamp:
+        return max(1, min(requested, max_model_len - prompt_len))
+    return requested
 
 
 def kv_blocks_needed(prompt_len: int, max_tokens: int, samples: int, block_size: int) -> int:
@@ -38,9 +56,8 @@ def check_request(prompt: str | list[int], params: SamplingParams, tokenizer, vo
     room = max_model_len - len(prompt_ids)
     if room < 1:
         raise InferdError(f"prompt is {len(prompt_ids)} tokens; the context limit is {max_model_len}")
-    if params.max_tokens is None:
-        params.max_tokens = default_max_tokens(len(prompt_ids), max_model_len)
-    elif params.max_tokens > room:
+    params.max_tokens = resolve_max_tokens(params.max_tokens, len(prompt_ids), max_model_len)
+    if params.max_tokens > room:
         raise InferdError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
                           f"exceeds the context limit of {max_model_len}")
     k = params.num_samples

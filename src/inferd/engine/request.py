@@ -72,8 +72,6 @@ class SamplingParams:
     def validate(self, vocab_size: int | None = None):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise InferdError("max_tokens must be at least 1")
         if self.temperature < 0:
             raise InferdError("temperature must be >= 0")
         if not 0 < self.top_p <= 1:

@@ -50,7 +50,6 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.static_batch: set[str] = set()
-        self.num_preemptions = 0
 
     def add(self, req: Request):
         self.waiting.append(req)
@@ -89,7 +88,6 @@ class Scheduler:
         req.num_preemptions += 1
         req.timings.preempted.append(time.monotonic())
         batch.preempted.append(req)
-        self.num_preemptions += 1
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()

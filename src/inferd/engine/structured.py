@@ -102,7 +102,6 @@ class Grammars:
         self.cache: OrderedDict = OrderedDict()
         self.compile_times: deque = deque(maxlen=4096)  # seconds per compile (cache misses)
         self.mask_times: deque = deque(maxlen=65536)  # seconds per mask (one position of one row)
-        self.cache_hits = 0
 
     @property
     def lltokenizer(self):
@@ -162,7 +161,6 @@ class Grammars:
             if len(self.cache) > CACHE_SIZE:
                 self.cache.popitem(last=False)
         else:
-            self.cache_hits += 1
             self.cache.move_to_end(key)
         return tmpl.deep_copy()
 

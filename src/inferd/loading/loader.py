@@ -21,7 +21,7 @@ from inferd.config import LoadConfig, available_memory_bytes
 from inferd.errors import InferdError
 from inferd.gguf_file import DEFAULT_GGUF_FILE, default_model_path  # noqa: F401  (re-exported)
 from inferd.loading.checks import check_config, check_gguf, check_safetensors, read_config_json
-from inferd.model.config import ModelConfig, builtin_config, config_from_hf, load_hf_config  # noqa: F401
+from inferd.model.config import ModelConfig, builtin_config, config_from_hf
 from inferd.model.llama import LlamaModel, rope_inv_freq
 
 log = logging.getLogger("inferd")

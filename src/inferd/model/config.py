@@ -1,9 +1,7 @@
 """ModelConfig: the shape of a Llama-family model, from a HF config.json, GGUF metadata or a built-in."""
 from __future__ import annotations
 
-import json
-import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from inferd.errors import InferdError
@@ -35,9 +33,6 @@ class ModelConfig:
     bos_token_id: Any = None
     eos_token_id: Any = None
     extra: dict = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def config_from_hf(d: dict) -> ModelConfig:
@@ -80,17 +75,6 @@ def _rope_params_scaling(rp: dict | None) -> dict | None:
         return None
     return rp
 
-
-def load_hf_config(folder: str) -> ModelConfig:
-    path = os.path.join(folder, "config.json")
-    try:
-        with open(path) as f:
-            d = json.load(f)
-    except FileNotFoundError:
-        raise InferdError(f"no config.json in model folder {folder}") from None
-    except json.JSONDecodeError as e:
-        raise InferdError(f"invalid config.json in {folder}: {e}") from None
-    return config_from_hf(d)
 
 
 # Real shapes for `--load-format dummy` (numbers from the models' published config.json files).

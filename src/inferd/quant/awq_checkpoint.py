@@ -81,7 +81,7 @@ def read_quant_config(folder: str) -> dict | None:
         with open(path) as f:
             qc = json.load(f).get("quantization_config")
     except (OSError, json.JSONDecodeError):
-        return None  # load_hf_config reports a missing or broken config.json
+        return None  # the loader reports a missing or broken config.json
     if not isinstance(qc, dict) or str(qc.get("quant_method", "")).lower() != "awq":
         return None
     bits = qc.get("bits", qc.get("w_bit", 4))

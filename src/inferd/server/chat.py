@@ -29,8 +29,6 @@ def router(srv: Served) -> APIRouter:
         except InferdError as e:
             raise ApiError(str(e), param="messages") from None
         mt_req = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        if mt_req is not None and mt_req < 1:
-            raise ApiError("max_tokens must be at least 1", param="max_tokens")
         top = req.top_logprobs if req.logprobs else None
         if req.logprobs and top is None:
             top = 0
@@ -47,7 +45,7 @@ def router(srv: Served) -> APIRouter:
         def chunks(include_usage, continuous_usage):
             return chat_chunks(srv, req, ids, params, cid, created, include_usage, continuous_usage, mode, name)
 
-        return await respond(req, chunks, "chat.completion", merge_choice, srv.stall_timeout)
+        return await respond(req, params, chunks, "chat.completion", merge_choice, srv.stall_timeout)
 
     return r
 

@@ -19,11 +19,9 @@ def router(srv: Served) -> APIRouter:
     async def completions(req: CompletionRequest):
         srv.check_model(req.model)
         prompts = _prompt_ids(srv, req.prompt)
-        if req.max_tokens is not None and req.max_tokens < 0:
-            raise ApiError("max_tokens must be at least 0", param="max_tokens")
-        score_only = req.max_tokens == 0
-        if score_only and not req.echo:
-            raise ApiError("max_tokens must be at least 1 (0 is allowed only with echo)", param="max_tokens")
+        # OpenAI's scoring request: echo with max_tokens 0 returns the prompt's logprobs, generating
+        # nothing (the engine runs one token, never sent); without echo, 0 is the usual 400
+        score_only = req.max_tokens == 0 and req.echo
         if req.logprobs is not None and not 0 <= req.logprobs <= 20:
             raise ApiError("logprobs must be in [0, 20]", param="logprobs")
         want_prompt_lp = req.logprobs if req.echo and req.logprobs is not None else None
@@ -32,7 +30,7 @@ def router(srv: Served) -> APIRouter:
             mt = 1 if score_only else srv.max_tokens_for(req.max_tokens, len(prompts[i]))
             return req.sampling_params(mt, req.logprobs, want_prompt_lp)
 
-        params_for(0)  # validate before anything is queued
+        params = params_for(0)  # validates before anything is queued
         cid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
 
@@ -40,7 +38,7 @@ def router(srv: Served) -> APIRouter:
             return completion_chunks(srv, req, prompts, params_for, cid, created, score_only, include_usage,
                                      continuous_usage)
 
-        return await respond(req, chunks, "text_completion", merge_choice, srv.stall_timeout)
+        return await respond(req, params, chunks, "text_completion", merge_choice, srv.stall_timeout)
 
     return r
 
@@ -62,7 +60,7 @@ async def completion_chunks(srv: Served, req: CompletionRequest, prompts, params
     """The stream of a completion request. Choice index = prompt * best_of + sample (best_of is n
     whenever the request streams). With max_tokens 0 (score_only, echo only) the one token the
     engine had to generate is not shown or counted."""
-    k = req.best_of or req.n
+    k = params_for(0).num_samples
     want_lp = req.logprobs is not None
     prompt_tokens = sum(len(x) for x in prompts)
     base = {"id": cid, "object": "text_completion", "created": created, "model": srv.name}

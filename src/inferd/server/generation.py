@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Callable
 from fastapi.responses import StreamingResponse
 
 from inferd.engine.client import EngineClient, EngineDead, Overloaded
-from inferd.engine.processor import default_max_tokens
+from inferd.engine.processor import resolve_max_tokens
 from inferd.errors import InferdError
 from inferd.server.protocol import ApiError
 
@@ -67,12 +67,10 @@ class Served:
         return self.tok.decode([t], skip_special_tokens=False)
 
     def max_tokens_for(self, req_max: int | None, n_prompt: int) -> int:
-        # Resolved here rather than left to the engine (max_tokens=None) so that validate() checks
-        # min_tokens against it; at least 1 so that a prompt filling the context gets the engine's
-        # context-limit error rather than "max_tokens must be at least 1".
-        if req_max is None:
-            return max(1, default_max_tokens(n_prompt, self.max_len))
-        return req_max
+        try:
+            return resolve_max_tokens(req_max, n_prompt, self.max_len)
+        except InferdError as e:
+            raise ApiError(str(e), param="max_tokens") from None
 
     async def run_one(self, prompt_ids, params, rid, kv_transfer_params=None):
         """All outputs of one engine request, mapped to 503 / 400 as needed."""
@@ -182,15 +180,16 @@ async def fold(chunks: AsyncIterator[Chunk], obj: str, merge: Callable[[dict | N
     return body
 
 
-async def respond(req, chunks: Callable[[bool, bool], AsyncIterator[Chunk]], obj: str,
+async def respond(req, params, chunks: Callable[[bool, bool], AsyncIterator[Chunk]], obj: str,
                   merge: Callable[[dict | None, dict], dict], stall_timeout: float | None = None):
     """`chunks(include_usage, continuous_usage)` is the endpoint's chunk stream: sent as SSE when the
-    request streams, else folded into one `obj` body (always with the closing usage chunk)."""
+    request streams, else folded into one `obj` body (always with the closing usage chunk), keeping
+    the `params.n` best of its `params.num_samples` samples."""
     if req.stream:
         so = req.stream_options
         body = await primed(chunks(bool(so and so.include_usage), bool(so and so.continuous_usage_stats)))
         return SSEResponse(sse(body), stall_timeout)
-    return await fold(chunks(True, False), obj, merge, req.n, req.best_of or req.n)
+    return await fold(chunks(True, False), obj, merge, params.n, params.num_samples)
 
 
 class SSEResponse(StreamingResponse):

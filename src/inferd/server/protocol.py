@@ -215,7 +215,7 @@ class _Sampling(Strict):
             p.validate()
         except InferdError as e:
             raise ApiError(str(e)) from None
-        if self.stream and p.best_of and p.best_of > p.n:
+        if self.stream and p.num_samples > p.n:
             raise ApiError("best_of > n cannot be streamed", param="best_of")
         return p
 

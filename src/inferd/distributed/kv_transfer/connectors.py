@@ -131,7 +131,6 @@ class KVServer:
             slots = torch.tensor(token_slots(lease.blocks, self.block_size, start, end))
             k = self.pool.k.index_select(1, slots)
             v = self.pool.v.index_select(1, slots)
-            lease.pulled = True
         kb, vb = _raw(k), _raw(v)
         self.bytes_sent += kb.nbytes + vb.nbytes
         hdr = {"ok": True, "seq": seq, "protocol": PROTOCOL, "dtype": dtype_name(k.dtype), "shape": list(k.shape),

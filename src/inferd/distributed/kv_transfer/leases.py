@@ -19,7 +19,6 @@ class Lease:
     blocks: list[int]
     num_tokens: int
     expires: float  # time.monotonic()
-    pulled: bool = False  # a consumer has read it at least once
 
 
 class LeaseTable:
@@ -58,13 +57,6 @@ class LeaseTable:
     def take_freeable(self) -> list[list[int]]:
         with self.lock:
             out, self.freeable = self.freeable, []
-            return out
-
-    def drop_all(self) -> list[list[int]]:
-        """At shutdown: every lease's blocks, freeable or not."""
-        with self.lock:
-            out = self.freeable + [v.blocks for v in self.leases.values()]
-            self.leases, self.freeable = {}, []
             return out
 
     @property

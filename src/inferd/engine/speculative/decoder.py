@@ -47,10 +47,6 @@ class SpecStats:
     def mean_accepted_length(self) -> float:
         return self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
-    @property
-    def tokens_per_verify(self) -> float:
-        return self.num_emitted_tokens / self.num_drafts if self.num_drafts else 0.0
-
     def as_dict(self) -> dict:
         return {"spec_num_drafts": self.num_drafts, "spec_num_draft_tokens": self.num_draft_tokens,
                 "spec_num_accepted_tokens": self.num_accepted_tokens,
