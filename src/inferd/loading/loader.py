@@ -111,7 +111,7 @@ def _hf_key_to_ours(name: str) -> str:
 
 
 def _checked(make_config, where: str):
-    """A ModelConfig from a file's metadata, bounded (model_files.check_config) before anything of
+    """A ModelConfig from a file's metadata, bounded (checks.check_config) before anything of
     its shape is allocated; a missing or mistyped field is one clear error, not a KeyError."""
     try:
         cfg = make_config()
