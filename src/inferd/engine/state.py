@@ -14,6 +14,8 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from inferd.engine.paths import engine_paths
+
 STEP_HISTORY = 240  # steps kept for the step chart
 FINISHED_HISTORY = 256  # finished requests kept for the latency distributions
 MAX_LISTED = 256  # running / waiting requests listed by id (the counts are always whole)
@@ -133,6 +135,7 @@ def engine_state(engine, steps: int = STEP_HISTORY) -> dict:
                    "max_num_batched_tokens": cfg.max_num_batched_tokens, "max_model_len": engine.max_model_len,
                    "speculative_method": cfg.speculative_method, "role": _role(engine),
                    "tensor_parallel_size": cfg.tensor_parallel_size, "scheduling": cfg.scheduling},
+        "paths": engine_paths(engine),  # which fast paths ran: what a benchmark labels its rows from
     }
     out["build_ms"] = round((time.monotonic() - t0) * 1e3, 3)  # what this read cost the engine, between two steps
     return out

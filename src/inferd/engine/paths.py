@@ -1,0 +1,178 @@
+"""Which fast paths an engine actually ran: the record a benchmark row is labelled from.
+
+A row that says "W4A8, fused decode, bf16" is a claim about what ran; `engine_paths(engine)`
+reads the answer from the engine itself (the kernel variant the native library chose, the layer
+classes the model holds, the KV dtype, how many decode steps went through the fused C++ call), and
+`check_label(label, paths)` refuses a label that claims a path the record shows did not run.
+
+Nothing here imports torch or the kernels (the engine's dashboard state includes this record, and
+the torch-free client seam imports that module): the engine's own objects are read instead, and
+`check_label` is pure, for scripts that read a served engine's record (GET /v1/engine/state).
+"""
+from __future__ import annotations
+
+import re
+import sys
+
+# Layer classes that take int8 activations (inferd.quant.w4a8), and the formats each label word claims.
+INT8_ACTIVATION_LAYERS = ("W4A8Linear", "W8A8Linear")
+INT4_LAYERS = ("Int4Linear", "W4A8Linear")
+INT8_LAYERS = ("Int8Linear", "W8A8Linear")
+DENSE_LAYERS = ("Linear",)
+
+
+def weight_formats(model) -> dict[str, int]:
+    """How many linear layers of each class the model holds, e.g. {"W4A8Linear": 120, "W8A8Linear": 1}.
+    A wrapper (tensor parallelism's RowParallel) is not a format: the layer it wraps is counted."""
+    out: dict[str, int] = {}
+    for m in model.modules():
+        name = type(m).__name__
+        if name.endswith("Linear"):
+            out[name] = out.get(name, 0) + 1
+    return dict(sorted(out.items()))
+
+
+def activation_quant(formats: dict[str, int]) -> str | None:
+    """"W4A8", "W8A8" or "W4A8/W8A8" where layers take int8 activations; None where none do."""
+    kinds = [k[:4] for k in INT8_ACTIVATION_LAYERS if formats.get(k)]
+    return "/".join(kinds) or None
+
+
+def kernel_variant(kernel) -> str | None:
+    """The ISA variant of the native kernels `kernel` (torch.ops.inferd) runs now, None without them."""
+    return None if kernel is None else str(kernel.isa())
+
+
+def _dtype(t) -> str:
+    return str(t).replace("torch.", "")
+
+
+def module_paths(model) -> dict:
+    """What any torch model runs with (an inferd model or a transformers one, for a competitor's row):
+    its activation dtype, its linear layer classes, the dtypes of its dense (nn.Linear) weights."""
+    formats = weight_formats(model)
+    dense = sorted({_dtype(m.weight.dtype) for m in model.modules()
+                    if type(m).__name__ in DENSE_LAYERS and getattr(m, "weight", None) is not None})
+    dtype = getattr(model, "dtype", None)
+    head = getattr(model, "lm_head", None)
+    quant = activation_quant(formats)
+    return {"dtype": None if dtype is None else _dtype(dtype),
+            "weight_formats": formats, "dense_weight_dtypes": dense,
+            "lm_head": None if head is None else type(head).__name__,
+            "activations": "int8" if quant else (None if dtype is None else _dtype(dtype)),
+            "activation_quant": quant}
+
+
+def engine_paths(engine) -> dict:
+    """What ran in an LLMEngine: plain JSON data (it crosses the engine-core boundary)."""
+    # An engine has torch loaded: read from sys.modules, so that importing this module (the torch-free
+    # client seam imports inferd.engine.state) never loads it.
+    torch = sys.modules["torch"]
+    runner, stats, cfg = engine.runner, engine.stats, engine.config
+    fused = getattr(runner, "fused", None)
+    # engine.stats.fused_steps where the engine counts them; else the fused step's own counter
+    fused_steps = getattr(stats, "fused_steps", None)
+    if fused_steps is None:
+        fused_steps = 0 if fused is None else getattr(fused, "steps", None)
+    return {
+        "engine": "inferd",
+        "kernel_variant": kernel_variant(getattr(runner.attn, "kernel", None)),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        **module_paths(engine.model),
+        "kv_dtype": engine.cache_info()["dtype"],
+        "fused_built": fused is not None,
+        "fused_steps": fused_steps,
+        "steps": stats.steps,
+        "decode_steps": getattr(stats, "decode_steps", None),
+        "prefill_tokens": stats.prefill_tokens,
+        "decode_tokens": stats.decode_tokens,
+        "tensor_parallel_size": cfg.tensor_parallel_size,
+        "speculative_method": cfg.speculative_method,
+        "draft": _draft_paths(engine),
+    }
+
+
+def _draft_paths(engine) -> dict | None:
+    """A draft model's own record (its weights may be quantized apart from the target's)."""
+    spec = getattr(engine, "spec", None)
+    model = getattr(getattr(spec, "proposer", None), "model", None)
+    if model is None:
+        return None
+    return {"desc": spec.draft_desc, **module_paths(model)}
+
+
+# -- labels ---------------------------------------------------------------------------------------
+
+# label word -> the dtype it claims (of the activations, `paths["dtype"]`)
+_DTYPE_WORDS = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32",
+                "fp16": "float16", "float16": "float16"}
+_ISAS = ("generic", "avx2", "avx512", "avx512_vnni", "avx512_amx")  # inferd.kernels.native.ISAS
+_NO_AMX = re.compile(r"\b(without|no|non)[ -]amx\b|\bamx off\b")
+
+
+def _has(paths: dict, classes: tuple[str, ...]) -> bool:
+    formats = paths.get("weight_formats") or {}
+    return any(formats.get(c) for c in classes)
+
+
+def _words(label: str) -> set[str]:
+    return set(re.findall(r"[a-z0-9_]+", label.lower()))
+
+
+def label_problems(label: str, paths: dict) -> list[str]:
+    """Each claim of `label` that `paths` does not back (a claim the record cannot show is unbacked)."""
+    low, words = label.lower(), _words(label)
+    bad = []
+
+    def need(ok: bool, claim: str, shows: str):
+        if not ok:
+            bad.append(f"{claim!r} but the record shows {shows}")
+
+    if "fused" in words:
+        need((paths.get("fused_steps") or 0) > 0, "fused", f"fused_steps={paths.get('fused_steps')}")
+    if "eager" in words:
+        need(paths.get("fused_steps") == 0, "eager", f"fused_steps={paths.get('fused_steps')}")
+    formats = paths.get("weight_formats")
+    if "w4a8" in words:
+        need(_has(paths, ("W4A8Linear",)), "W4A8", f"weight formats {formats}")
+    if "w8a8" in words:
+        need(_has(paths, ("W8A8Linear",)), "W8A8", f"weight formats {formats}")
+    if "int4" in words:
+        need(_has(paths, INT4_LAYERS), "int4", f"weight formats {formats}")
+    if "int8" in words:
+        need(_has(paths, INT8_LAYERS), "int8", f"weight formats {formats}")
+    if "dense" in words:
+        need(bool(formats) and set(formats) <= set(DENSE_LAYERS), "dense", f"weight formats {formats}")
+    if "+lm_head" in low:
+        need(paths.get("lm_head") not in (None, *DENSE_LAYERS), "+lm_head", f"lm_head {paths.get('lm_head')}")
+    for w in sorted(words & set(_DTYPE_WORDS)):
+        need(paths.get("dtype") == _DTYPE_WORDS[w], w, f"dtype {paths.get('dtype')}")
+    for isa in sorted(words & set(_ISAS)):
+        need(paths.get("kernel_variant") == isa, isa, f"kernel variant {paths.get('kernel_variant')}")
+    if "amx" in words:
+        # inferd's AMX is its avx512_amx kernel variant; a llama.cpp record says whether its build used AMX
+        ran = paths.get("amx") if "amx" in paths else paths.get("kernel_variant") == "avx512_amx"
+        claim = not _NO_AMX.search(low)
+        need(bool(ran) == claim, "AMX" if claim else "without AMX",
+             f"amx={paths.get('amx')}" if "amx" in paths else f"kernel variant {paths.get('kernel_variant')}")
+    for spec, method in (("ngram", "ngram"), ("draft", "draft")):
+        if spec in words:
+            need(paths.get("speculative_method") == method, spec,
+                 f"speculative_method={paths.get('speculative_method')}")
+    m = re.search(r"\btp\s*=\s*(\d+)", low)
+    if m:
+        need(paths.get("tensor_parallel_size") == int(m.group(1)), m.group(0),
+             f"tensor_parallel_size={paths.get('tensor_parallel_size')}")
+    return bad
+
+
+def check_label(label: str, paths: dict) -> None:
+    """Raise ValueError where the row's label claims a path that, by its record, did not run.
+    What follows ", draft " in a label is a claim about the draft model: checked against
+    paths["draft"], the rest against the target."""
+    target, sep, draft = label.partition(", draft ")
+    bad = label_problems(target, paths)
+    if sep:
+        bad += [f"draft {p}" for p in label_problems(draft, paths.get("draft") or {})]
+    if bad:
+        raise ValueError(f"row {label!r} claims what did not run: " + "; ".join(bad))
