@@ -1,7 +1,28 @@
-"""Helpers the benchmark scripts share."""
+"""Helpers the benchmark scripts share.
+
+What every script reports, and how (issue #41, "headlines a skeptic can rerun"):
+  - the CPU line, the exact setup (threads, lengths, concurrency and number of requests, rounds) and,
+    per contender, the record of the paths that actually ran (`report_header`);
+  - each headline number is the median over interleaved rounds (A B C, A B C, ...: `interleaved`),
+    printed with its min-max spread (`spread`, `fmt_spread`), never the best round;
+  - every row label is checked against its contender's record (`check_rows`: a label that claims a
+    path which did not run is refused, inferd.engine.paths.check_label);
+  - `--json PATH` writes {"cpu", "setup", "rows", "paths", ...} (`write_json`).
+A contender's record: an in-process inferd engine's `inferd.engine.paths.engine_paths`; a served
+one's from GET /v1/engine/state after its run (`served_paths`); transformers' `hf_paths`; llama.cpp's
+build (`llamacpp.build_info`).
+"""
 from __future__ import annotations
 
+import json
+import os
+import statistics
+import sys
 import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+
+from inferd.engine.paths import check_label, module_paths  # noqa: E402  (torch-free)
 
 # the CPU features that decide which kernels are fast here (a table is only comparable within one kind)
 FEATURES = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
@@ -123,3 +144,133 @@ def int8_peak_gops(threads: int) -> tuple[str, float]:
     isa, gops, _ = subprocess.run([str(exe), str(threads)], check=True, capture_output=True,
                                   text=True).stdout.split()
     return isa, float(gops)
+
+
+# -- what ran, and how it was measured --------------------------------------------------------------
+
+def interleaved(runners: dict, rounds: int, log: bool = True, into: dict | None = None) -> dict[str, list]:
+    """{label: [one value per round]}: every contender once a round, in the same order each round
+    (A B C, A B C, ...), so that a shared machine's drift falls on all of them alike. `into`: the
+    dict to fill, for a runner that reads the rounds so far."""
+    runs: dict[str, list] = into if into is not None else {}
+    for k in runners:
+        runs.setdefault(k, [])
+    for r in range(rounds):
+        for k, fn in runners.items():
+            runs[k].append(fn())
+        if log:
+            print(f"[round {r + 1}/{rounds}] " + ", ".join(
+                f"{k} {v[-1]:.1f}" for k, v in runs.items() if isinstance(v[-1], (int, float))),
+                file=sys.stderr, flush=True)
+    return runs
+
+
+def spread(runs: list[float]) -> dict:
+    """What a row reports of its rounds: the median, the min and max, every round's value."""
+    return {"median": statistics.median(runs), "min": min(runs), "max": max(runs), "runs": list(runs)}
+
+
+def fmt_spread(runs: list[float], spec: str = "{:.1f}") -> str:
+    """"189.8 (185.1-192.3)": the median, then the min-max over the rounds (one round: the value)."""
+    med = spec.format(statistics.median(runs))
+    return med if len(runs) < 2 else f"{med} ({spec.format(min(runs))}-{spec.format(max(runs))})"
+
+
+# counters of a record that add up over runs (each run may be its own engine)
+COUNTERS = ("fused_steps", "steps", "decode_steps", "prefill_tokens", "decode_tokens")
+
+
+def merge_paths(acc: dict | None, new: dict) -> dict:
+    """One contender's record over several runs: the latest run's record, its counters summed."""
+    if not acc:
+        return dict(new)
+    out = dict(new)
+    for k in COUNTERS:
+        if isinstance(acc.get(k), int) and isinstance(new.get(k), int):
+            out[k] = acc[k] + new[k]
+    return out
+
+
+def paths_line(p: dict) -> str:
+    """One line of a record, for the header: what a reader checks a row's label against."""
+    if p.get("engine") == "llama.cpp":
+        return f"{p['isa']} ({p.get('version')})"
+    bits = []
+    if p.get("engine") == "transformers":
+        bits.append(f"transformers {p.get('version')}, attention {p.get('attn_implementation')}")
+    if "kernel_variant" in p:
+        bits.append(f"inferd kernels {p['kernel_variant']}, torch {p.get('cpu_capability')}")
+    bits.append(f"activations {p.get('dtype')}" + (f" (int8 {p['activation_quant']})" if p.get("activation_quant") else ""))
+    bits.append("weights " + ", ".join(f"{n} {k}" for k, n in (p.get("weight_formats") or {}).items())
+                + (f" [{'/'.join(p['dense_weight_dtypes'])}]" if p.get("dense_weight_dtypes") else "")
+                + (f", lm_head {p['lm_head']}" if p.get("lm_head") else ""))
+    if "kv_dtype" in p:
+        bits.append(f"KV {p['kv_dtype']}")
+    if "fused_steps" in p:
+        bits.append(f"fused decode {'built' if p.get('fused_built') else 'not built'}, "
+                    f"{p.get('fused_steps')} fused of {p.get('steps')} steps")
+    if p.get("tensor_parallel_size", 1) != 1:
+        bits.append(f"TP={p['tensor_parallel_size']}")
+    if p.get("speculative_method"):
+        draft = p.get("draft") or {}
+        bits.append(f"speculative {p['speculative_method']}"
+                    + (f" (draft: {draft.get('desc')}, weights {draft.get('weight_formats')})" if draft else ""))
+    if p.get("engines", 1) != 1:
+        bits.append(f"{p['engines']} engines")
+    return "; ".join(bits)
+
+
+def report_header(title: str, setup: dict, paths: dict[str, dict]) -> None:
+    """The CPU line, the title, every setting, and each contender's record of what ran."""
+    print(f"\n{cpu_features()}")
+    print(title)
+    for k, v in setup.items():
+        print(f"  {k}: {v}")
+    print("paths that ran:")
+    for label, p in paths.items():
+        print(f"  {label}: {paths_line(p)}")
+
+
+def check_rows(paths: dict[str, dict], labels: dict[str, str] | None = None) -> None:
+    """Refuse (ValueError) a row label that claims a path its contender did not run. `labels` maps a
+    row label to its contender's key in `paths` where they differ; every contender's own key is a
+    label too."""
+    for label, p in paths.items():
+        check_label(label, p)
+    for label, key in (labels or {}).items():
+        check_label(label, paths[key])
+
+
+def write_json(path: str | None, setup: dict, rows: list[dict], paths: dict[str, dict], **extra) -> None:
+    """The run as JSON: {"cpu", "setup", "rows", "paths", **extra}. Nothing without a path."""
+    if not path:
+        return
+    with open(path, "w") as f:
+        json.dump({"cpu": cpu_features(), "setup": setup, "rows": rows, "paths": paths, **extra}, f, indent=2,
+                  default=str)
+
+
+def served_paths(base_url: str, timeout: float = 30) -> dict:
+    """A served inferd's record, read from GET /v1/engine/state after its run (so its counters are
+    the served engines'). Several engines (data parallel, a router's backends): the first one's
+    record, counters summed over all, and "engines": how many."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{base_url}/v1/engine/state?steps=0", timeout=timeout) as r:
+        doc = json.load(r)
+    records = [e["paths"] for e in doc.get("engines", []) if isinstance(e.get("paths"), dict)]
+    if not records:
+        raise RuntimeError(f"{base_url}/v1/engine/state has no paths record (an inferd from before #41?)")
+    out = None
+    for p in records:
+        out = merge_paths(out, p)
+    out["engines"] = len(records)
+    return out
+
+
+def hf_paths(model) -> dict:
+    """A transformers model's record: its version, attention and the inferd.engine.paths fields."""
+    import transformers
+
+    return {"engine": "transformers", "version": transformers.__version__,
+            "attn_implementation": getattr(model.config, "_attn_implementation", None), **module_paths(model)}

@@ -35,12 +35,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class ServerDied(RuntimeError):
+    """A server process ended on its own: before it was ready, or during the run."""
+
+    def __init__(self, msg: str, returncode: int | None):
+        super().__init__(msg)
+        self.returncode = returncode
+
+
+_running: dict[str, tuple[subprocess.Popen, str]] = {}  # base URL -> (process, log path), while up
+
+
+def ensure_alive(base_url: str) -> None:
+    """Raise ServerDied if the server at base_url (started by server()) has exited: a run against a
+    server that died part-way is no row."""
+    proc, log_path = _running[base_url]
+    if proc.poll() is not None:
+        raise ServerDied(f"server {base_url} exited with {proc.returncode} during the run; log: {log_path}\n"
+                         + _tail(log_path), proc.returncode)
+
+
 def wait_ready(base_url: str, proc: subprocess.Popen, timeout: float, log_path: str) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} before it was ready; log: {log_path}\n"
-                               + _tail(log_path))
+            raise ServerDied(f"server exited with {proc.returncode} before it was ready; log: {log_path}\n"
+                             + _tail(log_path), proc.returncode)
         try:
             with urllib.request.urlopen(base_url + "/health", timeout=2) as r:
                 if r.status == 200:
@@ -85,8 +105,11 @@ def server(cmd: list[str], name: str, env: dict | None = None, ready_timeout: fl
         t0 = time.monotonic()
         wait_ready(base_url, proc, ready_timeout, log.name)
         print(f"[{name}] ready in {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
+        _running[base_url] = (proc, log.name)
         yield base_url
+        ensure_alive(base_url)
     finally:
+        _running.pop(base_url, None)
         _stop(proc)
         log.close()
 
