@@ -5,6 +5,12 @@ Python bindings load in-process.
 Usage:
   .venv/bin/python benchmarks/llamacpp.py --build      # build (or reuse) llama-server + libllama.so
   .venv/bin/python benchmarks/llamacpp.py --bindings   # also make `import llama_cpp` work
+  .venv/bin/python benchmarks/llamacpp.py --isa        # print the ISA options a build here would use
+
+The build uses every ISA extension this CPU lists, AMX included where Linux grants the tile state
+(see "AMX and its tile state" below); every llama.cpp row of the benchmarks carries the line
+`isa_choice()` writes ("llama.cpp ISA: ..., AMX on|off: why"). INFERD_LLAMACPP_AMX=off builds
+without AMX.
 
 An optional benchmark dependency: nothing here is imported by inferd itself or by the tests.
 The cache lives in $INFERD_BENCH_CACHE (default ~/.cache/inferd-bench); a finished build is
@@ -15,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import functools
 import glob
 import importlib
 import os
@@ -32,7 +39,12 @@ LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 CACHE = Path(os.environ.get("INFERD_BENCH_CACHE", Path.home() / ".cache" / "inferd-bench"))
 SDIST_DIR = CACHE / "sdist"
 SRC_ROOT = CACHE / "src" / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}"
-BUILD_DIR = CACHE / f"llama.cpp-build-{LLAMA_CPP_PYTHON_VERSION}"
+BUILD_ROOT = CACHE / f"llama.cpp-build-{LLAMA_CPP_PYTHON_VERSION}"
+
+
+def build_dir(amx: bool) -> Path:
+    # one tree per AMX choice: a retry without AMX does not recompile the AMX tree back and forth
+    return BUILD_ROOT if not amx else BUILD_ROOT.with_name(BUILD_ROOT.name + "-amx")
 
 
 # ggml built with OpenMP syncs its threads with `omp barrier` between graph nodes (~1,000 per
@@ -86,8 +98,8 @@ def ensure_sources() -> Path:
     return SRC_ROOT
 
 
-def _find_built(name: str) -> Path | None:
-    hits = sorted(p for p in BUILD_DIR.glob(f"**/{name}") if p.is_file())
+def _find_built(tree: Path, name: str) -> Path | None:
+    hits = sorted(p for p in tree.glob(f"**/{name}") if p.is_file())
     return hits[0] if hits else None
 
 
@@ -109,36 +121,156 @@ _X86_ISA = [("sse4_2", "GGML_SSE42"), ("f16c", "GGML_F16C"), ("fma", "GGML_FMA")
             ("avx", "GGML_AVX"), ("avx2", "GGML_AVX2"), ("avx_vnni", "GGML_AVX_VNNI"),
             ("avx512f", "GGML_AVX512"), ("avx512vbmi", "GGML_AVX512_VBMI"),
             ("avx512_vnni", "GGML_AVX512_VNNI"), ("avx512_bf16", "GGML_AVX512_BF16")]
+_AVX512_BASE = {"avx512cd", "avx512vl", "avx512dq", "avx512bw"}  # what ggml's GGML_AVX512 assumes beside avx512f
+_AMX = [("amx_tile", "GGML_AMX_TILE"), ("amx_int8", "GGML_AMX_INT8"), ("amx_bf16", "GGML_AMX_BF16")]
+AMX_CPU_FLAGS = {"amx_tile", "amx_int8"}  # ggml's AMX matmuls (Q4_0, Q4_1, Q8_0, K-quants) are int8 tiles
+
+# AMX and its tile state. Linux keeps the 8 KiB of tile data (XFEATURE_XTILEDATA) disabled for a
+# process until it asks, with arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); a tile instruction
+# before that (or after a refusal) traps, and the kernel answers the trap with SIGILL. ggml asks in
+# ggml_amx_init() when it sets up its AMX buffer type. The kernel refuses where the tile state is not
+# enabled (XCR0/XFD as the hypervisor exposes them), even when /proc/cpuinfo lists amx_tile: the
+# VM case that once killed llama.cpp at its first tile load. So AMX is built only where the CPU
+# lists it and a child process is granted the tile state, and a run that still dies of SIGILL is
+# retried once on a build without AMX (run_llamacpp), its row saying so.
+SYS_ARCH_PRCTL, ARCH_GET_XCOMP_PERM, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1022, 0x1023, 18
+_AMX_PROBE = f"""
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+L = ctypes.c_long
+if libc.syscall(L({SYS_ARCH_PRCTL}), L({ARCH_REQ_XCOMP_PERM}), L({XFEATURE_XTILEDATA})) != 0:
+    sys.exit("refused: " + os.strerror(ctypes.get_errno()))
+mask = ctypes.c_uint64(0)
+if libc.syscall(L({SYS_ARCH_PRCTL}), L({ARCH_GET_XCOMP_PERM}), ctypes.byref(mask)) != 0 or not mask.value >> {XFEATURE_XTILEDATA} & 1:
+    sys.exit("not granted")
+"""
+# INFERD_LLAMACPP_AMX: auto (AMX where it works), off (never); "faulted" is set by run_llamacpp after
+# a SIGILL, so that every later build and child process of the run goes without AMX too.
+AMX_ENV = "INFERD_LLAMACPP_AMX"
+AMX_FAULTED_LABEL = "llama.cpp without AMX (tile load faulted)"
 
 
-def _cpu_options() -> list[str]:
-    """ISA options for ggml-cpu: this CPU's features, but never AMX.
-
-    Not GGML_NATIVE: -march=native turns AMX on wherever CPUID lists it, and on the Firecracker VMs
-    we benchmark on CPUID lists amx_int8 while the first AMX tile load in ggml's Q4_1 matmul kills
-    the process with SIGILL. Explicit flags (as ggml's own non-native build does) keep everything
-    else native. Off x86 (or without /proc/cpuinfo) native is fine.
-    """
+def cpu_flags() -> set[str] | None:
+    """The first CPU's /proc/cpuinfo flags, None where there is no such file (not Linux)."""
     try:
-        flags = next(ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")).split(":", 1)[1].split()
+        with open("/proc/cpuinfo") as f:
+            line = next(ln for ln in f if ln.startswith("flags"))
     except (OSError, StopIteration):
+        return None
+    return set(line.split(":", 1)[1].split())
+
+
+@functools.lru_cache(maxsize=1)
+def amx_tile_state() -> tuple[bool, str]:
+    """(granted, why): whether Linux grants this machine's processes AMX tile data, asked in a child
+    process (the permission, once granted, stays with the process that asked)."""
+    import platform
+
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        return False, "not x86-64 Linux"
+    r = subprocess.run([sys.executable, "-c", _AMX_PROBE], capture_output=True, text=True, timeout=60)
+    return r.returncode == 0, "granted" if r.returncode == 0 else (r.stderr.strip().splitlines() or ["failed"])[-1]
+
+
+def amx_decision(flags: set[str] | None, setting: str, granted: bool | None, why: str = "") -> tuple[bool, str]:
+    """(build with AMX, the reason as the row states it). `setting`: INFERD_LLAMACPP_AMX."""
+    if not flags or not AMX_CPU_FLAGS <= flags:
+        return False, "AMX off: CPU has none"
+    if setting == "faulted":
+        return False, "AMX off: the tile load faulted (SIGILL) in an AMX build"
+    if setting == "off":
+        return False, f"AMX off: {AMX_ENV}=off"
+    if not granted:
+        return False, f"AMX off: the kernel refused the tile state (arch_prctl ARCH_REQ_XCOMP_PERM: {why or 'refused'})"
+    return True, "AMX on"
+
+
+def cpu_options(flags: set[str] | None, amx: bool) -> list[str]:
+    """ggml-cpu's ISA options: every x86 extension the CPU lists, AMX only where `amx`.
+
+    Not GGML_NATIVE on x86: -march=native turns AMX on wherever CPUID lists it, with or without the
+    kernel's tile state. Explicit flags (as ggml's own non-native build does) keep everything else
+    native. Off x86 (or without /proc/cpuinfo) native is fine.
+    """
+    if not flags or "avx" not in flags:
         return ["-DGGML_NATIVE=ON"]
-    if "avx" not in flags:
-        return ["-DGGML_NATIVE=ON"]
-    have = set(flags)
     opts = ["-DGGML_NATIVE=OFF"]
     for flag, opt in _X86_ISA:
-        on = flag in have and (opt != "GGML_AVX512" or {"avx512cd", "avx512vl", "avx512dq", "avx512bw"} <= have)
+        on = flag in flags and (opt != "GGML_AVX512" or _AVX512_BASE <= flags)
         opts.append(f"-D{opt}={'ON' if on else 'OFF'}")
-    return opts + ["-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+    for flag, opt in _AMX:
+        opts.append(f"-D{opt}={'ON' if amx and flag in flags else 'OFF'}")
+    return opts
 
 
-def configure_args(src: Path) -> list[str]:
-    return ["cmake", "-S", str(src), "-B", str(BUILD_DIR),
+def isa_note(options: list[str], amx_reason: str) -> str:
+    """"llama.cpp ISA: avx2 avx512 avx512_vnni avx512_bf16, AMX off: CPU has none": what a row says."""
+    on = [o[len("-DGGML_"):-len("=ON")].lower() for o in options
+          if o.endswith("=ON") and o.startswith("-DGGML_") and "AMX" not in o and "NATIVE" not in o]
+    if "-DGGML_NATIVE=ON" in options:
+        on = ["native"]
+    return f"llama.cpp ISA: {' '.join(on) or 'baseline'}, {amx_reason}"
+
+
+def isa_choice() -> dict:
+    """This machine's build choice: {"options", "amx", "note", "setting"} (the tile-state probe runs
+    only where the CPU lists AMX and AMX is not switched off)."""
+    flags = cpu_flags()
+    setting = os.environ.get(AMX_ENV, "auto").strip().lower() or "auto"
+    granted, why = (amx_tile_state() if flags and AMX_CPU_FLAGS <= flags and setting == "auto" else (False, ""))
+    amx, reason = amx_decision(flags, setting, granted, why)
+    options = cpu_options(flags, amx)
+    return {"options": options, "amx": amx, "note": isa_note(options, reason), "setting": setting}
+
+
+def build_info() -> dict:
+    """The paths record of a llama.cpp row (benchmarks/common.py): the build's ISA and AMX state."""
+    c = isa_choice()
+    return {"engine": "llama.cpp", "version": f"llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} (vendored llama.cpp)",
+            "isa": c["note"], "amx": c["amx"], "amx_faulted": c["setting"] == "faulted",
+            "cmake_options": [o for o in c["options"] if o.startswith("-DGGML_")]}
+
+
+def row_name(info: dict, tool: str = "llama.cpp") -> str:
+    """How a llama.cpp row is labelled: "llama.cpp [AMX on]", "llama-bench [AMX off]", or after a
+    tile fault "llama.cpp without AMX (tile load faulted)"."""
+    if info.get("amx_faulted"):
+        return AMX_FAULTED_LABEL.replace("llama.cpp", tool, 1)
+    return f"{tool} [AMX {'on' if info['amx'] else 'off'}]"
+
+
+class TileFault(RuntimeError):
+    """A llama.cpp process died of SIGILL."""
+
+
+def faulted(returncode: int | None) -> bool:
+    import signal
+
+    return returncode is not None and returncode in (-signal.SIGILL, 128 + signal.SIGILL)
+
+
+def run_llamacpp(fn, on_fault=None):
+    """fn() once; if it raises TileFault on a build with AMX, once more without AMX (this process and
+    its children: INFERD_LLAMACPP_AMX=faulted), after on_fault() (e.g. restart a server on the new
+    build), so that the row is measured and its label says why AMX is off (row_name)."""
+    try:
+        return fn()
+    except TileFault:
+        if not isa_choice()["amx"]:
+            raise
+        _log("llama.cpp died of SIGILL with AMX on: rebuilding without AMX and running once more")
+        os.environ[AMX_ENV] = "faulted"
+        if on_fault is not None:
+            on_fault()
+        return fn()
+
+
+def configure_args(src: Path, choice: dict) -> list[str]:
+    return ["cmake", "-S", str(src), "-B", str(build_dir(choice["amx"])),
             "-DCMAKE_BUILD_TYPE=Release",
             # Shared libs so the same build serves llama-server and the Python bindings.
             "-DBUILD_SHARED_LIBS=ON",
-            *_cpu_options(),
+            *choice["options"],
             "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TOOLS=ON",
             "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
             # No network at build time: the web UI would come from Hugging Face or npm.
@@ -152,27 +284,31 @@ TARGETS = {"llama-server": "llama-server", "llama": "libllama.so", "llama-bench"
 
 def build(targets: tuple[str, ...] = ("llama-server", "llama"), jobs: int = 2) -> dict[str, Path]:
     """Configure and build the targets (libllama.so brings the libggml*.so it needs). Idempotent."""
+    choice = isa_choice()
+    tree = build_dir(choice["amx"])
     with _build_lock():
         src = SRC_ROOT / "vendor" / "llama.cpp"
-        args = configure_args(src)
-        stamp = BUILD_DIR / ".inferd-configure-args"
+        args = configure_args(src, choice)
+        # the stamp: the exact configure line, and the ISA it chose in the words the rows use
+        stamp, stamped = tree / ".inferd-configure-args", "\n".join(args + [f"# {choice['note']}"])
         # A tree configured with other options is rebuilt (cmake recompiles only what they touch).
-        configured = stamp.exists() and stamp.read_text() == "\n".join(args)
-        found = {t: _find_built(TARGETS[t]) for t in targets}
+        configured = stamp.exists() and stamp.read_text() == stamped
+        found = {t: _find_built(tree, TARGETS[t]) for t in targets}
         if configured and all(found.values()):
             return found
         ensure_sources()
         t0 = time.monotonic()
         if not configured:
+            _log(choice["note"])
             _run(args)
-            stamp.write_text("\n".join(args))
-        _run(_nice() + ["cmake", "--build", str(BUILD_DIR), "--config", "Release",
+            stamp.write_text(stamped)
+        _run(_nice() + ["cmake", "--build", str(tree), "--config", "Release",
                         "-j", str(jobs), "--target", *targets])
-        found = {t: _find_built(TARGETS[t]) for t in targets}
+        found = {t: _find_built(tree, TARGETS[t]) for t in targets}
         missing = [TARGETS[t] for t, p in found.items() if p is None]
         if missing:
-            raise RuntimeError(f"build finished but {missing} not found under {BUILD_DIR}")
-        _log(f"built {', '.join(targets)} in {time.monotonic() - t0:.0f} s")
+            raise RuntimeError(f"build finished but {missing} not found under {tree}")
+        _log(f"built {', '.join(targets)} in {time.monotonic() - t0:.0f} s ({choice['note']})")
         return found
 
 
@@ -190,6 +326,8 @@ def llama_bench(gguf: str, threads: int = 2, prompt: int = 512, gen: int = 128, 
     cmd = [str(exe), "-m", gguf, "-t", str(threads), "-p", str(prompt), "-n", str(gen), "-r", str(reps), "-o", "json"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=llamacpp_env(env),
                        cwd=str(exe.parent))
+    if faulted(r.returncode):
+        raise TileFault(f"llama-bench died of SIGILL ({isa_choice()['note']})")
     if r.returncode:
         raise RuntimeError(f"llama-bench failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
     out = {}
@@ -232,10 +370,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--build", action="store_true", help="build (or reuse) llama-server and libllama.so")
     ap.add_argument("--bindings", action="store_true", help="make `import llama_cpp` work in this venv")
+    ap.add_argument("--isa", action="store_true", help="print the ISA options a build here uses, and why")
     ap.add_argument("-j", "--jobs", type=int, default=2)
     args = ap.parse_args()
+    if args.isa:
+        c = isa_choice()
+        print(f"{c['note']}\n{' '.join(c['options'])}")
+        if not (args.build or args.bindings):
+            return
     if not (args.build or args.bindings):
-        ap.error("nothing to do: pass --build and/or --bindings")
+        ap.error("nothing to do: pass --build, --bindings or --isa")
     built = build(jobs=args.jobs)
     print(f"llama-server: {built['llama-server']}\nlibllama:     {built['llama']}")
     if args.bindings:

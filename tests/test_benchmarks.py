@@ -76,3 +76,80 @@ def test_engine_state_reports_the_paths_that_ran(tiny_model):
     check_label("tiny fp32 dense, eager", paths)
     with pytest.raises(ValueError):
         check_label("tiny W4A8, fused", paths)
+
+
+# -- llama.cpp's ISA options (benchmarks/llamacpp.py: pure functions, fake /proc/cpuinfo flag sets) --
+
+AVX2 = {"avx", "avx2", "fma", "f16c", "bmi2", "sse4_2"}
+AVX512 = AVX2 | {"avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw", "avx512_vnni", "avx512_bf16"}
+SPR = AVX512 | {"amx_tile", "amx_int8", "amx_bf16"}
+
+
+@pytest.fixture(scope="module")
+def llamacpp():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import llamacpp
+
+    return llamacpp
+
+
+def test_llamacpp_amx_only_where_the_cpu_lists_it_and_the_kernel_grants_the_tile_state(llamacpp):
+    assert llamacpp.amx_decision(AVX512, "auto", True) == (False, "AMX off: CPU has none")
+    assert llamacpp.amx_decision(SPR, "auto", True) == (True, "AMX on")
+    amx, why = llamacpp.amx_decision(SPR, "auto", False, "refused: Operation not supported")
+    assert not amx and why.startswith("AMX off: the kernel refused the tile state") and "not supported" in why
+    assert llamacpp.amx_decision(SPR, "off", True) == (False, "AMX off: INFERD_LLAMACPP_AMX=off")
+    assert llamacpp.amx_decision(SPR, "faulted", True)[0] is False
+    assert llamacpp.amx_decision(None, "auto", True) == (False, "AMX off: CPU has none")
+
+
+def test_llamacpp_cpu_options_name_every_extension_the_cpu_runs(llamacpp):
+    opts = llamacpp.cpu_options(SPR, amx=True)
+    assert "-DGGML_NATIVE=OFF" in opts  # -march=native would switch AMX on whatever the kernel says
+    for o in ("AVX2", "AVX512", "AVX512_VNNI", "AVX512_BF16", "AMX_TILE", "AMX_INT8", "AMX_BF16"):
+        assert f"-DGGML_{o}=ON" in opts
+    assert "-DGGML_AVX_VNNI=OFF" in opts  # not listed by this CPU
+    off = llamacpp.cpu_options(SPR, amx=False)
+    assert {"-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF", "-DGGML_AVX512=ON"} <= set(off)
+    avx2 = llamacpp.cpu_options(AVX2, amx=False)
+    assert "-DGGML_AVX2=ON" in avx2 and "-DGGML_AVX512=OFF" in avx2
+    # avx512f alone is not ggml's AVX512 (it assumes cd, vl, dq and bw with it)
+    assert "-DGGML_AVX512=OFF" in llamacpp.cpu_options(AVX2 | {"avx512f"}, amx=False)
+    assert llamacpp.cpu_options(None, amx=False) == ["-DGGML_NATIVE=ON"]  # not x86 / no /proc/cpuinfo
+
+
+def test_llamacpp_rows_say_which_isa_and_amx_state_ran(llamacpp):
+    amx, why = llamacpp.amx_decision(AVX512, "auto", True)
+    note = llamacpp.isa_note(llamacpp.cpu_options(AVX512, amx), why)
+    assert note == "llama.cpp ISA: sse42 f16c fma bmi2 avx avx2 avx512 avx512_vnni avx512_bf16, AMX off: CPU has none"
+    assert llamacpp.isa_note(llamacpp.cpu_options(SPR, True), "AMX on").endswith("avx512_bf16, AMX on")
+    on = {"engine": "llama.cpp", "amx": True, "amx_faulted": False}
+    off = {"engine": "llama.cpp", "amx": False, "amx_faulted": False}
+    fault = {"engine": "llama.cpp", "amx": False, "amx_faulted": True}
+    assert llamacpp.row_name(on) == "llama.cpp [AMX on]" and llamacpp.row_name(off, "llama-bench") == "llama-bench [AMX off]"
+    assert llamacpp.row_name(fault) == "llama.cpp without AMX (tile load faulted)"
+    for rec in (on, off, fault):
+        check_label(llamacpp.row_name(rec) + " Q4_1 (OMP active)", rec)
+    with pytest.raises(ValueError):
+        check_label(llamacpp.row_name(on), off)
+
+
+def test_llamacpp_retries_once_without_amx_after_a_tile_fault(llamacpp, monkeypatch):
+    monkeypatch.setattr(llamacpp, "isa_choice", lambda: {"amx": llamacpp.os.environ.get(llamacpp.AMX_ENV) != "faulted"})
+    monkeypatch.delenv(llamacpp.AMX_ENV, raising=False)
+    calls, restarts = [], []
+
+    def run():
+        calls.append(llamacpp.os.environ.get(llamacpp.AMX_ENV))
+        if len(calls) == 1:
+            raise llamacpp.TileFault("SIGILL")
+        return 42.0
+
+    assert llamacpp.run_llamacpp(run, on_fault=lambda: restarts.append(1)) == 42.0
+    assert calls == [None, "faulted"] and restarts == [1]
+    with pytest.raises(llamacpp.TileFault):  # a fault without AMX is not retried
+        llamacpp.run_llamacpp(lambda: (_ for _ in ()).throw(llamacpp.TileFault("SIGILL")))
+    assert llamacpp.faulted(-4) and llamacpp.faulted(132) and not llamacpp.faulted(1) and not llamacpp.faulted(None)
