@@ -28,13 +28,17 @@ With --isa-sweep, the W4A8 rows run again under every kernel variant this CPU ex
 generic, avx2, avx512, avx512_vnni; inferd.kernels.native), batch 1 and batch 16 (the kernel's most
 rows), in alternating rounds: what each variant is worth on this machine.
 
+Every row is the median of --rounds interleaved rounds, printed with the min-max over them; the header
+gives the setup and, per contender, the paths that ran (kernel variant, weight formats, activation
+and KV dtypes, fused decode steps; llama.cpp's build ISA and AMX state), and each row label is
+checked against them. --json F writes {"cpu", "setup", "rows", "paths", ...}.
+
 Usage: .venv/bin/python benchmarks/quant_decode.py [--tokens 128] [--rounds 3] [--json F]
-       [--only SUBSTRING] [--isa-sweep]
+       [--only SUBSTRING] [--isa-sweep] [--tiny]
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -46,7 +50,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 sys.path.insert(0, HERE)
 
-from common import bytes_per_decode_token, cpu_features, hf_decode_rate as hf_rate, int8_peak_gops, read_bandwidth_gbs  # noqa: E402
+from common import (bytes_per_decode_token, check_rows, fmt_spread, hf_decode_rate as hf_rate, hf_paths,  # noqa: E402
+                    int8_peak_gops, interleaved, merge_paths, read_bandwidth_gbs, report_header, spread, write_json)
 from inferd.engine.rate import decode_rate, prefill_rate  # noqa: E402
 from inferd.quant import weight_bytes  # noqa: E402
 from inferd.loading.loader import default_model_path, load_model  # noqa: E402
@@ -66,8 +71,13 @@ CONFIGS = [  # (label, quantization, group size, quantize lm_head, dtype, int8 a
 ]
 
 
-def engine_rate(loaded, prompt: list[int], n: int, batch: int = 1) -> float:
-    return decode_rate(loaded, prompt, n, batch, warmup=True)
+def engine_rate(loaded, prompt: list[int], n: int, batch: int = 1, record: dict | None = None, key=None) -> float:
+    """decode_rate, its paths record merged into record[key] (counters summed over the runs)."""
+    got: dict = {}
+    rate = decode_rate(loaded, prompt, n, batch, warmup=True, paths=got)
+    if record is not None:
+        record[key] = merge_paths(record.get(key), got)
+    return rate
 
 
 def fp32_kernel_penalty(reps: int = 50) -> dict:
@@ -124,8 +134,9 @@ def matmul_params(model) -> int:
     return cfg.num_hidden_layers * per_layer + cfg.vocab_size * cfg.hidden_size
 
 
-def isa_sweep(models, prompt, a) -> dict:
-    """{(variant, label, batch): tok/s} for the W4A8 configs, variants alternating within each round."""
+def isa_sweep(models, prompt, a, record: dict) -> dict:
+    """{(variant, label, batch): [tok/s per round]} for the W4A8 configs, variants alternating within
+    each round; record["LABEL VARIANT"]: what ran under each variant (its label names the variant)."""
     from inferd.kernels import native
 
     variants = list(torch.ops.inferd.runnable_isas())
@@ -135,16 +146,68 @@ def isa_sweep(models, prompt, a) -> dict:
         for v in variants:
             native.use_isa(v)
             for lab in labels:
-                runs[(v, lab, 1)].append(engine_rate(models[lab], prompt, a.tokens))
-                runs[(v, lab, 16)].append(engine_rate(models[lab], prompt, 32, batch=16))
+                runs[(v, lab, 1)].append(engine_rate(models[lab], prompt, a.tokens, 1, record, f"{lab} {v}"))
+                runs[(v, lab, 16)].append(engine_rate(models[lab], prompt, 32, 16, record, f"{lab} {v}"))
     native.use_isa("auto")
-    return {k: statistics.median(r) for k, r in runs.items()}
+    return runs
+
+
+def llamacpp_rows(a, path: str, prompt: list[int], runners: dict, rates: dict, bench_pp: list) -> str:
+    """Register llama.cpp's contenders in `runners` (in-process decode under both OpenMP wait
+    policies, llama-bench); returns a note when they could not run. Each call goes through
+    llamacpp.run_llamacpp: a SIGILL on an AMX build is retried once without AMX."""
+    import re
+    import subprocess
+
+    from llamacpp import TileFault, faulted, llama_bench, run_llamacpp
+
+    note = ""
+    if not a.skip_llamacpp:
+        # its own process: whichever library loads libgomp first fixes the OpenMP wait policy for the
+        # whole process (benchmarks/llamacpp_decode.py). Both policies run, and llama.cpp is compared at
+        # its better one: passive suits an oversubscribed box, libgomp's spinning a quiet one (36 vs 116
+        # tok/s on the quiet 2-core AVX2 machine)
+        def llamacpp_round(policy: str) -> float:
+            r = subprocess.run([sys.executable, os.path.join(HERE, "llamacpp_decode.py"), "--gguf", path,
+                                "--prompt-len", str(len(prompt)), "--n-out", str(a.tokens), "--threads",
+                                str(a.threads), "--rounds", "1"], capture_output=True, text=True, timeout=3600,
+                               env=dict(os.environ, OMP_WAIT_POLICY=policy))
+            if faulted(r.returncode):
+                raise TileFault("llama.cpp (in-process decode) died of SIGILL")
+            m = re.search(r"decode: ([0-9.]+) tok/s", r.stdout)
+            if r.returncode or not m:
+                raise RuntimeError((r.stderr or r.stdout).strip().splitlines()[-1:] or "no output")
+            return float(m.group(1))
+
+        try:
+            run_llamacpp(lambda: llamacpp_round("passive"))  # builds/installs on first use
+            for policy in ("passive", "active"):
+                runners[f"llama.cpp Q4_1 (OMP {policy})"] = lambda p=policy: run_llamacpp(lambda: llamacpp_round(p))
+        except Exception as e:  # optional competitor: say why it is missing, keep the rest
+            note = f"llama.cpp skipped: {type(e).__name__}: {e}"
+    if not a.skip_llama_bench:
+        def llama_bench_round() -> float:
+            # the policy llama.cpp's in-process rows found faster so far this run (active on a quiet box)
+            done = {p: statistics.median(rates[f"llama.cpp Q4_1 (OMP {p})"]) for p in ("passive", "active")
+                    if rates.get(f"llama.cpp Q4_1 (OMP {p})")}
+            policy = max(done, key=done.get) if done else "active"
+            r = run_llamacpp(lambda: llama_bench(path, threads=a.threads,
+                                                 env=dict(os.environ, OMP_WAIT_POLICY=policy)))
+            bench_pp.append(r["pp512"])
+            return r["tg128"]
+
+        try:
+            run_llamacpp(lambda: llama_bench(path, threads=a.threads, reps=1))  # builds on first use
+            runners["llama-bench tg128 (-r 5)"] = llama_bench_round
+        except Exception as e:
+            note += f" llama-bench skipped: {type(e).__name__}: {e}"
+    return note
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; every row is their median")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-llamacpp", action="store_true")
@@ -155,15 +218,23 @@ def main():
     ap.add_argument("--batches", default="8,16,32", help="decode batch sizes for the batch table ('' to skip)")
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--skip-llama-bench", action="store_true")
+    ap.add_argument("--tiny", action="store_true",
+                    help="a seconds-long smoke run (the tests): inferd fp32 and gguf W4A8 only, 8 tokens, "
+                         "1 round, no competitors, no batch, prefill or roofline tables")
     a = ap.parse_args()
+    if a.tiny:
+        a.tokens, a.rounds, a.batches, a.only = 8, 1, "", a.only or "gguf +lm_head W4A8"
+        a.skip_hf = a.skip_llamacpp = a.skip_llama_bench = a.skip_prefill = a.skip_batch32 = True
     torch.set_num_threads(a.threads)
     path = default_model_path()
+    always = ("inferd fp32",) if a.tiny else ("inferd bf16", "inferd fp32")  # the dense baselines
     models = {label: load_model(path, dtype=dt, quantization=q, quant_group_size=g, quantize_lm_head=lm,
                                 quantize_activations=a8)
-              for label, q, g, lm, dt, a8 in CONFIGS if label in ("inferd bf16", "inferd fp32") or not a.only or a.only in label}
-    tok = models["inferd bf16"].tokenizer
+              for label, q, g, lm, dt, a8 in CONFIGS if label in always or not a.only or a.only in label}
+    tok = models["inferd fp32"].tokenizer
     prompt = tok.encode("The history of the printing press begins in the fifteenth century, when " * 8)[:64]
-    runners = {label: (lambda m=m: engine_rate(m, prompt, a.tokens)) for label, m in models.items()}
+    paths: dict = {}  # contender -> the record of what ran, over every run of it in this script
+    runners = {label: (lambda m=m, k=label: engine_rate(m, prompt, a.tokens, 1, paths, k)) for label, m in models.items()}
     if not a.skip_hf:
         import transformers  # benchmark/test dependency only
 
@@ -175,75 +246,50 @@ def main():
             q_proj = hf.model.layers[0].self_attn.q_proj  # a dense model in `dt`, not packed GGUF blocks
             assert type(q_proj) is torch.nn.Linear and q_proj.weight.dtype == dt, (type(q_proj), q_proj.weight.dtype)
             runners[f"HF transformers {name}"] = lambda hf=hf: hf_rate(hf, prompt, a.tokens)
-    llama_note = ""
-    if not a.skip_llamacpp:
-        # its own process: whichever library loads libgomp first fixes the OpenMP wait policy for the
-        # whole process (benchmarks/llamacpp_decode.py). Both policies run, and llama.cpp is compared at
-        # its better one: passive suits an oversubscribed box, libgomp's spinning a quiet one (36 vs 116
-        # tok/s on the quiet 2-core AVX2 machine)
-        import re
-        import subprocess
+            paths[f"HF transformers {name}"] = hf_paths(hf)
+    bench_pp: list = []
+    rates: dict = {}
+    llama_note = llamacpp_rows(a, path, prompt, runners, rates, bench_pp)
+    interleaved(runners, a.rounds, into=rates)
+    # llama.cpp's rows carry its build's ISA and AMX state (known only now: a tile fault may have
+    # switched AMX off part-way), and every row's label is checked against what ran
+    llama_info = None
+    if any(k.startswith(("llama.cpp", "llama-bench")) for k in rates):
+        from llamacpp import build_info, row_name
 
-        def llamacpp_round(policy: str) -> float:
-            r = subprocess.run([sys.executable, os.path.join(HERE, "llamacpp_decode.py"), "--gguf", path,
-                                "--prompt-len", str(len(prompt)), "--n-out", str(a.tokens), "--threads",
-                                str(a.threads), "--rounds", "1"], capture_output=True, text=True, timeout=3600,
-                               env=dict(os.environ, OMP_WAIT_POLICY=policy))
-            m = re.search(r"decode: ([0-9.]+) tok/s", r.stdout)
-            if r.returncode or not m:
-                raise RuntimeError((r.stderr or r.stdout).strip().splitlines()[-1:] or "no output")
-            return float(m.group(1))
-
-        try:
-            llamacpp_round("passive")  # builds/installs on first use
-            for policy in ("passive", "active"):
-                runners[f"llama.cpp Q4_1 (OMP {policy})"] = lambda p=policy: llamacpp_round(p)
-        except Exception as e:  # optional competitor: say why it is missing, keep the rest
-            llama_note = f"llama.cpp skipped: {type(e).__name__}: {e}"
-    bench_pp = []
-    if not a.skip_llama_bench:
-        from llamacpp import llama_bench
-
-        def llama_bench_round() -> float:
-            # the policy llama.cpp's in-process rows found faster so far this run (active on a quiet box)
-            done = {p: statistics.median(rates[f"llama.cpp Q4_1 (OMP {p})"]) for p in ("passive", "active")
-                    if rates.get(f"llama.cpp Q4_1 (OMP {p})")}
-            policy = max(done, key=done.get) if done else "active"
-            r = llama_bench(path, threads=a.threads, env=dict(os.environ, OMP_WAIT_POLICY=policy))
-            bench_pp.append(r["pp512"])
-            return r["tg128"]
-
-        try:
-            llama_bench(path, threads=a.threads, reps=1)  # builds on first use
-            runners["llama-bench tg128 (-r 5)"] = llama_bench_round
-        except Exception as e:
-            llama_note += f" llama-bench skipped: {type(e).__name__}: {e}"
-    rates: dict = {k: [] for k in runners}
-    for _ in range(a.rounds):
-        for k, fn in runners.items():
-            rates[k].append(fn())
+        llama_info = build_info()
+        renamed = {k: (row_name(llama_info, k.split()[0]) + k[len(k.split()[0]):]
+                       if k.startswith(("llama.cpp", "llama-bench")) else k) for k in rates}
+        rates = {renamed[k]: v for k, v in rates.items()}
+        for k in rates:
+            if k.startswith(("llama.cpp", "llama-bench")):
+                paths[k] = llama_info
+    check_rows(paths)
     med = {k: statistics.median(v) for k, v in rates.items()}
-    sweep = isa_sweep(models, prompt, a) if a.isa_sweep else {}
+    sweep = isa_sweep(models, prompt, a, paths) if a.isa_sweep else {}
+    check_rows(paths)
     # the roofline: what a token reads (mean context over the run) against measured read bandwidth
-    bw = read_bandwidth_gbs(a.threads)
+    bw = None if a.tiny else read_bandwidth_gbs(a.threads)
     per_token = {k: bytes_per_decode_token(m.model, len(prompt) + a.tokens // 2) for k, m in models.items()}
 
     batches = [int(b) for b in a.batches.split(",") if b]
     dense_keys = [k for k in ("inferd bf16", "inferd fp32") if k in models]
     quant_keys = [k for k in models if "W4A8" in k]
-    batch_rates: dict = {}
-    for _ in range(a.rounds if batches else 0):
-        for bsz in batches:
-            for k in dense_keys + quant_keys:
-                batch_rates.setdefault((k, bsz), []).append(engine_rate(models[k], prompt, 64, batch=bsz))
-    bmed = {k: statistics.median(v) for k, v in batch_rates.items()}
+    batch_runs = interleaved({(k, bsz): (lambda k=k, b=bsz: engine_rate(models[k], prompt, 64, b, paths, k))
+                              for bsz in batches for k in dense_keys + quant_keys}, a.rounds, log=False)
+    bmed = {k: statistics.median(v) for k, v in batch_runs.items()}
+    peaks = None if a.tiny else gemm_peaks(a.threads)
     prefill: dict = {}
-    peaks = gemm_peaks(a.threads)
     if not a.skip_prefill:
         long_prompt = tok.encode("The history of the printing press begins in the fifteenth century, when " * 60)[:512]
-        for _ in range(a.rounds):
-            for k in dense_keys + quant_keys:
-                prefill.setdefault(k, []).append(prefill_rate(models[k], long_prompt, rounds=1))
+
+        def prefill_run(k):
+            got: dict = {}
+            v = prefill_rate(models[k], long_prompt, rounds=1, paths=got)
+            paths[k] = merge_paths(paths.get(k), got)
+            return v
+
+        prefill = interleaved({k: (lambda k=k: prefill_run(k)) for k in dense_keys + quant_keys}, a.rounds, log=False)
     pmed = {k: statistics.median(v) for k, v in prefill.items()}
     mem = {k: weight_bytes(m.model) for k, m in models.items()}
 
@@ -253,24 +299,33 @@ def main():
                   "inferd gguf +lm_head W4A8/W8A8", "inferd int4 g32 +lm_head W4A8"):
             if k not in models:
                 continue
-            b32[k] = engine_rate(models[k], prompt, 64, batch=32)
-    pen = fp32_kernel_penalty()
+            b32[k] = engine_rate(models[k], prompt, 64, 32, paths, k)
+    pen = None if a.tiny else fp32_kernel_penalty()
+    check_rows(paths)
 
     four_bit = [k for k in med if k.startswith("inferd") and ("int4" in k or "gguf" in k)]
     best = max(four_bit, key=med.get)
-    print(f"\n{cpu_features()}")
-    print(f"inferd kernels: {torch.ops.inferd.isa()} variant (runnable: {', '.join(torch.ops.inferd.runnable_isas())})")
-    print(f"PyTorch CPU kernels: {torch.backends.cpu.get_cpu_capability()}, {a.threads} threads "
-          "(bf16 GEMMs are fast only with AVX512-BF16/AMX; elsewhere fp32 is the fast dense dtype)")
-    print(f"batch-1 decode, {a.tokens} tokens after a 64-token prompt, {a.threads} threads, bf16 activations "
-          f"(fp32 for the fp32 and W4A8 rows), median of {a.rounds} alternating rounds")
-    print(f"read bandwidth measured here: {bw:.1f} GB/s ({a.threads} threads, streaming over 4x the last-level "
-          "cache); MB/token = the bytes a decode step reads (weights as held, scales, lm_head, KV)")
-    print(f"{'contender':<40} {'tok/s':>8} {'MB/token':>9} {'% of bw':>8}   rounds")
-    for k, v in med.items():
-        roof = (f"{per_token[k] / 1e6:>9.1f} {100 * v * per_token[k] / 1e9 / bw:>7.1f}%" if k in per_token
+    setup = {"model": os.path.basename(path), "threads": a.threads, "prompt tokens": len(prompt),
+             "output tokens": a.tokens, "batch": 1, "requests": "1 a contender a round (greedy, ignore_eos; "
+             "tok/s after the first token: prefill excluded)",
+             "rounds": f"{a.rounds}, interleaved (every contender once a round); each row is the median, "
+                       "with the min-max over the rounds",
+             "activations": "bf16 (fp32 for the fp32 and W4A8 rows)",
+             "inferd kernels": f"{torch.ops.inferd.isa()} variant (runnable: "
+                               f"{', '.join(torch.ops.inferd.runnable_isas())})",
+             "PyTorch CPU kernels": f"{torch.backends.cpu.get_cpu_capability()} (bf16 GEMMs are fast only with "
+                                    "AVX512-BF16/AMX; elsewhere fp32 is the fast dense dtype)"}
+    if llama_info:
+        setup["llama.cpp"] = llama_info["isa"]
+    report_header(f"batch-1 decode, {a.tokens} tokens after a {len(prompt)}-token prompt", setup, paths)
+    if bw:
+        print(f"read bandwidth measured here: {bw:.1f} GB/s ({a.threads} threads, streaming over 4x the last-level "
+              "cache); MB/token = the bytes a decode step reads (weights as held, scales, lm_head, KV)")
+    print(f"{'contender':<48} {'tok/s (min-max)':>22} {'MB/token':>9} {'% of bw':>8}")
+    for k, v in rates.items():
+        roof = (f"{per_token[k] / 1e6:>9.1f} {100 * med[k] * per_token[k] / 1e9 / bw:>7.1f}%" if k in per_token and bw
                 else f"{'':>9} {'':>8}")
-        print(f"{k:<40} {v:>8.1f} {roof}   {[round(x, 1) for x in rates[k]]}")
+        print(f"{k:<48} {fmt_spread(v):>22} {roof}")
     print(f"\nfastest 4-bit path: {best} = {med[best]:.1f} tok/s")
     weight_only = [k for k in four_bit if "W4A8" not in k]
     if "W4A8" in best and weight_only:
@@ -278,7 +333,8 @@ def main():
         print(f"  (activations rounded to int8 per 32-block: lossy beyond the weights, judged by inferd eval "
               f"--quantization int4+a8,gguf+a8; fastest weight-only 4-bit path: {wo} = {med[wo]:.1f} tok/s, "
               f"{med[wo] / med['inferd bf16']:.2f}x inferd bf16)")
-    print(f"  vs inferd bf16:          {med[best] / med['inferd bf16']:.2f}x   (bar: >= 2.0)")
+    if "inferd bf16" in med:
+        print(f"  vs inferd bf16:          {med[best] / med['inferd bf16']:.2f}x   (bar: >= 2.0)")
     print(f"  vs inferd fp32:          {med[best] / med['inferd fp32']:.2f}x   (the faster dense dtype without AVX512-BF16)")
     if "HF transformers bf16" in med:
         print(f"  vs HF transformers bf16: {med[best] / med['HF transformers bf16']:.2f}x   (bar: >= 4.0)")
@@ -287,13 +343,15 @@ def main():
     if llama:
         lk = max(llama, key=med.get)
         print(f"  vs llama.cpp:            {med[best] / med[lk]:.2f}x   ({lk}, its faster OpenMP wait policy here)")
-    if "llama-bench tg128 (-r 5)" in med:
-        print(f"  vs llama-bench tg128:    {med[best] / med['llama-bench tg128 (-r 5)']:.2f}x")
-    print(f"  of measured bandwidth:   {100 * med[best] * per_token[best] / 1e9 / bw:.1f}%")
+    tg = next((k for k in med if k.startswith("llama-bench")), None)
+    if tg:
+        print(f"  vs llama-bench tg128:    {med[best] / med[tg]:.2f}x   ({tg})")
+    if bw:
+        print(f"  of measured bandwidth:   {100 * med[best] * per_token[best] / 1e9 / bw:.1f}%")
     if llama_note:
         print("  " + llama_note)
     if b32:
-        print("\nbatch-32 decode throughput (64 tokens each):")
+        print("\nbatch-32 decode throughput (64 tokens each, one run):")
         for k, v in b32.items():
             print(f"  {k:<38} {v:>8.1f} tok/s")
         g = "inferd gguf (Q4_1 blocks)"
@@ -302,15 +360,16 @@ def main():
     if b32:
         # the rule for making gguf the default on CPU: beat the dequantized model at batch 1 and 32;
         # both dense dtypes are checked, since on CPUs without AVX512-BF16 fp32 wins large batches
-        for dense in ("inferd bf16", "inferd fp32"):
+        for dense in dense_keys:
             wins = med[g] > med[dense] and b32[g] > b32[dense]
             print(f"  gguf beats dense {dense[7:]} at batch 1 and 32: {wins}")
         print("  (the default stays --quantization none unless gguf beats both)")
-    print("\npacked kernels, one 576->3072 layer, batch 1: fp32 vs bf16 activations")
-    for k, v in pen.items():
-        print(f"  {k}: bf16 {v['bf16_us']:.0f} us, fp32 {v['fp32_us']:.0f} us ({v['fp32_slowdown']:.1f}x slower)")
+    if pen:
+        print("\npacked kernels, one 576->3072 layer, batch 1: fp32 vs bf16 activations")
+        for k, v in pen.items():
+            print(f"  {k}: bf16 {v['bf16_us']:.0f} us, fp32 {v['fp32_us']:.0f} us ({v['fp32_slowdown']:.1f}x slower)")
     if bmed:
-        print(f"\nbatched decode, total tok/s (64 tokens each, median of {a.rounds} alternating rounds); "
+        print(f"\nbatched decode, total tok/s (64 tokens each, median of {a.rounds} interleaved rounds); "
               "weight memory = every parameter and buffer the model holds")
         print(f"{'contender':<36} {'MiB':>6} {'x bf16':>7}" + "".join(f" {'b' + str(b):>8}" for b in batches))
         for k in dense_keys + quant_keys:
@@ -321,8 +380,8 @@ def main():
                 f"b{b} {bmed[(k, b)] / max(bmed[(d, b)] for d in dense_keys):.2f}x" for b in batches)
                 + " the faster dense dtype at each batch")
     if pmed:
-        n = matmul_params(models["inferd bf16"].model)
-        print(f"\nprefill, one 512-token chunk, prompt tok/s (median of {a.rounds} rounds); GOP/s = 2 x "
+        n = matmul_params(models["inferd fp32"].model)
+        print(f"\nprefill, one 512-token chunk, prompt tok/s (median of {a.rounds} interleaved rounds); GOP/s = 2 x "
               f"{n / 1e6:.0f}M matmul weights x tokens / s; measured GEMM peaks here at 512x576x3072: "
               f"int8 {peaks['int8']:.0f} GOP/s (the higher of torch._int_mm {peaks['int8_mm']:.0f} and the "
               f"{peaks['int8_isa']} dot-product instruction's peak {peaks['int8_instr']:.0f}), "
@@ -334,20 +393,26 @@ def main():
             print(f"{k:<36} {v:>8.1f} {gops:>7.0f} {100 * gops / peaks['int8']:>11.1f}% "
                   f"{v / pmed['inferd fp32']:>6.2f}x" + (f" {v / pp:>7.2f}x" if pp else ""))
         if pp:
-            print(f"{'llama-bench pp512 (-r 5)':<36} {pp:>8.1f} {2 * n * pp / 1e9:>7.0f}   rounds {[round(x, 1) for x in bench_pp]}")
+            print(f"{(tg or 'llama-bench').replace('tg128', 'pp512'):<36} {pp:>8.1f} {2 * n * pp / 1e9:>7.0f}   "
+                  f"rounds {[round(x, 1) for x in bench_pp]}")
     if sweep:
-        print(f"\nW4A8 decode tok/s per kernel variant (median of {a.rounds} alternating rounds; "
+        print(f"\nW4A8 decode tok/s per kernel variant (median of {a.rounds} interleaved rounds; "
               f"batch 16: 32 tokens each)")
         print(f"{'variant':<13} {'contender':<34} {'batch 1':>8} {'batch 16':>9}")
         for v, lab in dict.fromkeys(k[:2] for k in sweep):
-            print(f"{v:<13} {lab:<34} {sweep[(v, lab, 1)]:>8.1f} {sweep[(v, lab, 16)]:>9.1f}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"read_bandwidth_gbs": bw, "bytes_per_token": per_token, "isa_sweep": {f"{v}|{lab}|b{b}": r for (v, lab, b), r in sweep.items()},"cpu": cpu_features(), "cpu_capability": torch.backends.cpu.get_cpu_capability(), "batch1_tok_s": med, "rounds": rates, "fastest_4bit": best, "batch32_tok_s": b32,
-                       "fp32_kernel_penalty": pen, "llamacpp_note": llama_note,
-                       "batched_tok_s": {f"{k}|b{b}": v for (k, b), v in bmed.items()},
-                       "prefill_tok_s": pmed, "llama_bench_pp512": bench_pp, "gemm_peaks_gops": peaks,
-                       "weight_bytes": mem}, f, indent=2)
+            print(f"{v:<13} {lab:<34} {statistics.median(sweep[(v, lab, 1)]):>8.1f} "
+                  f"{statistics.median(sweep[(v, lab, 16)]):>9.1f}")
+    rows = [{"label": k, "metric": "batch-1 decode tok/s", **spread(v)} for k, v in rates.items()]
+    rows += [{"label": k, "metric": f"batch-{b} decode tok/s", **spread(v)} for (k, b), v in batch_runs.items()]
+    rows += [{"label": k, "metric": "512-token prefill tok/s", **spread(v)} for k, v in prefill.items()]
+    if bench_pp:
+        rows.append({"label": (tg or "llama-bench").replace("tg128", "pp512"), "metric": "512-token prefill tok/s",
+                     **spread(bench_pp)})
+    rows += [{"label": f"{lab} {v}", "metric": f"batch-{b} decode tok/s", **spread(r)}
+             for (v, lab, b), r in sweep.items()]
+    write_json(a.json, setup, rows, paths, fastest_4bit=best, read_bandwidth_gbs=bw, bytes_per_token=per_token,
+               cpu_capability=torch.backends.cpu.get_cpu_capability(), batch32_tok_s=b32, fp32_kernel_penalty=pen,
+               llamacpp_note=llama_note, gemm_peaks_gops=peaks, weight_bytes=mem)
 
 
 if __name__ == "__main__":
