@@ -1,19 +1,26 @@
 """inferd's engine vs Hugging Face transformers `generate`, on the same requests, in one process run.
 
-Prints one table:
-  1. inferd continuous batching vs HF static padded batches of 32 (bf16, sdpa, left padding),
-     counting only each request's own output tokens; plus inferd's share of the bf16 FLOP ceiling
-     measured in this run;
-  2. inferd continuous vs inferd --scheduling static at equal max_num_seqs;
+Like for like: one batch cap (--batch-cap) for all three batched contenders, and the same weights
+(both load the default GGUF's Q4_1 blocks dequantized to bf16: every linear and the embedding are
+compared bit for bit before anything is timed, and the run stops if one differs).
+  1. inferd continuous batching (max_num_seqs = the cap) vs HF static padded batches of the cap
+     (bf16, sdpa, left padding), counting only each request's own output tokens; plus inferd's
+     share of the bf16 FLOP ceiling measured in this run;
+  2. inferd continuous vs inferd --scheduling static at the same cap;
   3. inferd batch-1 decode vs HF batch-1 decode.
+Every row is the median of --rounds interleaved rounds (each contender once a round), printed with
+the min-max; the header gives the setup and the paths each inferd engine ran, and --json F writes
+{"cpu", "setup", "rows", "paths"}.
 
-Usage: .venv/bin/python benchmarks/engine_vs_hf.py [--num-prompts 64] [--threads 2]
+Usage: .venv/bin/python benchmarks/engine_vs_hf.py [--num-prompts 64] [--batch-cap 32] [--threads 2]
+       [--rounds 3] [--json F]
 transformers is a benchmark/test dependency only; the product never imports it.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -22,12 +29,14 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import cpu_features, hf_decode_rate  # noqa: E402
+from common import (check_rows, fmt_spread, hf_decode_rate, hf_paths, interleaved, merge_paths,  # noqa: E402
+                    report_header, spread, write_json)
+from inferd.commands.throughput import random_requests  # noqa: E402
 from inferd.engine.engine import LLMEngine  # noqa: E402
+from inferd.engine.paths import engine_paths  # noqa: E402
 from inferd.engine.rate import decode_rate  # noqa: E402
 from inferd.engine.request import SamplingParams  # noqa: E402
 from inferd.loading.loader import default_model_path, load_model  # noqa: E402
-from inferd.commands.throughput import random_requests  # noqa: E402
 
 
 def bf16_gemm_rate(n: int = 2048, reps: int = 10) -> float:
@@ -70,21 +79,50 @@ def run_hf_static(hf, reqs, batch: int, pad_id: int) -> tuple[float, float]:
     return sum(n for _, n in reqs) / dt, dt
 
 
-def inferd_decode_rate(loaded, prompt, n) -> float:
-    return decode_rate(loaded, prompt, n, warmup=True)
+def load_hf(dtype: torch.dtype):
+    import transformers  # benchmark/test dependency only
+
+    path = default_model_path()
+    # transformers 5 can keep a GGUF's blocks packed: ask for the dense model explicitly
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype, attn_implementation="sdpa",
+        quantization_config=transformers.GgufConfig(dequantize=True))
+    return hf.eval()
+
+
+def same_weights(model, hf) -> str:
+    """Compare every linear and the embedding of inferd's model with transformers' (inferd holds q/k/v
+    and gate/up fused); raise SystemExit at the first difference: a ratio between different weights
+    is no like-for-like row."""
+    pairs = [("embed_tokens", model.embed_tokens.weight, hf.model.embed_tokens.weight)]
+    for i, (ours, theirs) in enumerate(zip(model.layers, hf.model.layers)):
+        at, mlp = theirs.self_attn, theirs.mlp
+        pairs += [(f"layers.{i}.qkv_proj", ours.qkv_proj.weight,
+                   torch.cat([at.q_proj.weight, at.k_proj.weight, at.v_proj.weight])),
+                  (f"layers.{i}.o_proj", ours.o_proj.weight, at.o_proj.weight),
+                  (f"layers.{i}.gate_up_proj", ours.gate_up_proj.weight,
+                   torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
+                  (f"layers.{i}.down_proj", ours.down_proj.weight, mlp.down_proj.weight)]
+    pairs.append(("lm_head", model.lm_head.weight, hf.lm_head.weight))
+    for name, a, b in pairs:
+        if a.dtype != b.dtype or not torch.equal(a, b):
+            raise SystemExit(f"not like for like: {name} differs between inferd ({a.dtype}) and transformers "
+                             f"({b.dtype})")
+    return (f"identical: {len(pairs)} tensors (every linear and the embedding) compared bit for bit, "
+            f"{str(model.embed_tokens.weight.dtype)[6:]}")
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--hf-batch", type=int, default=32)
-    ap.add_argument("--max-num-seqs", type=int, default=64, help="inferd's batch cap vs HF")
-    ap.add_argument("--static-max-num-seqs", type=int, default=8,
-                    help="the batch cap both inferd schedulers share in the continuous-vs-static row")
+    ap.add_argument("--batch-cap", type=int, default=32,
+                    help="the one batch cap: inferd's max_num_seqs (continuous and static) and HF's batch size")
     ap.add_argument("--kv-cache-dtype", default="auto")
-    ap.add_argument("--rounds", type=int, default=3, help="batch-1 decode: alternating rounds, median")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; every row is their median")
+    ap.add_argument("--decode-tokens", type=int, default=128, help="batch-1 decode rows: tokens a round")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--json", default=None)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     loaded = load_model(None, dtype="bfloat16")
@@ -93,50 +131,70 @@ def main():
     reqs = random_requests(a.num_prompts, (64, 256), (32, 256), cfg.vocab_size, seed=0, avoid=special)
     n_params = sum(p.numel() for p in loaded.model.parameters())
     kv = dict(kv_cache_memory="1GiB", kv_cache_dtype=a.kv_cache_dtype)
+    cap = a.batch_cap
+    hf = None if a.skip_hf else load_hf(torch.bfloat16)
+    weights = same_weights(loaded.model, hf) if hf is not None else "inferd only (--skip-hf)"
 
-    peak = bf16_gemm_rate()
-    cont_tps, cont_dt, eng = run_inferd(loaded, reqs, max_num_seqs=a.max_num_seqs, **kv)
-    flops = 2 * n_params * (sum(len(p) for p, _ in reqs) + sum(n for _, n in reqs))
-    c16_tps, _, _ = run_inferd(loaded, reqs, max_num_seqs=a.static_max_num_seqs, **kv)
-    s16_tps, _, _ = run_inferd(loaded, reqs, max_num_seqs=a.static_max_num_seqs, scheduling="static", **kv)
+    cont, stat = f"inferd continuous, max_num_seqs={cap}", f"inferd static, max_num_seqs={cap}"
+    hf_row = f"HF generate, static padded batches of {cap}"
+    b1, hf_b1 = "inferd batch-1 decode", "HF batch-1 decode"
+    paths: dict = {}
+    largest = {"seqs": 0, "preemptions": 0}
+
+    def inferd_batched(label: str, **opts) -> float:
+        tps, _, eng = run_inferd(loaded, reqs, max_num_seqs=cap, **kv, **opts)
+        paths[label] = merge_paths(paths.get(label), engine_paths(eng))
+        if label == cont:
+            largest.update(seqs=eng.stats.max_batch_seqs, preemptions=largest["preemptions"] + eng.stats.preemptions)
+        return tps
+
+    def inferd_b1() -> float:
+        got: dict = {}
+        v = decode_rate(loaded, prompt, a.decode_tokens, warmup=True, paths=got)
+        paths[b1] = merge_paths(paths.get(b1), got)
+        return v
+
     prompt = reqs[0][0][:93]
-    hf = None
-    if not a.skip_hf:
-        import transformers
+    runners = {cont: lambda: inferd_batched(cont)}
+    if hf is not None:
+        runners[hf_row] = lambda: run_hf_static(hf, reqs, cap, pad_id=2)[0]
+        paths[hf_row] = paths[hf_b1] = hf_paths(hf)
+    runners[stat] = lambda: inferd_batched(stat, scheduling="static")
+    runners[b1] = inferd_b1
+    if hf is not None:
+        runners[hf_b1] = lambda: hf_decode_rate(hf, prompt, a.decode_tokens)
+    peak = bf16_gemm_rate()
+    runs = interleaved(runners, a.rounds)
+    check_rows(paths)
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    flops = 2 * n_params * (sum(len(p) for p, _ in reqs) + sum(n for _, n in reqs))
+    cont_dt = sum(n for _, n in reqs) / med[cont]
 
-        path = default_model_path()
-        hf = transformers.AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.bfloat16,
-            attn_implementation="sdpa")
-        hf.eval()
-    b1, hf_b1 = [], []
-    for _ in range(a.rounds):  # alternate, so both see the same machine weather
-        b1.append(inferd_decode_rate(loaded, prompt, 128))
-        if hf is not None:
-            hf_b1.append(hf_decode_rate(hf, prompt, 128))
-    med = lambda xs: sorted(xs)[len(xs) // 2]
-
-    print(f"\n{cpu_features()}; {a.threads} threads")
-    print(f"{a.num_prompts} requests, inputs 64-256, outputs 32-256 (ignore_eos), bf16, {a.threads} threads, "
-          f"KV cache {a.kv_cache_dtype}")
+    setup = {"model": os.path.basename(default_model_path()), "weights": weights, "dtype": "bfloat16",
+             "threads": a.threads, "requests": f"{a.num_prompts}, all at t=0 (inputs 64-256, outputs 32-256 "
+             "tokens, ignore_eos, greedy; seed 0)",
+             "batch cap": f"{cap} for every batched row (inferd max_num_seqs, continuous and static; HF batch size)",
+             "batch-1 rows": f"a {len(prompt)}-token prompt, {a.decode_tokens} tokens, prefill excluded",
+             "KV cache": f"{a.kv_cache_dtype} (inferd), 1 GiB", "HF attention": "sdpa, left padding",
+             "rounds": f"{a.rounds}, interleaved (every row once a round, in table order); each row is the "
+                       "median, with the min-max over the rounds"}
+    report_header("inferd engine vs Hugging Face transformers generate", setup, paths)
     print(f"bf16 GEMM ceiling measured here: {peak / 1e9:.0f} GFLOP/s; inferd continuous achieved "
           f"{flops / cont_dt / 1e9:.0f} GFLOP/s = {100 * flops / cont_dt / peak:.1f}% of it "
-          f"(2 x {n_params / 1e6:.0f}M params x prompt+output tokens)")
-    rows = [(f"inferd continuous, max_num_seqs={a.max_num_seqs}", cont_tps, "")]
-    if hf is not None:
-        hf_tps, _ = run_hf_static(hf, reqs, a.hf_batch, pad_id=2)
-        rows.append((f"HF generate, static padded batches of {a.hf_batch}", hf_tps, f"{cont_tps / hf_tps:.2f}x"))
-    rows.append((f"inferd continuous, max_num_seqs={a.static_max_num_seqs}", c16_tps, ""))
-    rows.append((f"inferd static, max_num_seqs={a.static_max_num_seqs}", s16_tps, f"{c16_tps / s16_tps:.2f}x"))
-    rows.append(("inferd batch-1 decode", med(b1), ""))
-    if hf is not None:
-        rows.append(("HF batch-1 decode", med(hf_b1), f"{med(b1) / med(hf_b1):.2f}x"))
-    print(f"{'run':<48} {'out tok/s':>9}  {'ratio':>7}")
-    for name, tps, ratio in rows:
-        print(f"{name:<48} {tps:>9.1f}  {ratio:>7}")
-    print(f"(ratio = the inferd row above / this row; largest inferd batch: {eng.stats.max_batch_seqs} "
-          f"sequences, {eng.stats.preemptions} preemptions; batch-1 rounds inferd "
-          f"{[round(x, 1) for x in b1]}, HF {[round(x, 1) for x in hf_b1]})")
+          f"(2 x {n_params / 1e6:.0f}M params x prompt+output tokens, at its median)")
+    ratios = {hf_row: (cont, hf_row), stat: (cont, stat), hf_b1: (b1, hf_b1)}
+    print(f"{'run':<48} {'out tok/s (min-max)':>24}  {'ratio':>7}")
+    for name in runners:
+        num, den = ratios.get(name, (None, None))
+        ratio = f"{med[num] / med[den]:.2f}x" if num else ""
+        print(f"{name:<48} {fmt_spread(runs[name]):>24}  {ratio:>7}")
+    print(f"(ratio = {cont} over the row, or inferd batch-1 over HF batch-1; largest inferd continuous batch: "
+          f"{largest['seqs']} sequences, {largest['preemptions']} preemptions over the rounds)")
+    rows = [{"label": k, "metric": "output tok/s", **spread(v)} for k, v in runs.items()]
+    for name, (num, den) in ratios.items():
+        if name in med:
+            rows.append({"label": f"{num} / {den}", "metric": "ratio of medians", "median": med[num] / med[den]})
+    write_json(a.json, setup, rows, paths, bf16_gemm_gflops=peak / 1e9)
 
 
 if __name__ == "__main__":
