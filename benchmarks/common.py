@@ -160,7 +160,8 @@ def interleaved(runners: dict, rounds: int, log: bool = True, into: dict | None 
             runs[k].append(fn())
         if log:
             print(f"[round {r + 1}/{rounds}] " + ", ".join(
-                f"{k} {v[-1]:.1f}" for k, v in runs.items() if isinstance(v[-1], (int, float))),
+                f"{k if isinstance(k, str) else ' '.join(map(str, k))} {v[-1]:.1f}"
+                for k, v in runs.items() if v and isinstance(v[-1], (int, float))),
                 file=sys.stderr, flush=True)
     return runs
 

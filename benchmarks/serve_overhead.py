@@ -1,7 +1,9 @@
 """What serving costs the engine: `inferd serve` (engine core in its own process, and the old
 in-process thread for comparison) against the same engine offline, in one run.
 
-Per model configuration (dense, `--quantization gguf`):
+Per model configuration (--configs: dense, `--quantization gguf`, and w4a8: `--quantization gguf
+--quantize-lm-head --quantize-activations`, the recommended CPU configuration; or any --config
+LABEL=FLAGS, the offline engine loading the model with the same options):
   - concurrency 1: the served mean TPOT (`inferd bench`, 128 in / 128 out) beside the offline
     engine's per-token time on a 128-token prompt (engine.rate.decode_rate, prefill excluded);
   - concurrency 8 and 32: served output tok/s beside the offline engine's on the same number of
@@ -14,18 +16,22 @@ than greedy (it is part of what is compared, not of what serving adds). Ratios n
 
 A shared 2-core machine drifts by 10-20 % between minutes, more than the effect measured, so each
 cell is the median of --rounds runs, and the rounds interleave: offline, served (process), served
-(thread), then again, each server staying up across its rounds. Every run's value is printed too.
+(thread), then again, each server staying up across its rounds. Every cell is printed with the
+min-max over its runs. The header gives the setup and what each mode ran (the offline engine's
+paths record; each server's read from its GET /v1/engine/state after the rounds), each row label is
+checked against it, and --json F writes {"cpu", "setup", "rows", "paths", "results"}.
 
-Usage: .venv/bin/python benchmarks/serve_overhead.py [--threads 2] [--rounds 3] [--configs gguf,dense]
-       [--concurrency 1,8,32] [--no-thread] [--json F]
+Usage: .venv/bin/python benchmarks/serve_overhead.py [--threads 2] [--rounds 3] [--configs gguf,dense,w4a8]
+       [--config 'LABEL=SERVE FLAGS' ...] [--concurrency 1,8,32] [--no-thread] [--json F]
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import random
+import shlex
+import statistics
 import sys
 import time
 
@@ -33,12 +39,35 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 sys.path.insert(0, HERE)
 
-from common import cpu_features  # noqa: E402
+from common import (check_rows, fmt_spread, interleaved, merge_paths, report_header, served_paths,  # noqa: E402
+                    spread, write_json)
 from serving import free_port, inferd_env, inferd_serve_cmd, run_bench, server  # noqa: E402
 
 IN_LEN, OUT_LEN = 128, 128
 SERVER_TEMPERATURE = 1.0  # the server's default (OpenAI's)
-CONFIGS = [("dense (auto dtype)", []), ("gguf", ["--quantization", "gguf"])]
+# label -> `inferd serve` flags; the offline engine loads the model with the same options (load_options)
+CONFIGS = {"dense (auto dtype)": [], "gguf": ["--quantization", "gguf"],
+           # the recommended CPU configuration: the file's 4-bit blocks, int8 activations, fused decode
+           "gguf W4A8 +lm_head": ["--quantization", "gguf", "--quantize-lm-head", "--quantize-activations"]}
+CONFIG_KEYS = {"dense": "dense (auto dtype)", "gguf": "gguf", "w4a8": "gguf W4A8 +lm_head"}
+
+
+def load_options(flags: list[str]) -> dict:
+    """The load_model options of `inferd serve` flags, so that offline and served load the same
+    model; a flag the offline side cannot mirror is refused rather than silently dropped."""
+    ap = argparse.ArgumentParser(prog="serve flags", add_help=False, exit_on_error=False)
+    ap.add_argument("--quantization", default="none")
+    ap.add_argument("--quant-group-size", type=int, default=32)
+    ap.add_argument("--quantize-lm-head", action="store_true")
+    ap.add_argument("--quantize-activations", action="store_true")
+    ap.add_argument("--dtype", default="auto")
+    ns, rest = ap.parse_known_args(flags)
+    if rest:
+        raise SystemExit(f"serve_overhead: the offline engine cannot mirror {rest}: give only --quantization, "
+                         "--quant-group-size, --quantize-lm-head, --quantize-activations, --dtype")
+    return {"quantization": ns.quantization, "quant_group_size": ns.quant_group_size,
+            "quantize_lm_head": ns.quantize_lm_head, "quantize_activations": ns.quantize_activations,
+            "dtype": ns.dtype}
 
 
 def offline_engine(extra: list[str], threads: int):
@@ -47,20 +76,24 @@ def offline_engine(extra: list[str], threads: int):
     from inferd.loading.loader import load_model
 
     torch.set_num_threads(threads)
-    quant = extra[extra.index("--quantization") + 1] if "--quantization" in extra else "none"
-    return load_model(None, quantization=quant)
+    return load_model(None, **load_options(extra))
 
 
-def offline(lm, c: int, seed: int) -> float:
-    """ms per token at c == 1, else output tok/s, of the engine without a server."""
+def offline(lm, c: int, seed: int, record: dict) -> float:
+    """ms per token at c == 1, else output tok/s, of the engine without a server; what ran is merged
+    into record["paths"]."""
     from inferd.engine.engine import LLMEngine
+    from inferd.engine.paths import engine_paths
     from inferd.engine.rate import decode_rate
     from inferd.engine.request import SamplingParams
 
     rng = random.Random(seed)
     prompt = [rng.randrange(1000, 20000) for _ in range(IN_LEN)]
     if c == 1:
-        return 1000 / decode_rate(lm, prompt, OUT_LEN, warmup=True, temperature=SERVER_TEMPERATURE)
+        got: dict = {}
+        v = 1000 / decode_rate(lm, prompt, OUT_LEN, warmup=True, temperature=SERVER_TEMPERATURE, paths=got)
+        record["paths"] = merge_paths(record.get("paths"), got)
+        return v
     eng = LLMEngine(loaded=lm, kv_cache_memory="1GiB", max_num_seqs=c)
     eng.add_request(prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
     while eng.has_unfinished():
@@ -72,7 +105,9 @@ def offline(lm, c: int, seed: int) -> float:
                         SamplingParams(max_tokens=OUT_LEN, temperature=SERVER_TEMPERATURE, ignore_eos=True))
     while eng.has_unfinished():
         eng.step()
-    return n * OUT_LEN / (time.monotonic() - t0)
+    v = n * OUT_LEN / (time.monotonic() - t0)
+    record["paths"] = merge_paths(record.get("paths"), engine_paths(eng))
+    return v
 
 
 def served_cmd(extra: list[str], in_process: bool, threads: int, concs: list[int], port: int) -> list[str]:
@@ -106,7 +141,7 @@ def served(url: str, c: int, seed: int, api_cpu: list | None = None) -> float:
     api = api_process(url) if api_cpu is not None else None
     before = cpu_s(api) if api else 0.0
     res = run_bench(url, "--dataset", "random", "--input-len", str(IN_LEN), "--output-len", str(OUT_LEN),
-                    "--num-prompts", str(4 if c == 1 else 2 * c), "--max-concurrency", str(c),
+                    "--num-prompts", str(requests_for(c)), "--max-concurrency", str(c),
                     "--seed", str(seed), "--no-server-metrics")
     if api is not None:
         api_cpu.append(1000 * (cpu_s(api) - before) / max(res["total_output_tokens"], 1))
@@ -118,75 +153,121 @@ def warm(url: str):
               "--max-concurrency", "1", "--no-server-metrics")
 
 
-def median(xs: list[float]) -> float:
-    ys = sorted(xs)
-    n = len(ys)
-    return ys[n // 2] if n % 2 else (ys[n // 2 - 1] + ys[n // 2]) / 2
+def measure(label: str, extra: list[str], threads: int, concs: list[int], rounds: int, with_thread: bool,
+            paths: dict) -> dict:
+    """{mode: {c: [value per round]}} for mode in offline, process (, thread), interleaved per
+    concurrency (offline, process, thread at c, then the next c, then the next round); paths[ROW]:
+    what each mode ran (the served ones read from the server after the rounds)."""
+    import itertools
 
-
-def measure(extra: list[str], threads: int, concs: list[int], rounds: int, with_thread: bool) -> dict:
-    """{mode: {c: [value per round]}} for mode in offline, process (, thread)."""
     lm = offline_engine(extra, threads)
     modes = ["offline", "process"] + (["thread"] if with_thread else [])
-    vals = {m: {c: [] for c in concs} for m in modes}
-    vals["api_cpu_ms_per_token"] = {c: [] for c in concs}
+    api_cpu: dict = {c: [] for c in concs}
+    offline_record: dict = {}
     with contextlib.ExitStack() as stack:
         urls = {}
         for m in modes[1:]:
             urls[m] = stack.enter_context(server(served_cmd(extra, m == "thread", threads, concs, free_port()),
                                                  f"inferd-{m}", env=inferd_env()))
             warm(urls[m])
-        for r in range(rounds):
-            for c in concs:
-                vals["offline"][c].append(offline(lm, c, seed=100 * r + c))
-                for m in modes[1:]:
-                    cpu = vals["api_cpu_ms_per_token"][c] if m == "process" else None
-                    vals[m][c].append(served(urls[m], c, seed=100 * r + c, api_cpu=cpu))
-                print(f"[round {r + 1}/{rounds}] c={c}: " + ", ".join(f"{m} {vals[m][c][-1]:.1f}" for m in modes),
-                      file=sys.stderr, flush=True)
+        runners = {}
+        for c in concs:  # the seed of each run: 100 x its round + c, the same for every mode
+            for m in modes:
+                n = itertools.count()
+                if m == "offline":
+                    runners[(m, c)] = lambda c=c, n=n: offline(lm, c, 100 * next(n) + c, offline_record)
+                else:
+                    runners[(m, c)] = lambda c=c, n=n, m=m: served(urls[m], c, 100 * next(n) + c,
+                                                                   api_cpu[c] if m == "process" else None)
+        runs = interleaved(runners, rounds)
+        for m in modes[1:]:
+            paths[row_name(label, m)] = served_paths(urls[m])
+    paths[row_name(label, "offline")] = offline_record["paths"]
+    vals = {m: {c: runs[(m, c)] for c in concs} for m in modes}
+    vals["api_cpu_ms_per_token"] = api_cpu
     return vals
+
+
+def row_name(label: str, mode: str) -> str:
+    return f"{label}, {'offline' if mode == 'offline' else f'served ({mode})'}"
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--concurrency", default="1,8,32")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--configs", default="gguf,dense", help="which of: gguf, dense")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; every cell is their median")
+    ap.add_argument("--configs", default="gguf,dense",
+                    help="built-in configs, comma-separated: dense, gguf, w4a8 (gguf --quantize-lm-head "
+                         "--quantize-activations, the recommended CPU configuration)")
+    ap.add_argument("--config", action="append", default=[], metavar="LABEL=FLAGS",
+                    help="a config of `inferd serve` flags (repeatable; replaces --configs), the offline engine "
+                         "loading the same model, e.g. 'w4a8=--quantization gguf --quantize-lm-head "
+                         "--quantize-activations'")
     ap.add_argument("--no-thread", action="store_true", help="leave out the in-process (thread) server")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     concs = [int(x) for x in a.concurrency.split(",")]
-    wanted = a.configs.split(",")
-    rows, results = [], {}
-    for label, extra in CONFIGS:
-        if label.split()[0] not in wanted:
-            continue
-        vals = measure(extra, a.threads, concs, a.rounds, not a.no_thread)
+    if a.config:
+        configs = {}
+        for c in a.config:
+            label, sep, flags = c.partition("=")
+            if not sep or not label:
+                raise SystemExit(f"--config wants LABEL=FLAGS, got {c!r}")
+            configs[label] = shlex.split(flags)
+    else:
+        unknown = [k for k in a.configs.split(",") if k not in CONFIG_KEYS]
+        if unknown:
+            raise SystemExit(f"--configs: unknown {unknown} (choose {', '.join(CONFIG_KEYS)})")
+        configs = {CONFIG_KEYS[k]: CONFIGS[CONFIG_KEYS[k]] for k in a.configs.split(",")}
+    for flags in configs.values():
+        load_options(flags)  # refuse a config the offline side cannot mirror before anything runs
+    rows, table, results, paths = [], [], {}, {}
+    for label, extra in configs.items():
+        vals = measure(label, extra, a.threads, concs, a.rounds, not a.no_thread, paths)
         results[label] = vals
         for c in concs:
-            o = median(vals["offline"][c])
-            p = median(vals["process"][c])
-            t = median(vals["thread"][c]) if "thread" in vals else None
-            runs = " ".join(f"{x:.1f}" for x in vals["process"][c])
-            cpu = f"{median(vals['api_cpu_ms_per_token'][c]):.2f}"
-            if c == 1:  # a time: offline over served
-                rows.append((label, "1", "TPOT ms", f"{o:.1f}", f"{p:.1f} ({runs})", f"{t:.1f}" if t else "-",
-                             f"{o / p:.2f}x", f"{o / t:.2f}x" if t else "-", cpu))
-            else:  # a rate: served over offline
-                rows.append((label, str(c), "out tok/s", f"{o:.1f}", f"{p:.1f} ({runs})", f"{t:.1f}" if t else "-",
-                             f"{p / o:.2f}x", f"{t / o:.2f}x" if t else "-", cpu))
-    head = ("config", "conc", "metric", "offline", "served (process) (runs)", "served (thread)", "process/offline",
+            o = statistics.median(vals["offline"][c])
+            p = statistics.median(vals["process"][c])
+            t = statistics.median(vals["thread"][c]) if "thread" in vals else None
+            cpu = f"{statistics.median(vals['api_cpu_ms_per_token'][c]):.2f}"
+            metric = "TPOT ms" if c == 1 else "out tok/s"
+            # c == 1: a time, offline over served; else a rate, served over offline
+            r_p, r_t = (o / p, o / t if t else None) if c == 1 else (p / o, t / o if t else None)
+            table.append((label, str(c), metric, fmt_spread(vals["offline"][c]), fmt_spread(vals["process"][c]),
+                          fmt_spread(vals["thread"][c]) if t else "-", f"{r_p:.2f}x", f"{r_t:.2f}x" if t else "-", cpu))
+            for m in ("offline", "process", "thread"):
+                if m in vals:
+                    rows.append({"label": row_name(label, m), "concurrency": c, "requests": requests_for(c),
+                                 "metric": metric, **spread(vals[m][c])})
+            rows.append({"label": f"{label}, served (process) / offline", "concurrency": c, "metric": "ratio",
+                         "median": r_p})
+    check_rows(paths)
+    setup = {"threads": a.threads, "lengths": f"{IN_LEN} in / {OUT_LEN} out tokens (random prompts, ignore_eos, "
+                                              f"temperature {SERVER_TEMPERATURE} as the server samples by default)",
+             "concurrency": ", ".join(f"{c} ({requests_for(c)} requests"
+                                      f"{'; TPOT' if c == 1 else '; out tok/s'})" for c in concs),
+             "offline": "the same engine without a server: engine.rate.decode_rate at c=1, else one LLMEngine "
+                        "with max_num_seqs=c",
+             "served": f"inferd serve --max-num-seqs {max(concs)} --kv-cache-memory 1GiB, driven by inferd bench "
+                       "(--max-concurrency c); process = engine core in its own process, thread = --engine-in-process",
+             "rounds": f"{a.rounds}, interleaved (offline, served process, served thread at each concurrency, "
+                       "then again), servers up across rounds; every cell is the median, with the min-max",
+             **{label: "inferd serve " + (" ".join(flags) or "(defaults)") for label, flags in configs.items()}}
+    report_header("what serving costs the engine: inferd serve vs the same engine offline", setup, paths)
+    head = ("config", "conc", "metric", "offline (min-max)", "served (process)", "served (thread)", "process/offline",
             "thread/offline", "API CPU ms/token")
-    print(f"\n{cpu_features()}; {a.threads} threads; {IN_LEN} in / {OUT_LEN} out; medians of {a.rounds} interleaved "
-          "rounds; ratio 1.00x = serving costs nothing")
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    print("ratio 1.00x = serving costs nothing")
+    widths = [max(len(h), *(len(r[i]) for r in table)) for i, h in enumerate(head)]
     print("  ".join(h.ljust(w) for h, w in zip(head, widths)))
-    for r in rows:
+    for r in table:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"cpu": cpu_features(), "results": results}, f, indent=2, default=str)
+    write_json(a.json, setup, rows, paths, results=results)
+
+
+def requests_for(c: int) -> int:
+    """Requests a run sends at concurrency c (bench and offline alike)."""
+    return 4 if c == 1 else 2 * c
 
 
 if __name__ == "__main__":
