@@ -6,26 +6,30 @@ the case prompt lookup is for. Every configuration runs every prompt, round-robi
 that a noisy machine slows all of them alike. Greedy, so each configuration must reproduce the
 baseline's tokens (bf16: up to a near tie; the "same" column counts identical outputs).
 
-Columns: decode tok/s (first to last output token: prefill excluded), speedup vs plain decode,
+Columns: decode tok/s (first to last output token: prefill excluded; the median of --rounds
+interleaved rounds over every prompt, with the min-max), speedup vs plain decode (ratio of medians),
 acceptance rate (accepted / proposed), mean accepted guesses per verify step, output tokens per
-target forward pass of the sequence, draft and verify seconds.
+target forward pass of the sequence, draft and verify seconds (over every round). The header gives
+the setup and each config's paths record (speculative method, the target's and the draft's weights);
+each label is checked against it ("self-draft 10L k=3, draft int8": the draft's weights are int8).
 
-Usage: .venv/bin/python benchmarks/spec_decode.py [--max-tokens 160] [--threads 2] [--json out.json]
+Usage: .venv/bin/python benchmarks/spec_decode.py [--max-tokens 160] [--threads 2] [--rounds 3] [--json out.json]
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import cpu_features  # noqa: E402
+from common import check_rows, interleaved, report_header, spread, write_json  # noqa: E402
 from inferd.engine.engine import LLMEngine  # noqa: E402
+from inferd.engine.paths import check_label, engine_paths  # noqa: E402
 from inferd.engine.request import SamplingParams  # noqa: E402
 from inferd.loading.loader import load_model  # noqa: E402
 
@@ -66,7 +70,7 @@ def configs(args):
                                                         num_speculative_tokens=args.draft_k)
     for q in args.quant_methods:
         n = args.quant_layers
-        yield f"self-draft {n}L {q} k={args.draft_k}", dict(speculative_method="draft",
+        yield f"self-draft {n}L k={args.draft_k}, draft {q}", dict(speculative_method="draft",
                                                             draft_model=f"self:layers={n}",
                                                             draft_quantization=q, num_speculative_tokens=args.draft_k)
 
@@ -96,6 +100,8 @@ def main():
     ap.add_argument("--quant-methods", nargs="*", default=["int8", "int4"])
     ap.add_argument("--draft-k", type=int, default=3)
     ap.add_argument("--prompts", type=int, nargs="+", default=None, help="indices of PROMPTS to run (default: all)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="interleaved rounds over every prompt and config; each row is the median round")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.threads:
@@ -111,32 +117,45 @@ def main():
     # warm-up: kernels, rope tables, allocator
     for eng in engines:
         run_one(eng, prompts[0][:64], 8)
-    res = {n: {"tokens": 0, "time": 0.0, "outs": []} for n in names}
     before = {n: (e.stats.generated_tokens, e.stats.sample_events,
                   e.spec.stats.as_dict() if e.spec else None) for n, e in zip(names, engines)}
-    for pi, p in enumerate(prompts):
-        for name, eng in zip(names, engines):
+
+    def one(pi: int, name: str, eng: LLMEngine):
+        def run():
             g0, e0 = eng.stats.generated_tokens, eng.stats.sample_events
             a0 = (eng.spec.stats.num_accepted_tokens, eng.spec.stats.num_draft_tokens) if eng.spec else (0, 0)
-            out, n, dt = run_one(eng, p, args.max_tokens)
-            r = res[name]
-            r["tokens"] += n
-            r["time"] += dt
-            r["outs"].append(out)
+            out, n, dt = run_one(eng, prompts[pi], args.max_tokens)
             acc = ""
             if eng.spec:
                 acc = (f"  acceptance {(eng.spec.stats.num_accepted_tokens - a0[0]) / max(1, eng.spec.stats.num_draft_tokens - a0[1]):.2f}")
-            print(f"prompt {pi}  {name:<24} {n / dt:6.2f} tok/s  {(eng.stats.generated_tokens - g0) / (eng.stats.sample_events - e0):.2f} "
+            print(f"prompt {pi}  {name:<30} {n / dt:6.2f} tok/s  {(eng.stats.generated_tokens - g0) / (eng.stats.sample_events - e0):.2f} "
                   f"tok/step{acc}", file=sys.stderr, flush=True)
-    base = res[names[0]]
-    base_tps = base["tokens"] / base["time"]
+            return out, n, dt
+        return run
+
+    # round-robin per prompt (every config on prompt 0, then on prompt 1, ...), --rounds times
+    runs = interleaved({(pi, name): one(pi, name, eng) for pi in range(len(prompts))
+                        for name, eng in zip(names, engines)}, args.rounds, log=False)
+    # a config's decode tok/s in a round: its tokens over its decode time, every prompt of the round
+    per_round = {name: [sum(runs[(pi, name)][r][1] for pi in range(len(prompts)))
+                        / sum(runs[(pi, name)][r][2] for pi in range(len(prompts))) for r in range(args.rounds)]
+                 for name in names}
+    paths = {name: engine_paths(eng) for name, eng in zip(names, engines)}
+    check_rows(paths)
+    if args.dtype != "auto":
+        check_label(f"target {args.dtype}", paths[names[0]])
+    base = statistics.median(per_round[names[0]])
     rows = []
     for name, eng in zip(names, engines):
-        r = res[name]
         g0, e0, s0 = before[name]
         gen, ev = eng.stats.generated_tokens - g0, eng.stats.sample_events - e0
-        row = {"config": name, "decode_tok_s": r["tokens"] / r["time"], "speedup": r["tokens"] / r["time"] / base_tps,
-               "tokens_per_target_step": gen / ev, "same_as_plain": sum(a == b for a, b in zip(r["outs"], base["outs"]))}
+        # identical to plain decode's output on a prompt in every round
+        same = sum(all(runs[(pi, name)][r][0] == runs[(pi, names[0])][r][0] for r in range(args.rounds))
+                   for pi in range(len(prompts)))
+        row = {"label": name, "config": name, "metric": "batch-1 decode tok/s", **spread(per_round[name]),
+               "decode_tok_s": statistics.median(per_round[name]),
+               "speedup": statistics.median(per_round[name]) / base,
+               "tokens_per_target_step": gen / ev, "same_as_plain": same}
         if eng.spec is not None:
             s1 = eng.spec.stats.as_dict()
             d = {k: s1[k] - s0[k] for k in ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens",
@@ -145,11 +164,16 @@ def main():
             row["accepted_per_verify"] = d["spec_num_accepted_tokens"] / max(1, d["spec_num_drafts"])
             row["draft_s"], row["verify_s"] = d["spec_draft_time_s"], d["spec_verify_time_s"]
         rows.append(row)
-    print(cpu_features())
-    print(f"batch-1 greedy decode, SmolLM2-135M-Instruct ({args.dtype}, target weights: {args.quantization}), "
-          f"{torch.backends.cpu.get_cpu_capability()} kernels, {len(prompts)} repeat/edit prompts, "
-          f"max_tokens={args.max_tokens}, torch threads={torch.get_num_threads()}")
-    hdr = f"{'config':<26}{'tok/s':>8}{'speedup':>9}{'accept':>8}{'acc/step':>9}{'tok/step':>9}" \
+    setup = {"model": f"SmolLM2-135M-Instruct ({args.dtype}, target weights: {args.quantization})",
+             "threads": torch.get_num_threads(), "torch kernels": torch.backends.cpu.get_cpu_capability(),
+             "requests": f"{len(prompts)} repeat/edit prompts (chat template), one at a time (batch 1), greedy, "
+                         f"max_tokens={args.max_tokens}",
+             "rounds": f"{args.rounds}, interleaved (every config on each prompt in turn, then the next prompt, "
+                       "then again); a row's tok/s is the median round's (its tokens over its decode time, prefill "
+                       "excluded), with the min-max; speedup = the ratio of medians",
+             "same": f"prompts whose output equals plain decode's in every round, of {len(prompts)}"}
+    report_header("speculative decoding at batch 1", setup, paths)
+    hdr = f"{'config':<32}{'tok/s':>8}{'min-max':>14}{'speedup':>9}{'accept':>8}{'acc/step':>9}{'tok/step':>9}" \
           f"{'draft s':>9}{'verify s':>9}{'same':>6}"
     print(hdr)
     print("-" * len(hdr))
@@ -158,11 +182,9 @@ def main():
         aps = f"{r['accepted_per_verify']:.2f}" if "acceptance" in r else "-"
         ds = f"{r['draft_s']:.1f}" if "acceptance" in r else "-"
         vs = f"{r['verify_s']:.1f}" if "acceptance" in r else "-"
-        print(f"{r['config']:<26}{r['decode_tok_s']:>8.1f}{r['speedup']:>8.2f}x{acc:>8}{aps:>9}"
-              f"{r['tokens_per_target_step']:>9.2f}{ds:>9}{vs:>9}{r['same_as_plain']:>4}/{len(prompts)}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+        print(f"{r['config']:<32}{r['decode_tok_s']:>8.1f}{r['min']:>7.1f}-{r['max']:<6.1f}{r['speedup']:>8.2f}x"
+              f"{acc:>8}{aps:>9}{r['tokens_per_target_step']:>9.2f}{ds:>9}{vs:>9}{r['same_as_plain']:>4}/{len(prompts)}")
+    write_json(args.json, setup, rows, paths)
 
 
 if __name__ == "__main__":
