@@ -7,7 +7,9 @@ more rows need masks).
 Constrained rows follow a JSON schema (an array of records, long enough never to close within the
 run); unconstrained rows the same prompt. TPOT: decode time per output token of a request (prefill
 excluded), greedy, the same number of tokens for every row; medians of alternating rounds, one
-engine for everything.
+engine for everything. The header gives the setup and the engine's paths record (the config's label,
+e.g. "gguf W4A8 +lm_head, fused decode", is checked against it); --json F writes {"cpu", "setup",
+"rows", "paths", ...}.
 
 Usage: .venv/bin/python benchmarks/structured.py [--rounds 5] [--tokens 64] [--batches 1,32]
        [--quantization gguf] [--no-quantize-activations] [--json F]
@@ -15,7 +17,6 @@ Usage: .venv/bin/python benchmarks/structured.py [--rounds 5] [--tokens 64] [--b
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -23,7 +24,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import cpu_features  # noqa: E402
+from common import check_rows, fmt_spread, interleaved, report_header, spread, write_json  # noqa: E402
 
 PROMPT = "List the people of the village as JSON records, one after another:"
 RECORD = {"type": "object", "additionalProperties": False, "required": ["name", "age", "job"],
@@ -68,6 +69,7 @@ def main():
     a = ap.parse_args()
 
     from inferd.engine.engine import LLMEngine
+    from inferd.engine.paths import engine_paths
     from inferd.engine.request import StructuredOutputs
     from inferd.engine.structured import Grammars
     from inferd.gguf_file import default_model_path
@@ -76,7 +78,8 @@ def main():
     eng = LLMEngine(model=default_model_path(), quantization=a.quantization, quantize_activations=w4a8,
                     quantize_lm_head=w4a8, threads=a.threads, max_num_seqs=max(64, max(map(int, a.batches.split(",")))))
     ids = eng.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=True)
-    setup = f"{a.quantization}{' W4A8 +lm_head' if w4a8 else ''}, fused decode: {eng.runner.fused is not None}"
+    # the row label: what this engine was built to run (checked against what it ran, below)
+    setup = f"{a.quantization}{' W4A8 +lm_head' if w4a8 else ''}, {'fused decode' if eng.runner.fused else 'eager'}"
 
     # compile: a fresh Grammars (empty cache) per constraint, the tokenizer bridge built first
     g = Grammars(eng.tokenizer, eng.model_config.vocab_size, eng.eos_ids)
@@ -98,20 +101,28 @@ def main():
     batches = [int(b) for b in a.batches.split(",")]
     modes = [("none", False, False), ("json, inline", True, False), ("json, overlapped", True, True),
              ("json, default", True, None)]
-    res = {(b, m): [] for b in batches for m, _, _ in modes}
     pre.grammars.mask_times.clear()
-    for _ in range(a.rounds):
-        for b in batches:
-            for m, constrained, overlap in modes:
-                pre.overlap = overlap
-                res[(b, m)].append(decode_tpot(eng, ids, b, a.tokens, constrained))
+
+    def tpot(b: int, constrained: bool, overlap):
+        def run() -> float:
+            pre.overlap = overlap
+            return decode_tpot(eng, ids, b, a.tokens, constrained)
+        return run
+
+    res = interleaved({(b, m): tpot(b, constrained, overlap) for b in batches for m, constrained, overlap in modes},
+                      a.rounds, log=False)
     pre.overlap = default_overlap
+    paths = {setup: engine_paths(eng)}
+    check_rows(paths)
     masks = sorted(pre.grammars.mask_times)
     p50 = masks[len(masks) // 2] * 1e6
     p99 = masks[min(len(masks) - 1, int(len(masks) * 0.99))] * 1e6
 
-    print(f"{cpu_features()}\nthreads {eng.config.threads or 'all'}; {setup}; {a.tokens} tokens a row, "
-          f"median of {a.rounds} alternating rounds; vocabulary {eng.model_config.vocab_size}")
+    report_header("what structured output costs", {
+        "config": setup, "threads": eng.config.threads or "all", "tokens": f"{a.tokens} a row (greedy, ignore_eos)",
+        "batches": ", ".join(map(str, batches)) + " rows, each of the same prompt",
+        "rounds": f"{a.rounds}, interleaved (every batch and constraint once a round); each TPOT is the median, "
+                  "with the min-max", "vocabulary": eng.model_config.vocab_size}, paths)
     print(f"masks overlapped with the forward by default here: "
           f"{'when 2+ rows need them' if default_overlap is None else default_overlap} "
           f"(torch threads {__import__('torch').get_num_threads()})")
@@ -119,18 +130,20 @@ def main():
     print("compile:", ", ".join(f"{list(c)[0]}{'/' + str(len(c['json']['properties'])) if 'json' in c else ''}"
                                 f" {t * 1e3:.2f} ms" for c, t in zip(COMPILE, compiles)))
     print(f"mask per token (one row, one position): p50 {p50:.0f} us, p99 {p99:.0f} us over {len(masks)} masks\n")
-    print(f"{'batch':>5}  {'constraint':<18} {'TPOT ms':>8} {'vs none':>8}")
-    out = {"cpu": cpu_features(), "setup": setup, "compile_ms": [t * 1e3 for t in compiles],
-           "bridge_ms": bridge * 1e3, "mask_us_p50": p50, "mask_us_p99": p99, "tpot_ms": {}}
+    print(f"{'batch':>5}  {'constraint':<18} {'TPOT ms (min-max)':>22} {'vs none':>8}")
+    out = {"compile_ms": [t * 1e3 for t in compiles], "bridge_ms": bridge * 1e3, "mask_us_p50": p50,
+           "mask_us_p99": p99, "tpot_ms": {}}
+    rows = []
     for b in batches:
         base = statistics.median(res[(b, "none")])
         for m, _, _ in modes:
-            t = statistics.median(res[(b, m)])
-            out["tpot_ms"][f"{b}/{m}"] = t * 1e3
-            print(f"{b:>5}  {m:<18} {t * 1e3:8.2f} {(t / base - 1) * 100:+7.1f}%")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
+            ms = [t * 1e3 for t in res[(b, m)]]
+            t = statistics.median(ms)
+            out["tpot_ms"][f"{b}/{m}"] = t
+            rows.append({"label": f"{setup}, batch {b}, {m}", "metric": "TPOT ms", **spread(ms)})
+            print(f"{b:>5}  {m:<18} {fmt_spread(ms, '{:.2f}'):>22} {(t / (base * 1e3) - 1) * 100:+7.1f}%")
+    write_json(a.json, {"config": setup, "threads": eng.config.threads, "tokens": a.tokens, "batches": batches,
+                        "rounds": a.rounds}, rows, paths, **out)
     eng.close()
 
 
