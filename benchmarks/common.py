@@ -203,7 +203,7 @@ def paths_line(p: dict) -> str:
         bits.append(f"inferd kernels {p['kernel_variant']}, torch {p.get('cpu_capability')}")
     bits.append(f"activations {p.get('dtype')}" + (f" (int8 {p['activation_quant']})" if p.get("activation_quant") else ""))
     bits.append("weights " + ", ".join(f"{n} {k}" for k, n in (p.get("weight_formats") or {}).items())
-                + (f" [{'/'.join(p['dense_weight_dtypes'])}]" if p.get("dense_weight_dtypes") else "")
+                + (f" (the dense ones {'/'.join(p['dense_weight_dtypes'])})" if p.get("dense_weight_dtypes") else "")
                 + (f", lm_head {p['lm_head']}" if p.get("lm_head") else ""))
     if "kv_dtype" in p:
         bits.append(f"KV {p['kv_dtype']}")

@@ -11,13 +11,15 @@ threads, so the best it can do is tie; the table measures what the split costs (
 the uneven head split, one-thread GEMVs). The gain of tensor parallelism is on machines with more
 memory bandwidth than one rank can use: multi-socket servers (a rank per NUMA node) and multi-GPU.
 
+The header gives each setup's paths record (rank 0's engine: TP size, fused decode steps, weights)
+and each setup's label is checked against it; --json F writes {"cpu", "setup", "rows", "paths", ...}.
+
 Usage: .venv/bin/python benchmarks/tensor_parallel.py [--rounds 3] [--tokens 64] [--quantization none]
        [--quantize-activations] [--dtype float32] [--batches 1,32] [--json F]
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -25,7 +27,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import cpu_features  # noqa: E402
+from common import check_rows, fmt_spread, interleaved, report_header, spread, write_json  # noqa: E402
 
 PROMPT = "The history of the Roman empire begins with the founding of the city, and"
 
@@ -81,6 +83,7 @@ def main():
     import torch
 
     from inferd.engine.engine import LLMEngine
+    from inferd.engine.paths import engine_paths
 
     cores = len(os.sched_getaffinity(0))
     setups = [(f"TP=1, {cores} threads", dict(threads=cores)),
@@ -97,40 +100,49 @@ def main():
         comms[name] = timed(eng.runner.comm) if eng.tp is not None else None
         torch.set_num_threads(opts.get("threads", 1))
     ids = engines[setups[0][0]].tokenizer.encode(PROMPT)
-    results: dict = {name: {b: [] for b in batches} for name, _ in setups}
     for name, opts in setups:  # warm-up: first-call allocations, kernel paths
         torch.set_num_threads(opts.get("threads", 1))
         measure(engines[name], ids, 2, 4, comms[name])
-    for r in range(args.rounds):
-        for name, opts in setups:
+
+    def run(name: str, opts: dict, b: int):
+        def once() -> dict:
             torch.set_num_threads(opts.get("threads", 1))
-            for b in batches:
-                results[name][b].append(measure(engines[name], ids, b, args.tokens, comms[name]))
+            return measure(engines[name], ids, b, args.tokens, comms[name])
+        return once
+
+    runs = interleaved({(name, b): run(name, opts, b) for name, opts in setups for b in batches}, args.rounds,
+                       log=False)
+    results = {name: {b: runs[(name, b)] for b in batches} for name, _ in setups}
+    paths = {name: engine_paths(eng) for name, eng in engines.items()}  # rank 0's, for TP=2
     for eng in engines.values():
         eng.close()
+    check_rows(paths)
 
     def med(rows, k):
         vals = [x[k] for x in rows if k in x]
         return statistics.median(vals) if vals else None
 
-    print(f"# tensor parallelism, default model, dtype {args.dtype}, quantization {args.quantization}"
-          f"{' (W4A8/W8A8)' if args.quantize_activations else ''}; "
-          f"CPU: {cpu_features()}, {cores} cores; medians of {args.rounds} alternating rounds, "
-          f"{args.tokens} tokens a request")
-    print("| setup | batch | decode tok/s | vs TP=1 | ms/step | all-reduces/step | µs/all-reduce (rank 0) | all-reduce share of TPOT |")
+    setup = {"model": f"default model, dtype {args.dtype}, quantization {args.quantization}"
+                      f"{' (W4A8/W8A8)' if args.quantize_activations else ''}", "cores": cores,
+             "requests": f"batch {', '.join(map(str, batches))} of the same prompt, {args.tokens} tokens each "
+                         "(greedy, ignore_eos; prefill excluded)",
+             "rounds": f"{args.rounds}, interleaved (every setup and batch once a round); each cell is the median"}
+    report_header("tensor parallelism", setup, paths)
+    print("| setup | batch | decode tok/s (min-max) | vs TP=1 | ms/step | all-reduces/step | µs/all-reduce (rank 0) | all-reduce share of TPOT |")
     print("|---|---|---|---|---|---|---|---|")
     base = {b: med(results[setups[0][0]][b], "tok_s") for b in batches}
-    summary = {}
+    summary, table = {}, []
     for name, _ in setups:
         for b in batches:
             rows = results[name][b]
             tok, ar, us, share = (med(rows, k) for k in ("tok_s", "ar_per_step", "ar_us", "ar_share"))
             summary[f"{name} b{b}"] = {k: med(rows, k) for k in rows[0]}
+            table.append({"label": f"{name}, batch {b}", "metric": "decode tok/s", **spread([x["tok_s"] for x in rows]),
+                          **{k: med(rows, k) for k in rows[0] if k != "tok_s"}})
             cols = ["-", "-", "-"] if ar is None else [f"{ar:.0f}", f"{us:.0f}", f"{100 * share:.0f} %"]
-            print(f"| {name} | {b} | {tok:.1f} | {tok / base[b]:.2f}x | {med(rows, 'step_ms'):.1f} | " + " | ".join(cols) + " |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"cpu": cpu_features(), "results": summary}, f, indent=1)
+            print(f"| {name} | {b} | {fmt_spread([x['tok_s'] for x in rows])} | {tok / base[b]:.2f}x | "
+                  f"{med(rows, 'step_ms'):.1f} | " + " | ".join(cols) + " |")
+    write_json(args.json, setup, table, paths, results=summary)
 
 
 if __name__ == "__main__":
