@@ -9,6 +9,9 @@ The step times come from the engine's own ring (read once after the round, so a 
 closed): the median of the round's pure-decode steps at the full batch of 8, beside the bench's
 output tok/s. The noise is the spread of the closed rounds among themselves.
 
+The header gives the setup and the server's paths record (GET /v1/engine/state after the rounds);
+--json F writes {"cpu", "setup", "rows", "paths", ...}.
+
 Usage: .venv/bin/python benchmarks/dashboard.py [--rounds 5] [--modes closed,stream,browser] [--json F]
 """
 from __future__ import annotations
@@ -26,12 +29,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 sys.path.insert(0, HERE)
 
-from common import cpu_features  # noqa: E402
+from common import check_rows, interleaved, report_header, served_paths, spread, write_json  # noqa: E402
 from serving import free_port, inferd_serve_cmd, print_table, run_bench, server  # noqa: E402
 
 BENCH = ["--dataset", "random", "--input-len", "128", "--output-len", "64", "--num-prompts", "16",
          "--max-concurrency", "8", "--extra-body", '{"ignore_eos": true}', "--no-progress", "--seed", "1"]
 BATCH = 8
+SERVED = "inferd serve, default model"
 
 
 @contextlib.contextmanager
@@ -100,24 +104,29 @@ def main():
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     extra = ["--threads", str(args.threads)] if args.threads else []
-    results: dict[str, list[dict]] = {m: [] for m in modes}
     with server(inferd_serve_cmd(*extra, port=port), "inferd"):
         run_bench(base, *BENCH)  # warm-up: the first requests pay for first-use work
-        step, _ = decode_steps(base, 0)
-        for rnd in range(args.rounds):
-            for mode in modes:
+        paths: dict = {}
+        last = [decode_steps(base, 0)[0]]  # the engine's step id after the previous round
+
+        def one_round(mode: str):
+            def run() -> dict:
                 ctx = {"closed": contextlib.nullcontext, "stream": stream_reader, "browser": browser_page}[mode]
                 with ctx(base) if mode != "closed" else ctx() as watcher:
                     res = run_bench(base, *BENCH)
-                step, ms = decode_steps(base, step)
+                last[0], ms = decode_steps(base, last[0])
                 frames = list(watcher) if mode == "stream" else None
-                results[mode].append({"decode_step_ms": statistics.median(ms), "decode_steps": len(ms),
-                                      "out_tok_s": res["output_throughput"], "mean_tpot_ms": res["mean_tpot_ms"],
-                                      "frames": frames})
-                print(f"[round {rnd + 1}] {mode}: decode step {statistics.median(ms):.2f} ms over {len(ms)} steps, "
+                print(f"{mode}: decode step {statistics.median(ms):.2f} ms over {len(ms)} steps, "
                       f"{res['output_throughput']:.1f} out tok/s"
                       + (f", {frames[0]} states read, {frames[1] / max(1, frames[0]):.2f} ms each to build" if frames
                          else ""), file=sys.stderr, flush=True)
+                return {"decode_step_ms": statistics.median(ms), "decode_steps": len(ms),
+                        "out_tok_s": res["output_throughput"], "mean_tpot_ms": res["mean_tpot_ms"], "frames": frames}
+            return run
+
+        results = interleaved({m: one_round(m) for m in modes}, args.rounds, log=False)
+        paths[SERVED] = served_paths(base)
+    check_rows(paths)
     closed = [r["decode_step_ms"] for r in results["closed"]] if "closed" in results else None
     base_ms = statistics.median(closed) if closed else None
     noise = (max(closed) - min(closed)) / base_ms * 100 if closed and len(closed) > 1 else None
@@ -129,14 +138,17 @@ def main():
                      f"{(med / base_ms - 1) * 100:+.1f} %" if base_ms else "-",
                      f"{statistics.median(r['out_tok_s'] for r in results[mode]):.1f}",
                      f"{statistics.median(r['mean_tpot_ms'] for r in results[mode]):.1f}"])
-    title = (f"Dashboard cost, {cpu_features()}; threads {args.threads or 'default'}; default model; "
-             f"{args.rounds} alternating rounds; decode steps at batch {BATCH}; closed rounds' spread "
-             f"{noise:.1f} % (max-min over median)" if noise is not None else "")
+    setup = {"server": f"{SERVED} ({' '.join(extra) or 'default flags'})",
+             "load": "inferd bench " + " ".join(BENCH) + " a round (16 requests, 8 in flight)",
+             "rounds": f"{args.rounds}, the modes alternating ({', '.join(modes)}, again); each cell is the median",
+             "decode steps": f"the round's pure-decode steps at the full batch of {BATCH}, from the engine's own ring"}
+    report_header("what watching the dashboard costs", setup, paths)
+    title = (f"closed rounds' spread {noise:.1f} % (max-min over median)" if noise is not None else "")
     print_table(title, ["dashboard", "decode step ms (median)", "range over rounds", "vs closed",
                               "out tok/s", "mean TPOT ms"], rows)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"cpu": cpu_features(), "results": results, "noise_pct": noise}, f, indent=1)
+    write_json(args.json, setup, [{"label": f"dashboard {m}", "metric": "decode step ms",
+                                   **spread([r["decode_step_ms"] for r in results[m]])} for m in modes],
+               paths, results=results, noise_pct=noise)
 
 
 if __name__ == "__main__":
