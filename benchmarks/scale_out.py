@@ -17,6 +17,9 @@ The last setup puts the router unchanged in front of two llama-servers (built fr
 the llama-cpp-python sdist, as benchmarks/llamacpp_server_bench.py does); their hit rate is not
 read (llama-server exports no prefix-cache counter).
 
+The header gives the setup and each setup's paths record (its inferd engines' records from
+/v1/engine/state, or llama.cpp's build); --json F writes {"cpu", "setup", "rows", "paths", "results"}.
+
 Usage: .venv/bin/python benchmarks/scale_out.py [--concurrency 1,8,32,64] [--workloads prefix,random]
        [--setups 0,1,2,3] [--json F]
 """
@@ -24,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import shutil
 import sys
@@ -34,7 +36,7 @@ sys.path.insert(0, HERE)
 
 import httpx  # noqa: E402
 
-from common import cpu_features  # noqa: E402
+from common import check_rows, merge_paths, report_header, served_paths, write_json  # noqa: E402
 from serving import fmt, free_port, inferd_env, inferd_serve_cmd, print_table, run_bench, server  # noqa: E402
 
 OUT_LEN = 64
@@ -114,6 +116,21 @@ SETUPS = [("one server, 2 threads", single), ("--data-parallel-size 2", data_par
           ("router over 2 x 1 thread", routed), ("router over 2 llama-server", routed_llama)]
 
 
+def setup_paths(backends: list[str]) -> dict:
+    """What a setup's engines ran: each inferd backend's record from /v1/engine/state (counters summed,
+    "engines": how many); llama-server's build where the backends are llama-servers (none listed)."""
+    if not backends:
+        from llamacpp import build_info
+
+        return build_info()
+    records = [served_paths(u) for u in backends]
+    out = None
+    for p in records:
+        out = merge_paths(out, p)
+    out["engines"] = sum(p["engines"] for p in records)
+    return out
+
+
 def cache_counts(urls: list[str]) -> tuple[float, float]:
     hits = queries = 0.0
     for u in urls:
@@ -136,7 +153,7 @@ def main():
     setups = [SETUPS[int(i)] for i in a.setups.split(",")]
     concs = [int(x) for x in a.concurrency.split(",")]
     works = a.workloads.split(",")
-    results = []
+    results, paths = [], {}
     for name, setup in setups:
         with setup() as (url, backends):
             for w in works:
@@ -152,6 +169,14 @@ def main():
                 h1, q1 = cache_counts(backends) if backends else (0, 0)
                 results.append({"setup": name, "workload": w,
                                 "hit_rate": (h1 - h0) / (q1 - q0) if q1 > q0 else None})
+            paths[name] = setup_paths(backends)
+    check_rows(paths)
+    setup = {"servers": f"inferd serve {' '.join(BASE)} (one 2-thread server; --data-parallel-size 2; or two "
+                        "1-thread servers pinned, behind inferd router --policy prefix); llama-server: 2 x 1 thread",
+             "workloads": {w: " ".join(WORKLOADS[w]) for w in works},
+             "levels": "; ".join(f"concurrency {c}, {requests_for(c)} requests" for c in concs),
+             "output": f"{OUT_LEN} tokens (ignore_eos)", "rounds": "1 (one run a cell: not a headline table)"}
+    report_header("scaling out on one box", setup, paths)
     header = ["setup", "conc", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "vs one server"]
     tables = []
     for w in works:
@@ -168,11 +193,12 @@ def main():
                          fmt(ratio, "{:.2f}x")])
         hits = ", ".join(f"{r['setup']} {fmt(r['hit_rate'] and 100 * r['hit_rate'], '{:.0f}')} %"
                          for r in results if r["workload"] == w and "hit_rate" in r)
-        tables.append(print_table(f"\n{cpu_features()} -- {w} workload, {OUT_LEN} output tokens, gguf "
+        tables.append(print_table(f"\n{w} workload, {OUT_LEN} output tokens, gguf, one run a cell "
                                   f"(ms; prefix-cache hit rate over the run: {hits})", header, rows))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"cpu": cpu_features(), "results": results}, f, indent=2)
+    rows = [{"label": f"{r['setup']}, {r['workload']}, concurrency {r['concurrency']}, "
+                      f"{requests_for(r['concurrency'])} requests", "metric": "output tok/s",
+             "median": r["output_throughput"], "runs": [r["output_throughput"]]} for r in results if "concurrency" in r]
+    write_json(a.json, setup, rows, paths, results=results)
 
 
 if __name__ == "__main__":
