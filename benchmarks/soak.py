@@ -7,6 +7,9 @@ of events). Reported: 5xx count (must be 0), KV blocks and running/waiting reque
 (must be 0), the RSS of the API and engine processes after warm-up and at the end (growth <= 5 %),
 and output tok/s of the first and last 5 minutes (within 10 %).
 
+The header and the report give the setup and the server's paths record (GET /v1/engine/state at
+the end).
+
 Usage: .venv/bin/python benchmarks/soak.py [--minutes 31] [--warmup 1] [--concurrency 16] [--json F]
 """
 from __future__ import annotations
@@ -25,7 +28,7 @@ sys.path.insert(0, HERE)
 import httpx  # noqa: E402
 import psutil  # noqa: E402
 
-from common import cpu_features  # noqa: E402
+from common import check_rows, cpu_features, report_header, served_paths  # noqa: E402
 from serving import free_port, inferd_env, inferd_serve_cmd, server  # noqa: E402
 
 PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):", "List three colours:",
@@ -133,13 +136,21 @@ def main():
         time.sleep(1)
         end = gauges(url)
         rss_end = rss_mb(url)
+        paths = {"inferd serve " + " ".join(flags): served_paths(url)}
+    check_rows(paths)
     w, warm_s = a.window * 60, a.warmup * 60
     first = sum(n for t, n in log if warm_s <= t - t0 < warm_s + w) / w
     last_start = max(t for t, _ in log) - w
     last = sum(n for t, n in log if t >= last_start) / w
     warm = next((s for t, s in samples if t - t0 >= warm_s), samples[0][1] if samples else rss_end)
     growth = {k: (rss_end[k] - warm[k]) / warm[k] for k in rss_end if k in warm}
-    report = {"cpu": cpu_features(), "minutes": a.minutes, "concurrency": a.concurrency, "requests": stats,
+    setup = {"server": "inferd serve " + " ".join(flags), "minutes": a.minutes, "warm-up minutes": a.warmup,
+             "concurrency": f"{a.concurrency} clients, each sending requests back to back (stream, plain, n=2, "
+                            "aborted) until the end: the number of requests is what they completed",
+             "windows": f"first and last {a.window:g} minutes", "rounds": "1 (a soak is one long run)"}
+    report_header("soak at saturation", setup, paths)
+    report = {"cpu": cpu_features(), "setup": setup, "paths": paths, "minutes": a.minutes,
+              "concurrency": a.concurrency, "requests": stats,
               "end_gauges": end, "rss_mb_after_warmup": warm, "rss_mb_end": rss_end, "rss_growth": growth,
               "tok_s_first_window": first, "tok_s_last_window": last, "last_over_first": last / first if first else None}
     print(json.dumps(report, indent=2))
