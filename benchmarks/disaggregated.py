@@ -48,6 +48,10 @@ this run can show: the interference that chunked prefill trades against TTFT (A 
 on equal cores 1P1D isolates TPOT from long prompts at the price of each phase running on one
 core, plus the exact cost and correctness of the KV hand-over.
 
+The header (and the JSON's "setup") says what ran: every server's paths record, read from its GET
+/v1/engine/state after its sweep (the prefill and decode workers' apart), checked against the setup
+names; the JSON also holds "paths" and one row per setup and rate ("rows").
+
 Usage: .venv/bin/python benchmarks/disaggregated.py [--setups A,B,C] [--mix chat:0.8:128:64,rag:0.2:1024:16]
        [--rates 0.5,1,2,3] [--num-prompts 40] [--budgets 64,128,256,512] [--slo-ttft-ms 2000]
        [--slo-tpot-ms 100] [--model M] [--quantization gguf] [--dtype auto] [--connector shm|zmq]
@@ -72,7 +76,7 @@ sys.path.insert(0, HERE)
 
 import httpx  # noqa: E402
 
-from common import cpu_features  # noqa: E402
+from common import check_rows, cpu_features, paths_line, served_paths  # noqa: E402
 from serving import SRC, fmt, free_port, inferd_env, inferd_serve_cmd, print_table, server  # noqa: E402
 
 sys.path.insert(0, SRC)
@@ -524,7 +528,7 @@ def main(argv=None) -> int:
           file=sys.stderr, flush=True)
 
     t_start = time.monotonic()
-    results, kv, base = [], None, None
+    results, kv, base, paths = [], None, None, {}
     for name, kind, budget in plan:
         tag = {"A": "A", "B": f"B{budget}", "C": "C"}[kind]
         t0 = time.monotonic()
@@ -536,6 +540,10 @@ def main(argv=None) -> int:
             if kind == "C":
                 kv = kv_report(a, urls)
                 print_kv(kv, sys.stderr)
+                paths[f"{name} prefill worker"] = served_paths(urls["producer"])
+                paths[f"{name} decode worker"] = served_paths(urls["consumer"])
+            else:
+                paths[name] = served_paths(urls["server"])
         results.append({"name": name, "kind": kind, "budget": budget, "commands": cmds,
                         "goodput_rate": doc.get("goodput_rate"), "points": points_of(doc),
                         "sweep_json": os.path.join(a.out, f"sweep-{tag}.json"), "seconds": time.monotonic() - t0})
@@ -551,6 +559,7 @@ def main(argv=None) -> int:
             return (s["goodput_rate"] or 0, sum(att) / len(att) if att else 0)
         best_b = max(bs, key=score)["name"]
 
+    check_rows(paths)
     cs = cores()
     header = (f"{cpu_features()}\n"
               f"model {a.model or 'default (SmolLM2-135M-Instruct Q4_1)'}, --quantization {a.quantization}, "
@@ -564,6 +573,8 @@ def main(argv=None) -> int:
         header += "\nbaseline, one request at a time on " + base["setup"] + ": " + "; ".join(
             f"{k} TTFT {fmt(v['median_ttft_ms'], '{:.0f}')}, TPOT {fmt(v['median_tpot_ms'], '{:.1f}')}"
             for k, v in base["classes"].items())
+    header += "\nrounds: 1 (one sweep a setup; each point one run)\npaths that ran:\n" + "\n".join(
+        f"  {k}: {paths_line(p)}" for k, p in paths.items())
     h1, r1 = table_rows(results, short, long)
     print_table("\n" + header, h1, r1)
     h2, r2 = goodput_rows(results, best_b)
@@ -578,7 +589,9 @@ def main(argv=None) -> int:
     doc = {"cpu": cpu_features(), "args": {k: v for k, v in vars(a).items()}, "short_class": short,
            "long_class": long, "no_chunk_budget": no_chunk_budget, "slo_ttft_ms": a.slo_ttft_ms,
            "slo_tpot_ms": a.slo_tpot_ms, "slo_target": SLO_TARGET, "baseline": base, "setups": results,
-           "best_b": best_b, "kv_transfer": kv, "seconds": elapsed}
+           "best_b": best_b, "kv_transfer": kv, "seconds": elapsed, "setup": header.splitlines(), "paths": paths,
+           "rows": [{"label": f"{s['name']}, rate {p['rate']} req/s, {a.num_prompts} requests", **p}
+                    for s in results for p in s["points"]]}
     jpath, hpath = os.path.join(a.out, "disaggregated.json"), os.path.join(a.out, "disaggregated.html")
     with open(jpath, "w") as f:
         json.dump(doc, f, indent=2)
