@@ -25,7 +25,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
 from common import cpu_features  # noqa: E402
-from llamacpp import ensure_llama_cpp_python, omp_env  # noqa: E402
+from llamacpp import build_info, ensure_llama_cpp_python, omp_env, row_name  # noqa: E402
 
 # torch ships a libgomp.so.1 too, and whichever process loads one first fixes the OpenMP wait
 # policy for both: it has to be in the environment before torch (inferd) is imported. A script
@@ -103,9 +103,11 @@ def main() -> None:
     prompt = default_prompt(gguf, a.prompt_len)
     rate = llamacpp_decode_rate(gguf, prompt, a.n_out, threads=a.threads, rounds=a.rounds,
                                 flash_attn=not a.no_flash_attn)
+    info = build_info()
     print(cpu_features())
-    print(f"llama.cpp batch-1 decode: {rate:.1f} tok/s ({os.path.basename(gguf)}, {a.prompt_len}-token prompt, "
-          f"{a.n_out} greedy tokens, prefill excluded, {a.threads} threads, median of {a.rounds})")
+    print(info["isa"])
+    print(f"{row_name(info)} batch-1 decode, median of {a.rounds}; decode: {rate:.1f} tok/s ({os.path.basename(gguf)}, {a.prompt_len}-token prompt, "
+          f"{a.n_out} greedy tokens, prefill excluded, {a.threads} threads)")
 
 
 if __name__ == "__main__":

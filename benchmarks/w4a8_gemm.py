@@ -12,7 +12,7 @@ lm_head 49152x576) and M = 1 .. 512 rows, in one process, 2 threads, median of -
                   common.int8_peak_gops, is the ceiling there)
 printed as ms and G(FL)OP/s (2*M*N*K), with the kernel variant and CPU features in the header.
 
-Usage: .venv/bin/python benchmarks/w4a8_gemm.py [--threads 2] [--reps 5]
+Usage: .venv/bin/python benchmarks/w4a8_gemm.py [--threads 2] [--reps 5] [--json F]
 """
 from __future__ import annotations
 
@@ -28,12 +28,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 sys.path.insert(0, HERE)
 
-from common import cpu_features, int8_peak_gops  # noqa: E402
+from common import check_rows, int8_peak_gops, report_header, write_json  # noqa: E402
 from inferd.kernels import native  # noqa: E402
 from inferd.quant import quantize_int4, quantize_int8, w4a8  # noqa: E402
 
 SHAPES = [("qkv", 960, 576), ("gate_up", 3072, 576), ("down", 576, 1536), ("lm_head", 49152, 576)]
 ROWS = [1, 8, 16, 32, 64, 128, 512]
+COLUMNS = {"k4": "w4a8 kernel", "old": "old route", "k8": "w8a8 kernel", "fp32": "dense fp32",
+           "i8": "int8 peak (torch._int_mm)"}
 
 
 def timed(fn, reps: int) -> float:
@@ -50,16 +52,25 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--json", default=None)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     assert native.load() is not None, "native kernels unavailable"
     ops = torch.ops.inferd
-    print(cpu_features())
-    print(f"inferd kernels: {ops.isa()} variant; {a.threads} threads; median of {a.reps} calls; ms (G(FL)OP/s)")
+    # what ran: these rows call the native kernels directly (no engine), so the variant is the record
+    paths = {f"{k} kernel": {"engine": "inferd kernels", "kernel_variant": str(ops.isa()),
+                             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                             "weight_formats": {cls: 1}, "dtype": "float32"}
+             for k, cls in (("w4a8", "W4A8Linear"), ("w8a8", "W8A8Linear"))}
+    check_rows(paths)
+    setup = {"threads": a.threads, "reps": f"median of {a.reps} calls a cell (after one warm-up call)",
+             "shapes": ", ".join(f"{n} {N}x{K}" for n, N, K in SHAPES), "rows": ", ".join(map(str, ROWS))}
+    report_header("one quantized layer at every batch size: ms (G(FL)OP/s)", setup, paths)
     isa, peak = int8_peak_gops(a.threads)
     print(f"int8 dot-product instruction peak here ({isa}, {a.threads} threads, no memory traffic): {peak:.0f} GOP/s")
     print(f"{'layer':<8} {'N x K':>11} {'M':>4} {'w4a8 kernel':>17} {'old route':>17} {'w8a8 kernel':>17} "
           f"{'dense fp32':>17} {'int8 peak':>17} {'w4a8/fp32':>9} {'w8a8/fp32':>9}")
+    rows = []
     for name, N, K in SHAPES:
         torch.manual_seed(0)
         q, s, z = quantize_int4(torch.randn(N, K), 32)
@@ -81,6 +92,9 @@ def main():
             cell = {k: f"{v * 1e3:8.3f} ({g / v:5.1f})" if v == v else "-" for k, v in t.items()}
             print(f"{name:<8} {f'{N}x{K}':>11} {M:>4} {cell['k4']:>17} {cell['old']:>17} {cell['k8']:>17} "
                   f"{cell['fp32']:>17} {cell['i8']:>17} {t['fp32'] / t['k4']:>8.2f}x {t['fp32'] / t['k8']:>8.2f}x")
+            rows += [{"label": f"{COLUMNS[k]}, {name}", "shape": [N, K], "M": M, "metric": "ms", "median": v * 1e3,
+                      "gops": g / v} for k, v in t.items() if v == v]
+    write_json(a.json, setup, rows, paths, int8_instruction_peak={"isa": isa, "gops": peak})
 
 
 if __name__ == "__main__":
