@@ -153,3 +153,44 @@ def test_llamacpp_retries_once_without_amx_after_a_tile_fault(llamacpp, monkeypa
     with pytest.raises(llamacpp.TileFault):  # a fault without AMX is not retried
         llamacpp.run_llamacpp(lambda: (_ for _ in ()).throw(llamacpp.TileFault("SIGILL")))
     assert llamacpp.faulted(-4) and llamacpp.faulted(132) and not llamacpp.faulted(1) and not llamacpp.faulted(None)
+
+
+# -- one benchmark end to end, in its tiny mode ---------------------------------------------------------
+
+def test_quant_decode_tiny_records_the_paths_that_ran(default_gguf_path, tmp_path):
+    """benchmarks/quant_decode.py --tiny: its JSON has the CPU, the setup, one row per contender and a
+    paths record per inferd contender; the W4A8 row's record shows int8 activations and fused steps
+    (the W4A8 config builds the fused decode step on every CPU)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from inferd.kernels import native
+
+    if native.load() is None:
+        pytest.skip("the native kernels did not build here (W4A8 needs them)")
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "quant_decode.json"
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "quant_decode.py"), "--tiny", "--json", str(out)],
+                       cwd=root, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["cpu"] and doc["setup"]["rounds"].startswith("1,") and doc["setup"]["output tokens"] == 8
+    w4a8 = "inferd gguf +lm_head W4A8/W8A8"
+    assert set(doc["paths"]) == {"inferd fp32", w4a8}
+    for label, p in doc["paths"].items():
+        assert p["engine"] == "inferd" and p["kernel_variant"] == doc["paths"][w4a8]["kernel_variant"] is not None
+        assert p["weight_formats"] and p["kv_dtype"] and isinstance(p["fused_steps"], int)
+        check_label(label, p)
+    fp32, q = doc["paths"]["inferd fp32"], doc["paths"][w4a8]
+    assert fp32["weight_formats"] == {"Linear": 121} and fp32["kv_dtype"] == "float32" and fp32["fused_steps"] == 0
+    assert q["activations"] == "int8" and q["activation_quant"] == "W4A8/W8A8"
+    assert q["weight_formats"]["W4A8Linear"] > 0 and q["weight_formats"]["W8A8Linear"] == 1
+    assert q["fused_built"] and 0 < q["fused_steps"] <= q["steps"]
+    rows = {row["label"]: row for row in doc["rows"]}
+    assert set(rows) == set(doc["paths"])
+    for row in rows.values():  # the median of the rounds, with their spread: never a best-of
+        assert row["metric"] == "batch-1 decode tok/s" and len(row["runs"]) == 1
+        assert row["min"] <= row["median"] <= row["max"] and row["median"] > 0
+    # the header printed the same record
+    assert "paths that ran:" in r.stdout and f"{w4a8}: inferd kernels {q['kernel_variant']}" in r.stdout
