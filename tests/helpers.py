@@ -236,14 +236,16 @@ def write_tiny_chat_gguf(path, n_layers=2, hidden=64, seed=0):
     return str(path)
 
 
-def wait_for(cond, what: str = "condition", timeout: float = 20):
-    """Poll cond() every 0.1 s until it holds; a clear failure naming `what` after `timeout`."""
+def wait_until(predicate, timeout: float = 20, what: str = "condition"):
+    """Poll predicate() every 0.1 s until it holds; fails the test naming `what` after `timeout` s.
+    Wait on the condition a test depends on, never for a guessed time: a loaded machine only makes
+    this slower, not wrong."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if cond():
+        if predicate():
             return
         time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def compare_texts(texts, refs, tok):

@@ -12,7 +12,7 @@ import pytest
 
 import conftest
 from conftest import ServerProc
-from helpers import compare_texts, write_tiny_chat_gguf
+from helpers import compare_texts, wait_until, write_tiny_chat_gguf
 
 
 def samples(text: str) -> dict[tuple, float]:
@@ -54,7 +54,10 @@ def tiny(tmp_path_factory):
 
 
 def stream(base: str, prompt: str, max_tokens: int, out: list):
+    """Appends its events list to `out` at once and fills it as they arrive (a test can see the
+    stream under way)."""
     events = []
+    out.append(events)
     try:
         with httpx.stream("POST", base + "/v1/completions", timeout=120,
                           json={"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
@@ -64,7 +67,6 @@ def stream(base: str, prompt: str, max_tokens: int, out: list):
                     events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
     except httpx.HTTPError as e:
         events.append(repr(e))
-    out.append(events)
 
 
 def test_both_engines_serve_pinned_apart_with_vllm_metric_names(tiny):
@@ -112,7 +114,12 @@ def test_one_engine_dying_fails_its_requests_the_other_finishes_then_exit(tiny):
         ts = [threading.Thread(target=stream, args=(srv.base, f"long {i}", 1500, outs)) for i in range(2)]
         for t in ts:
             t.start()
-        time.sleep(1.0)
+
+        def both_streaming():
+            m = samples(httpx.get(srv.base + "/metrics", timeout=10).text)
+            running = [sum(series(m, "inferd:num_requests_running", engine=e).values()) for e in (0, 1)]
+            return len(outs) == 2 and all(outs) and running == [1, 1]
+        wait_until(both_streaming, 120, "a stream under way on each engine")
         conftest.os.kill(pids[1][0], 9)
         r = None
         for _ in range(100):  # new requests are refused once the fault is seen

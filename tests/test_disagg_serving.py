@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from conftest import ServerProc, free_port
-from helpers import wait_for, write_tiny_chat_gguf
+from helpers import wait_until, write_tiny_chat_gguf
 
 openai = pytest.importorskip("openai")
 
@@ -131,7 +131,7 @@ def cluster(model_args, prefill_args=(), decode_args=(), conn="SharedMemoryConne
     for s in (p, d, r):
         s.wait_ready()
     # the router's own health checks must have seen both (before that it routes everything colocated)
-    wait_for(lambda: prom(r.base, "inferd:router_backends_up") == 2, what="the router to see both workers up")
+    wait_until(lambda: prom(r.base, "inferd:router_backends_up") == 2, what="the router to see both workers up")
     return p, d, r
 
 
@@ -168,9 +168,10 @@ def test_1p1d_equals_colocated_on_the_default_model_through_router_and_openai(de
         assert prom(d.base, "inferd:kv_transfer_bytes_total", connector="SharedMemoryConnector") == 46_080 * tokens
         assert prom(p.base, "inferd:prefix_cache_hits_total") > 0  # the shared prefixes hit the producer's cache
         assert prom(r.base, "inferd:router_disagg_requests_total", path="disagg") == len(items)
-        wait_for(lambda: prom(p.base, "inferd:kv_lease_confirmed_total") == len(items), what="confirmations")
+        wait_until(lambda: prom(p.base, "inferd:kv_lease_confirmed_total") == len(items),
+                   what="confirmations")
         assert prom(p.base, "inferd:kv_leases_total") == len(items) and prom(p.base, "inferd:kv_lease_expiries_total") == 0
-        wait_for(lambda: pool_empty(p.base) and pool_empty(d.base), what="both pools empty")
+        wait_until(lambda: pool_empty(p.base) and pool_empty(d.base), what="both pools empty")
         # each worker's dashboard state says what it is and what it did
         sp, sd = (httpx.get(s.base + "/v1/engine/state", timeout=10).json()["engines"][0] for s in (p, d))
         assert (sp["config"]["role"], sd["config"]["role"]) == ("prefill", "decode")
@@ -245,8 +246,8 @@ def test_client_disconnects_in_either_phase_leave_both_pools_empty(tiny):
         with socket.create_connection(("127.0.0.1", r.port)) as sock:
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-        wait_for(lambda: prom(p.base, "inferd:kv_leases_total") == 2, what="both prompts prefilled")
-        wait_for(lambda: pool_empty(p.base) and pool_empty(d.base), what="both pools empty after disconnects")
+        wait_until(lambda: prom(p.base, "inferd:kv_leases_total") == 2, what="both prompts prefilled")
+        wait_until(lambda: pool_empty(p.base) and pool_empty(d.base), what="both pools empty after disconnects")
     finally:
         r.stop()
 
@@ -265,7 +266,7 @@ def test_a_decode_worker_killed_mid_decode_ends_the_stream_with_an_error(tiny):
                 if len(events) == 5:
                     d.proc.send_signal(signal.SIGKILL)
         assert events[-1] == "[DONE]" and "error" in json.loads(events[-2])
-        wait_for(lambda: pool_empty(p.base), what="the producer's pool empty")  # its lease was confirmed
+        wait_until(lambda: pool_empty(p.base), what="the producer's pool empty")  # its lease was confirmed
     finally:
         r.stop()
 
@@ -281,10 +282,15 @@ def test_a_producer_killed_mid_transfer_means_recompute_and_a_correct_200(tiny):
     assert kvp["remote_num_tokens"] == pre["usage"]["prompt_tokens"]
     before = prom(d.base, "inferd:kv_transfer_recomputes_total")
 
+    def pulling() -> bool:  # the decode worker holds the request, its KV not there yet
+        return httpx.get(d.base + "/v1/engine/state", params={"steps": 0}, timeout=10).json()["engines"][0][
+            "num_waiting"] == 1
+
     async def decode_while_killing():
         async with httpx.AsyncClient(timeout=60) as c:
             task = asyncio.create_task(c.post(d.base + "/v1/completions", json={**body, "kv_transfer_params": kvp}))
-            await asyncio.sleep(0.5)
+            # polled every 0.1 s against the 2 s the decode worker waits (transfer_timeout_s)
+            await asyncio.to_thread(wait_until, pulling, 60, "the decode worker to wait for the prompt's KV")
             p.proc.send_signal(signal.SIGKILL)
             return await task
 
@@ -293,7 +299,7 @@ def test_a_producer_killed_mid_transfer_means_recompute_and_a_correct_200(tiny):
     want = httpx.post(d.base + "/v1/completions", json=body, timeout=60).json()
     assert got.json()["choices"][0]["text"] == want["choices"][0]["text"]
     assert prom(d.base, "inferd:kv_transfer_recomputes_total") == before + 1
-    wait_for(lambda: pool_empty(d.base), what="the decode worker's pool empty")
+    wait_until(lambda: pool_empty(d.base), what="the decode worker's pool empty")
 
 
 def test_router_falls_back_when_no_prefill_worker_answers(tiny):

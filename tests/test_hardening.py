@@ -12,13 +12,12 @@ import signal
 import subprocess
 import sys
 import socket
-import time
 
 import httpx
 import pytest
 
 from conftest import ServerProc, make_tiny_model
-from helpers import write_tiny_chat_gguf
+from helpers import wait_until, write_tiny_chat_gguf
 
 LIMIT = 64 * 1024
 
@@ -330,12 +329,22 @@ def _open_stream(s, max_tokens=1000):
         yield first[6:], (line[6:] for line in lines if line.startswith("data: "))
 
 
+def _refuses_connections(s) -> bool:
+    """A new request on a new connection fails to connect: the listener is closed, which uvicorn
+    does only after the signal handler ran (a draining server that still listens answers 503)."""
+    try:
+        httpx.post(s.base + "/v1/completions", json={"prompt": "a", "max_tokens": 1}, timeout=5)
+    except httpx.HTTPError:
+        return True
+    return False
+
+
 def test_sigterm_drains_open_streams_then_exits_0(servers):
     s = servers["drain"].wait_ready()
     try:
         with _open_stream(s) as (first, events):
             s.proc.send_signal(signal.SIGTERM)
-            time.sleep(0.3)
+            wait_until(lambda: _refuses_connections(s), 30, "the draining server to close its listener")
             with pytest.raises(httpx.HTTPError):  # no new connections while it drains
                 httpx.post(s.base + "/v1/completions", json={"prompt": "a", "max_tokens": 1}, timeout=5)
             rest = list(events)
@@ -354,7 +363,8 @@ def test_a_second_signal_exits_at_once(servers):
     try:
         with _open_stream(s) as (_, events):
             s.proc.send_signal(signal.SIGTERM)
-            time.sleep(0.2)
+            # the second signal must find the first one handled: it is, once the listener is closed
+            wait_until(lambda: _refuses_connections(s), 30, "the draining server to close its listener")
             s.proc.send_signal(signal.SIGTERM)
             code = s.proc.wait(60)  # --drain-timeout is 600 s: only the second signal can end it this soon
             try:

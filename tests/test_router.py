@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from conftest import ServerProc, free_port
-from helpers import wait_for, write_tiny_chat_gguf
+from helpers import wait_until, write_tiny_chat_gguf
 from inferd.router.backends import parse_backends, parse_load
 from inferd.distributed.policy import Balancer, PrefixIndex, chunk_hashes
 
@@ -103,7 +103,8 @@ def router(backends: list[str], *extra: str) -> ServerProc:
 
 def all_seen_up(rt: ServerProc, n: int):
     """Wait until the router's own health checks have seen n backends up (its /health is 200 at one)."""
-    wait_for(lambda: prom(rt.base).get("inferd:router_backends_up") == n, what=f"the router to see {n} backends up")
+    wait_until(lambda: prom(rt.base).get("inferd:router_backends_up") == n,
+               what=f"the router to see {n} backends up")
 
 
 def prom(base: str) -> dict[str, float]:
@@ -179,16 +180,20 @@ def test_router_passes_answers_through_and_survives_a_killed_backend(pair):
     before = prom(rt.base)
     killer = mocks[0]
     task_codes: list = []
+    sent0 = f'inferd:router_requests_total{{backend="{urls[0]}"}}'
 
     async def run():
         t = asyncio.create_task(load(60))
-        await asyncio.sleep(0.3)
+        # under load means once the load has reached it, however slowly the machine runs
+        await asyncio.to_thread(wait_until, lambda: prom(rt.base).get(sent0, 0) >= before.get(sent0, 0) + 2, 60,
+                                "the load to reach the backend about to be killed")
         killer.proc.kill()
         task_codes.extend(await t)
     asyncio.run(run())
     assert all(c in (200, 502, 503) for c in task_codes), task_codes
     assert task_codes.count(200) >= 55, task_codes  # a request in flight at the kill may fail; later ones not
-    wait_for(lambda: prom(rt.base)[f'inferd:router_backend_up{{backend="{urls[0]}"}}'] == 0, "the kill to show")
+    wait_until(lambda: prom(rt.base)[f'inferd:router_backend_up{{backend="{urls[0]}"}}'] == 0,
+               what="the kill to show")
     mid = prom(rt.base)
     for i in range(6):  # nothing new goes to the dead one
         assert httpx.post(rt.base + "/v1/completions", json={**body, "prompt": f"after {i} " * 20},
@@ -200,7 +205,7 @@ def test_router_passes_answers_through_and_survives_a_killed_backend(pair):
 
     # restarted on the same port: up again, and used again
     mocks[0] = mock(int(urls[0].rsplit(":", 1)[1])).wait_ready()
-    wait_for(lambda: prom(rt.base)[f'inferd:router_backend_up{{backend="{urls[0]}"}}'] == 1, "the restart")
+    wait_until(lambda: prom(rt.base)[f'inferd:router_backend_up{{backend="{urls[0]}"}}'] == 1, what="the restart")
     for i in range(8):
         httpx.post(rt.base + "/v1/completions", json={**body, "prompt": f"back {i} " * 20}, timeout=30)
     assert prom(rt.base)[key0] > after[key0]
@@ -343,7 +348,7 @@ def test_prefix_routing_finds_what_round_robin_evicts(tiny_chat_gguf):
             ms = [prom(b.base) for b in backends["prefix"]]
             return all(v == 0 for m in ms for k, v in m.items()
                        if k.startswith(("inferd:num_requests_running", "inferd:kv_cache_usage_perc")))
-        wait_for(idle, "the backend to abort the abandoned stream")
+        wait_until(idle, what="the backend to abort the abandoned stream")
         assert generated() - gen0 < 700 and finished() == fin0  # cut short, never finished
         assert finished(aborted=True) == ab0 + 1  # counted as vLLM counts it: finished_reason="abort"
         assert prom(rt.base)[f'inferd:router_requests_in_flight{{backend="{backends["prefix"][0].base}"}}'] == 0
