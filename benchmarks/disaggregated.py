@@ -271,10 +271,9 @@ def expected_bytes_per_token(model: str | None, kv_dtype: str | None) -> tuple[i
             layers, kvh = c["num_hidden_layers"], c.get("num_key_value_heads", c["num_attention_heads"])
             hd = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
         else:
-            from inferd.bench.tokenizer import read_gguf_kv
-            from inferd.gguf_file import default_model_path
+            from inferd.gguf_file import default_model_path, read_gguf_metadata
 
-            kv = read_gguf_kv(model or default_model_path())
+            kv = read_gguf_metadata(model or default_model_path())
             arch = kv["general.architecture"]
             layers = kv[f"{arch}.block_count"]
             heads = kv[f"{arch}.attention.head_count"]

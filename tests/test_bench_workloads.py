@@ -30,6 +30,21 @@ def tok():
     return t
 
 
+def test_local_tokenizer_from_a_gguf_file_or_its_folder(tok, tmp_path):
+    """--tokenizer PATH: a .gguf file, or a folder holding one, read through inferd.gguf_file."""
+    import os
+
+    from inferd.bench.tokenizer import default_tokenizer_path, load_local
+
+    path = default_tokenizer_path()
+    os.symlink(path, tmp_path / "model.gguf")
+    for spec in (path, str(tmp_path)):
+        t = load_local(spec)
+        assert t.vocab_size == tok.vocab_size and t.encode("Hello, world!") == tok.encode("Hello, world!")
+    with pytest.raises(InferdError, match="tokenizer not found"):
+        load_local(str(tmp_path / "missing"))
+
+
 # -- --mix ---------------------------------------------------------------------------------------
 def test_parse_mix_forms_and_errors():
     classes = D.parse_mix(D.DEFAULT_MIX)

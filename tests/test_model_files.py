@@ -3,6 +3,7 @@ CLI), never a crash, a hang or a huge allocation. The fuzz runs in a subprocess 
 import functools
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -64,6 +65,77 @@ def test_huge_dimension_is_refused_before_the_reader(tmp_path, good):
     bad = patched(tmp_path, good, i, struct.pack("<Q", 2**45))
     with pytest.raises(InferdError, match="dimension|elements|past the end"):
         check_gguf(bad)
+
+
+def _s(text: str | bytes) -> bytes:
+    raw = text.encode() if isinstance(text, str) else text
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _kv(key, vtype: int, payload: bytes) -> bytes:
+    return _s(key) + struct.pack("<I", vtype) + payload
+
+
+def _tensor(name: str, dims, ttype: int = 0, offset: int = 0) -> bytes:
+    return _s(name) + struct.pack(f"<I{len(dims)}QIQ", len(dims), *dims, ttype, offset)
+
+
+def _gguf(tmp_path, kvs=(), tensors=(), data: bytes = b"\0" * 256) -> str:
+    """A GGUF file built byte by byte (the writer refuses to write what these tests need)."""
+    head = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(kvs)) + b"".join(kvs) + b"".join(tensors)
+    p = tmp_path / "bad.gguf"
+    p.write_bytes(head + b"\0" * (-len(head) % 32) + data)
+    return str(p)
+
+
+U8, U32, STRING, ARRAY = 0, 4, 8, 9
+
+
+@pytest.mark.parametrize("kvs,tensors,words", [
+    ([_kv("a", ARRAY, struct.pack("<IQ", U8, (1 << 24) + 1))], [], "items .limit"),
+    ([_kv("a", ARRAY, struct.pack("<IQ", ARRAY, 1) * 4 + struct.pack("<IQ", U8, 0))], [], "nests arrays"),
+    ([_kv("a", 13, b"")], [], "unknown type 13"),
+    ([_kv("a", ARRAY, struct.pack("<IQ", 13, 1))], [], "unknown item type"),
+    ([_kv("a", ARRAY, struct.pack("<IQ", STRING, 1 << 20))], [], "past the end"),
+    ([_kv(b"\xff", U8, b"\0")], [], "not UTF-8"),
+    ([_kv("a", STRING, struct.pack("<Q", (1 << 24) + 1))], [], "bytes long .limit"),
+    ([_kv("general.alignment", U32, struct.pack("<I", 48))], [], "power of two"),
+    ([_kv("general.alignment", 7, b"\1")], [], "power of two"),  # a bool
+    ([], [_tensor("t", [1, 1, 1, 1, 1])], "5 dimensions"),
+    ([], [_tensor("t", [0])], "dimension 0"),
+    ([], [_tensor("t", [1 << 21, 1 << 21])], "elements"),
+    ([], [_tensor("t", [8], ttype=99)], "unknown type 99"),
+    ([], [_tensor("t", [33], ttype=2)], "block of 32"),  # Q4_0
+    ([], [_tensor("t", [8], offset=4)], "not aligned"),
+    ([], [_tensor("t", [8]), _tensor("t", [8], offset=32)], "appears twice"),
+    ([], [_tensor("t", [8], offset=1 << 20)], "past the end"),
+])
+def test_every_bound_is_one_clear_error(tmp_path, kvs, tensors, words):
+    with pytest.raises(InferdError) as e:
+        check_gguf(_gguf(tmp_path, kvs, tensors))
+    msg = str(e.value)
+    assert "\n" not in msg and re.search(words, msg) and "invalid GGUF file" in msg and "bad.gguf" in msg, msg
+
+
+def test_a_sound_hand_built_file_passes(tmp_path):
+    check_gguf(_gguf(tmp_path, [_kv("general.alignment", U32, struct.pack("<I", 64))],
+                     [_tensor("a", [8, 2]), _tensor("b", [32], ttype=2, offset=64)]))
+
+
+def test_every_reader_of_a_hostile_file_gives_the_same_error(tmp_path, good):
+    """The validator, the loader's GGUFFile, the tokenizer and the bench read through one bounded
+    reader, so a hostile metadata section is refused alike by each of them."""
+    from inferd.bench.tokenizer import load_local
+    from inferd.gguf_file import GGUFFile, read_gguf_metadata
+    from inferd.tokenizer import Tokenizer
+
+    bad = patched(tmp_path, good, 24, struct.pack("<Q", 2**50))
+    errors = set()
+    for read in (check_gguf, GGUFFile, read_gguf_metadata, Tokenizer.load, load_local):
+        with pytest.raises(InferdError) as e:
+            read(bad)
+        errors.add(str(e.value))
+    assert len(errors) == 1 and "a metadata key is 1125899906842624 bytes long" in errors.pop()
 
 
 def test_cli_exits_2_with_one_line(tmp_path, good):

@@ -1,30 +1,49 @@
-"""GGUF files without torch: where the embedded default model lies, and reading a file's
-key/value metadata and tensor table (the tensors themselves stay mapped, for the loader)."""
+"""GGUF files without torch: where the embedded default model lies, and the one reader of the
+format (parse_gguf: the header, the key/value metadata and the tensor table, bounded as it goes).
+The tokenizer, the loader, the validator (inferd.loading.checks) and the bench all read through it;
+the tensors themselves stay mapped, for the loader."""
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import math
+import mmap
 import os
+import struct
 from dataclasses import dataclass
 from typing import Any
 
 from inferd.errors import InferdError
 
 GGUF_MAGIC = b"GGUF"
+VERSIONS = (2, 3)
+
+# Every GGUF file is held to these while it is read, so that a hostile count or length fails
+# before it costs a loop or an allocation (llama.cpp's own parser has had CVEs from trusting them).
+# Generous: the largest published Llama-family models fit with room.
+MAX_KV = 1 << 16  # metadata entries
+MAX_TENSORS = 1 << 16
+MAX_STRING = 1 << 24  # bytes in one string (a chat template, a merge)
+MAX_ARRAY = 1 << 24  # items in one metadata array (a vocabulary)
+MAX_NESTING = 2  # arrays inside arrays
+MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_ELEMENTS = 1 << 40
+MAX_ALIGNMENT = 1 << 16
 
 
 HEAD_HASH_BYTES = 8 << 20
 _READERS: dict[tuple, Any] = {}  # the last file opened: (path, inode, size, mtime, head hash) -> its reader
 
 
-def open_gguf(path: str) -> "GGUFFile":
+def open_gguf(path: str) -> GGUFFile:
     """Open a GGUF file (its metadata parsed, its tensors mapped), every failure one clear error.
 
-    Callers run model_files.check_gguf first where a file may be hostile (the loader does): it
-    bounds every count and offset before anything here trusts them. A load opens the file more
-    than once (tokenizer, then weights; `inferd eval` loads a model once per config), so the last
-    file's GGUFFile is kept and reused while the file is unchanged (same inode, size, mtime and
-    first bytes). It is read-only and mapped."""
+    The reader bounds every count and length; where a file may be hostile, callers run
+    inferd.loading.checks.check_gguf first (the loader does), which also holds each tensor's type,
+    shape and byte range to the file. A load opens the file more than once (tokenizer, then
+    weights; `inferd eval` loads a model once per config), so the last file's GGUFFile is kept and
+    reused while the file is unchanged (same inode, size, mtime and first bytes). It is read-only
+    and mapped."""
     try:
         st = os.stat(path)
     except OSError:
@@ -75,125 +94,219 @@ class GGUFFile:
 
     def __init__(self, path: str):
         import numpy as np
-        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quant_shape_to_byte_shape
 
+        header = parse_gguf(path)
         self.path = path
-        self.metadata, infos, data_start = _parse(path, tensors=True)
+        self.metadata = header.metadata
+        mm = np.memmap(path, mode="r")
+        self.tensors = [_mapped_tensor(mm, header, t) for t in header.tensors]
+
+
+def _mapped_tensor(mm, header: GGUFHeader, t: TensorInfo) -> GGUFTensor:
+    """A tensor's data as a view of the file's mapping, shaped as the `gguf` reader shapes it."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quant_shape_to_byte_shape
+
+    start, n_bytes = header.data_span(t)
+    qt = GGMLQuantizationType(t.type)
+    np_dims = tuple(reversed(t.dims))
+    plain = _PLAIN_TYPES.get(qt.name)
+    if plain is None:
+        np_dims = quant_shape_to_byte_shape(np_dims, qt)
+    data = mm[start:start + n_bytes].view(plain or np.uint8).reshape(np_dims)
+    return GGUFTensor(t.name, qt, np.array(t.dims, dtype=np.uint64), t.n_elements, n_bytes, start, data)
+
+
+def ggml_block(ttype: int) -> tuple[int, int]:
+    """(elements, bytes) of one block of GGML type `ttype`; ValueError for a type gguf does not know."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        return GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
+    except (ValueError, KeyError):
+        raise ValueError(f"unknown type {ttype}") from None
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One entry of a GGUF file's tensor table, as the file states it: `dims` in GGUF order (ne[0],
+    the innermost, first), `offset` from the start of the data section."""
+    name: str
+    dims: tuple[int, ...]
+    type: int
+    offset: int
+
+    @property
+    def n_elements(self) -> int:
+        return math.prod(self.dims)
+
+    def n_bytes(self) -> int:
+        """Bytes its data takes; ValueError for an unknown type or a first dimension that is not a
+        whole number of the type's blocks."""
+        block, block_bytes = ggml_block(self.type)
+        if self.dims[0] % block:
+            raise ValueError(f"its first dimension {self.dims[0]} is not a multiple of its block of {block}")
+        return self.n_elements // block * block_bytes
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    """All of a GGUF file before its tensor data, as parse_gguf read it: metadata values are plain
+    Python values (arrays are lists); `data_start` is where the (aligned) data section begins."""
+    path: str
+    size: int
+    version: int
+    metadata: dict[str, Any]
+    tensors: tuple[TensorInfo, ...]
+    alignment: int
+    data_start: int
+
+    def fail(self, what: str):
+        raise InferdError(f"invalid GGUF file {self.path}: {what}")
+
+    def data_span(self, t: TensorInfo) -> tuple[int, int]:
+        """(first byte in the file, bytes) of tensor t's data: one clear error unless its type is
+        known, its first dimension whole blocks, and its data inside the file."""
         try:
-            mm = np.memmap(path, mode="r")
-            self.tensors = []
-            for name, dims, ttype, offset in infos:
-                qt = GGMLQuantizationType(ttype)
-                n = 1
-                for d in dims:
-                    n *= d
-                block, type_size = GGML_QUANT_SIZES[qt]
-                n_bytes = n * type_size // block
-                start = data_start + offset
-                if start + n_bytes > len(mm):
-                    raise ValueError(f"tensor {name!r} ends past the end of the file")
-                np_dims = tuple(reversed(dims))
-                plain = _PLAIN_TYPES.get(qt.name)
-                if plain is None:
-                    np_dims = quant_shape_to_byte_shape(np_dims, qt)
-                data = mm[start:start + n_bytes].view(plain or np.uint8).reshape(np_dims)
-                self.tensors.append(GGUFTensor(name, qt, np.array(dims, dtype=np.uint64), n, n_bytes, start, data))
-        except (ValueError, KeyError, TypeError) as e:
-            raise InferdError(f"cannot read GGUF file {path}: {type(e).__name__}: {e}") from None
-
-
-_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_STRING, _ARRAY = 8, 9
+            n_bytes = t.n_bytes()
+        except ValueError as e:
+            self.fail(f"tensor {t.name!r}: {e}")
+        start = self.data_start + t.offset
+        if start + n_bytes > self.size:
+            self.fail(f"tensor {t.name!r} ({n_bytes} bytes at offset {t.offset}) ends past the end of the file "
+                      f"({self.size} bytes)")
+        return start, n_bytes
 
 
 def read_gguf_metadata(path: str) -> dict[str, Any]:
-    """The key/value metadata of a GGUF file (what an API process needs for its tokenizer)."""
-    return _parse(path, tensors=False)[0]
+    """The key/value metadata of a GGUF file (what a tokenizer needs: the API process's, the bench's)."""
+    return parse_gguf(path, tensors=False).metadata
 
 
-def _parse(path: str, tensors: bool):
-    """(metadata, [(name, dims, type, offset)], data start) from a GGUF file's bytes. Every length
-    is checked against the file, so a corrupt or hostile file is one InferdError, never a huge
-    allocation."""
-    import mmap
-    import struct
-
+def parse_gguf(path: str, tensors: bool = True) -> GGUFHeader:
+    """The header, metadata and (unless tensors=False) tensor table of a GGUF file, read under the
+    MAX_* bounds above and the file's length: a corrupt or hostile file is one InferdError naming
+    the file, what is wrong and at which byte, never a huge loop or allocation."""
     try:
         with open(path, "rb") as f:
+            magic = f.read(4)
+            if magic != GGUF_MAGIC:
+                raise InferdError(f"not a GGUF file (bad magic {magic!r}): {path}")
             buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     except (OSError, ValueError) as e:
         raise InferdError(f"cannot read GGUF file {path}: {e}") from None
-    size = len(buf)
-    pos = 0
-
-    def take(fmt: str):
-        nonlocal pos
-        n = struct.calcsize(fmt)
-        if pos + n > size:
-            raise ValueError("the file ends inside its metadata")
-        out = struct.unpack_from(fmt, buf, pos)
-        pos += n
-        return out if len(out) > 1 else out[0]
-
-    def string() -> str:
-        nonlocal pos
-        n = take("<Q")
-        if n > size - pos:
-            raise ValueError(f"a string of {n} bytes runs past the end of the file")
-        out = buf[pos:pos + n].decode("utf-8", "replace")
-        pos += n
-        return out
-
-    def value(kind: int):
-        nonlocal pos
-        if kind == _STRING:
-            return string()
-        if kind in _SCALARS:
-            return take("<" + _SCALARS[kind])
-        if kind == _ARRAY:
-            sub, n = take("<I"), take("<Q")
-            if sub in _SCALARS:
-                width = struct.calcsize(_SCALARS[sub])
-                if n * width > size - pos:
-                    raise ValueError(f"an array of {n} items runs past the end of the file")
-                out = list(struct.unpack_from(f"<{n}{_SCALARS[sub]}", buf, pos))
-                pos += n * width
-                return out
-            if n > (size - pos) // 8:  # every item takes at least 8 bytes
-                raise ValueError(f"an array of {n} items runs past the end of the file")
-            return [value(sub) for _ in range(n)]
-        raise ValueError(f"unknown metadata value type {kind}")
-
     try:
-        if take("<4s") != GGUF_MAGIC:
-            raise InferdError(f"not a GGUF file (bad magic): {path}")
-        version, n_tensors, n_kv = take("<IQQ")
-        if version < 2:
-            raise ValueError(f"GGUF version {version} is not supported")
-        meta: dict[str, Any] = {}
-        for _ in range(n_kv):
-            key = string()
-            meta[key] = value(take("<I"))
-        infos = []
-        if tensors:
-            if n_tensors > (size - pos) // 24:  # every tensor info takes at least 24 bytes
-                raise ValueError(f"{n_tensors} tensors cannot fit in the file")
-            for _ in range(n_tensors):
-                name = string()
-                n_dims = take("<I")
-                if not 1 <= n_dims <= 8:
-                    raise ValueError(f"tensor {name!r} has {n_dims} dimensions")
-                dims = [take("<Q") for _ in range(n_dims)]
-                ttype, offset = take("<IQ")
-                infos.append((name, dims, ttype, offset))
-        align = meta.get("general.alignment", 32)
-        if not isinstance(align, int) or align <= 0:
-            raise ValueError(f"general.alignment {align!r} is not a positive integer")
-        return meta, infos, (pos + align - 1) // align * align
-    except (ValueError, struct.error, RecursionError) as e:
-        raise InferdError(f"cannot read GGUF file {path}: {e}") from None
+        return _read_header(_Cursor(buf, path), tensors)
     finally:
         buf.close()
+
+
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_SCALAR_STRUCTS = {kind: struct.Struct("<" + fmt) for kind, fmt in _SCALARS.items()}
+_STRING, _ARRAY = 8, 9
+_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
+_HEADER = struct.Struct("<IQQ")  # version, tensor count, metadata count
+_ARRAY_HEAD = struct.Struct("<IQ")  # item type, item count
+_TYPE_OFFSET = struct.Struct("<IQ")
+
+
+class _Cursor:
+    """A read position in a GGUF file's bytes; every read is checked against the end of the file."""
+
+    def __init__(self, buf, path: str):
+        self.buf, self.size, self.path, self.pos = buf, len(buf), path, len(GGUF_MAGIC)
+
+    def fail(self, what: str):
+        raise InferdError(f"invalid GGUF file {self.path}: {what} (at byte {self.pos})")
+
+    def need(self, n: int):
+        if n > self.size - self.pos:
+            self.fail(f"needs {n} bytes past the end of the file")
+
+    def take(self, s: struct.Struct) -> tuple:
+        self.need(s.size)
+        out = s.unpack_from(self.buf, self.pos)
+        self.pos += s.size
+        return out
+
+    def string(self, what: str, strict: bool = False) -> str:
+        """A length-prefixed string. Names must be UTF-8; values are read as the tokenizer always
+        read them (invalid bytes replaced)."""
+        (n,) = self.take(_U64)
+        if n > MAX_STRING:
+            self.fail(f"{what} is {n} bytes long (limit {MAX_STRING})")
+        self.need(n)
+        try:
+            out = self.buf[self.pos:self.pos + n].decode("utf-8", "strict" if strict else "replace")
+        except UnicodeDecodeError:
+            self.fail(f"{what} is not UTF-8")
+        self.pos += n
+        return out
+
+    def value(self, kind: int, key: str):
+        if kind in _SCALAR_STRUCTS:
+            return self.take(_SCALAR_STRUCTS[kind])[0]
+        if kind == _STRING:
+            return self.string(f"the value of {key!r}")
+        if kind == _ARRAY:
+            return self.array(key, 0)
+        self.fail(f"metadata {key!r} has unknown type {kind}")
+
+    def array(self, key: str, depth: int) -> list:
+        if depth > MAX_NESTING:
+            self.fail(f"{key!r} nests arrays more than {MAX_NESTING} deep")
+        item, count = self.take(_ARRAY_HEAD)
+        if count > MAX_ARRAY:
+            self.fail(f"array {key!r} has {count} items (limit {MAX_ARRAY})")
+        if item in _SCALARS:
+            return list(self.take(struct.Struct(f"<{count}{_SCALARS[item]}")))
+        # checked first against the fewest bytes one item takes (a length; an item type and a
+        # count), so a lying count fails before the loop
+        if item == _STRING:
+            self.need(count * _U64.size)
+            what = f"an item of {key!r}"
+            return [self.string(what) for _ in range(count)]
+        if item == _ARRAY:
+            self.need(count * _ARRAY_HEAD.size)
+            return [self.array(key, depth + 1) for _ in range(count)]
+        self.fail(f"array {key!r} has unknown item type {item}")
+
+    def tensor_info(self) -> TensorInfo:
+        name = self.string("a tensor name", strict=True)
+        (n_dims,) = self.take(_U32)
+        if not 1 <= n_dims <= MAX_DIMS:
+            self.fail(f"tensor {name!r} has {n_dims} dimensions (1 to {MAX_DIMS})")
+        dims = self.take(struct.Struct(f"<{n_dims}Q"))
+        n = 1
+        for d in dims:
+            if d == 0 or d > MAX_ELEMENTS:
+                self.fail(f"tensor {name!r} has dimension {d}")
+            n *= d
+            if n > MAX_ELEMENTS:
+                self.fail(f"tensor {name!r} has more than {MAX_ELEMENTS} elements")
+        ttype, offset = self.take(_TYPE_OFFSET)
+        return TensorInfo(name, dims, ttype, offset)
+
+
+def _read_header(c: _Cursor, tensors: bool) -> GGUFHeader:
+    version, n_tensors, n_kv = c.take(_HEADER)
+    if version not in VERSIONS:
+        c.fail(f"unsupported version {version} ({' and '.join(map(str, VERSIONS))} are)")
+    if n_tensors > MAX_TENSORS:
+        c.fail(f"claims {n_tensors} tensors (limit {MAX_TENSORS})")
+    if n_kv > MAX_KV:
+        c.fail(f"claims {n_kv} metadata entries (limit {MAX_KV})")
+    meta: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = c.string("a metadata key", strict=True)
+        meta[key] = c.value(c.take(_U32)[0], key)
+    alignment = meta.get("general.alignment", 32)
+    # a bool is an int to Python, not to GGUF
+    if type(alignment) is not int or not 0 < alignment <= MAX_ALIGNMENT or alignment & (alignment - 1):
+        c.fail(f"general.alignment {alignment!r} is not a power of two up to {MAX_ALIGNMENT}")
+    infos = tuple(c.tensor_info() for _ in range(n_tensors)) if tensors else ()
+    data_start = (c.pos + alignment - 1) // alignment * alignment
+    return GGUFHeader(c.path, c.size, version, meta, infos, alignment, data_start)
 
 
 def read_metadata(reader) -> dict[str, Any]:

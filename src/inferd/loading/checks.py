@@ -1,12 +1,12 @@
 """Model files are untrusted input: checks that run before any parser or allocation trusts them.
 
-A GGUF file is parsed by the `gguf` package's reader, which believes every count and offset it
-reads (llama.cpp's own parser has had CVEs from exactly that: huge dimensions, overflowing counts,
-offsets past the end). `check_gguf` walks the header, the key/value section and the tensor infos
-first, checking each count, length, type, shape and offset against the file's length and sane
-bounds. `check_safetensors` does the same for a safetensors header; `check_config` bounds the shape
-taken from metadata or config.json before a model of that shape is built. Each failure is one
-InferdError (the CLI's exit 2) naming the file and what is wrong.
+A GGUF file is read by inferd.gguf_file's one reader, which bounds every count, length and shape
+as it goes (llama.cpp's own parser has had CVEs from trusting them: huge dimensions, overflowing
+counts, offsets past the end); `check_gguf` then holds what it read to the file: each tensor's
+type, shape and byte range, before the tensors are mapped. `check_safetensors` does the same for a
+safetensors header; `check_config` bounds the shape taken from metadata or config.json before a
+model of that shape is built. Each failure is one InferdError (the CLI's exit 2) naming the file
+and what is wrong.
 """
 from __future__ import annotations
 
@@ -15,19 +15,10 @@ import os
 import struct
 
 from inferd.errors import InferdError
+from inferd.gguf_file import MAX_ELEMENTS, parse_gguf
 
-MAX_KV = 1 << 16  # metadata entries
-MAX_TENSORS = 1 << 16
-MAX_STRING = 1 << 24  # bytes in one metadata string (a chat template, a merge)
-MAX_ARRAY = 1 << 24  # items in one metadata array (a vocabulary)
-MAX_DIMS = 4  # GGML_MAX_DIMS
-MAX_ELEMENTS = 1 << 40
 MAX_SAFETENSORS_HEADER = 100 << 20  # the safetensors format's own limit
 MAX_CONFIG_BYTES = 1 << 20
-
-# (size of one item) for GGUF metadata value types; 8 = string, 9 = array
-_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_STRING, _ARRAY = 8, 9
 
 # Bounds of a model's shape. Generous (the largest published Llama-family models fit with room),
 # but they stop a file from asking for terabytes before a single tensor is read.
@@ -43,127 +34,17 @@ CONFIG_BOUNDS = {
 }
 
 
-class _Reader:
-    def __init__(self, f, size: int, path: str):
-        self.f, self.size, self.path, self.pos = f, size, path, 0
-
-    def fail(self, what: str):
-        raise InferdError(f"invalid GGUF file {self.path}: {what} (at byte {self.pos})")
-
-    def read(self, n: int) -> bytes:
-        if n < 0 or self.pos + n > self.size:
-            self.fail(f"needs {n} bytes past the end of the file")
-        b = self.f.read(n)
-        self.pos += n
-        return b
-
-    def skip(self, n: int):
-        if n < 0 or self.pos + n > self.size:
-            self.fail(f"needs {n} bytes past the end of the file")
-        self.f.seek(n, 1)
-        self.pos += n
-
-    def u32(self) -> int:
-        return struct.unpack("<I", self.read(4))[0]
-
-    def u64(self) -> int:
-        return struct.unpack("<Q", self.read(8))[0]
-
-    def string(self, what: str, keep: bool = True) -> str | None:
-        n = self.u64()
-        if n > MAX_STRING:
-            self.fail(f"{what} is {n} bytes long (limit {MAX_STRING})")
-        if not keep:
-            self.skip(n)
-            return None
-        try:
-            return self.read(n).decode("utf-8")
-        except UnicodeDecodeError:
-            self.fail(f"{what} is not UTF-8")
-
-
 def check_gguf(path: str) -> None:
     """Raise InferdError unless the file's structure is sound (see the module's docstring)."""
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        r = _Reader(f, size, path)
-        magic = r.read(4) if size >= 4 else b""
-        if magic != b"GGUF":
-            raise InferdError(f"not a GGUF file (bad magic {magic!r}): {path}")
-        version = r.u32()
-        if version not in (2, 3):
-            r.fail(f"unsupported version {version} (2 and 3 are)")
-        n_tensors, n_kv = r.u64(), r.u64()
-        if n_tensors > MAX_TENSORS or n_kv > MAX_KV:
-            r.fail(f"claims {n_tensors} tensors and {n_kv} metadata entries (limits {MAX_TENSORS}, {MAX_KV})")
-        alignment = 32
-        for _ in range(n_kv):
-            key = r.string("a metadata key")
-            vtype = r.u32()
-            value = _skip_value(r, vtype, key)
-            if key == "general.alignment":
-                if not isinstance(value, int) or value <= 0 or value & (value - 1) or value > 1 << 16:
-                    r.fail(f"general.alignment {value!r} is not a power of two up to 65536")
-                alignment = value
-        infos = []
-        for _ in range(n_tensors):
-            name = r.string("a tensor name")
-            n_dims = r.u32()
-            if not 1 <= n_dims <= MAX_DIMS:
-                r.fail(f"tensor {name!r} has {n_dims} dimensions (1 to {MAX_DIMS})")
-            dims = [r.u64() for _ in range(n_dims)]
-            ttype, offset = r.u32(), r.u64()
-            n = 1
-            for d in dims:
-                if d == 0 or d > MAX_ELEMENTS:
-                    r.fail(f"tensor {name!r} has dimension {d}")
-                n *= d
-                if n > MAX_ELEMENTS:
-                    r.fail(f"tensor {name!r} has more than {MAX_ELEMENTS} elements")
-            try:
-                block, nbytes_block = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
-            except (ValueError, KeyError):
-                r.fail(f"tensor {name!r} has unknown type {ttype}")
-            if dims[0] % block:
-                r.fail(f"tensor {name!r}: its first dimension {dims[0]} is not a multiple of its block of {block}")
-            infos.append((name, offset, n // block * nbytes_block))
-        data_start = (r.pos + alignment - 1) // alignment * alignment
-        names = set()
-        for name, offset, nbytes in infos:
-            if name in names:
-                r.fail(f"tensor {name!r} appears twice")
-            names.add(name)
-            if offset % alignment:
-                r.fail(f"tensor {name!r}'s offset {offset} is not aligned to {alignment}")
-            if data_start + offset + nbytes > size:
-                r.fail(f"tensor {name!r} ({nbytes} bytes at offset {offset}) ends past the end of the file "
-                       f"({size} bytes)")
-
-
-def _skip_value(r: _Reader, vtype: int, key: str, depth: int = 0):
-    """Step over one metadata value; scalars and strings short enough to matter are returned."""
-    if vtype in _SCALAR:
-        raw = r.read(_SCALAR[vtype])
-        return int.from_bytes(raw, "little") if vtype in (4, 10) else None
-    if vtype == _STRING:
-        return r.string(f"the value of {key!r}", keep=False)
-    if vtype == _ARRAY:
-        if depth > 2:
-            r.fail(f"{key!r} nests arrays more than 2 deep")
-        itype, count = r.u32(), r.u64()
-        if count > MAX_ARRAY:
-            r.fail(f"array {key!r} has {count} items (limit {MAX_ARRAY})")
-        if itype in _SCALAR:
-            r.skip(count * _SCALAR[itype])
-        elif itype in (_STRING, _ARRAY):
-            for _ in range(count):
-                _skip_value(r, itype, key, depth + 1)
-        else:
-            r.fail(f"array {key!r} has unknown item type {itype}")
-        return None
-    r.fail(f"metadata {key!r} has unknown type {vtype}")
+    header = parse_gguf(path)
+    seen = set()
+    for t in header.tensors:
+        header.data_span(t)  # a known type, whole blocks, inside the file
+        if t.name in seen:
+            header.fail(f"tensor {t.name!r} appears twice")
+        seen.add(t.name)
+        if t.offset % header.alignment:
+            header.fail(f"tensor {t.name!r}'s offset {t.offset} is not aligned to {header.alignment}")
 
 
 _ST_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2,
