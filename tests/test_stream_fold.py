@@ -13,6 +13,8 @@ import json
 import httpx
 import pytest
 
+from helpers import LOGPROB_ATOL, assert_logprobs_close
+
 MODEL = "smollm2-135m"
 TIMEOUT = 120.0
 MAX_TOKENS = 12
@@ -59,15 +61,6 @@ def stop_in(text: str) -> str:
     pytest.fail(f"no stop string in {text!r}")
 
 
-def assert_close(a: list, b: list, what: str):
-    assert len(a) == len(b), (what, len(a), len(b))
-    for j, (x, y) in enumerate(zip(a, b)):
-        if x is None or y is None:
-            assert x is y, (what, j, x, y)
-        else:
-            assert x == pytest.approx(y, abs=1e-6), (what, j, x, y)
-
-
 # -- /v1/completions ----------------------------------------------------------------------------
 def fold_completion_stream(chunks):
     """Client-side accumulation of a completions stream: {index: choice}, usage."""
@@ -105,10 +98,10 @@ def test_completions_stream_equals_nonstream(base):
         assert stop not in ch["text"], (stop, ch["text"])
         assert g["finish_reason"] == ch["finish_reason"], what
         assert g["tokens"] == lp["tokens"] and len(lp["tokens"]) >= 1, what
-        assert_close(g["token_logprobs"], lp["token_logprobs"], what)
+        assert_logprobs_close(g["token_logprobs"], lp["token_logprobs"], what)
         for j, (a, b) in enumerate(zip(g["top_logprobs"], lp["top_logprobs"])):
             assert sorted(a) == sorted(b), (what, j)
-            assert_close([a[t] for t in sorted(a)], [b[t] for t in sorted(b)], f"{what} top {j}")
+            assert_logprobs_close([a[t] for t in sorted(a)], [b[t] for t in sorted(b)], f"{what} top {j}")
         finishes.append(ch["finish_reason"])
     assert "stop" in finishes, (stop, full["choices"])  # choice 0 meets the stop string, at least
     assert usage == full["usage"]
@@ -152,10 +145,10 @@ def test_chat_stream_equals_nonstream(base):
         assert stop not in msg["content"], (stop, msg["content"])
         assert g["finish_reason"] == ch["finish_reason"], what
         assert [e["token"] for e in g["logprobs"]] == [e["token"] for e in lp] and lp, what
-        assert_close([e["logprob"] for e in g["logprobs"]], [e["logprob"] for e in lp], what)
+        assert_logprobs_close([e["logprob"] for e in g["logprobs"]], [e["logprob"] for e in lp], what)
         for j, (a, b) in enumerate(zip(g["logprobs"], lp)):
             assert [t["token"] for t in a["top_logprobs"]] == [t["token"] for t in b["top_logprobs"]], (what, j)
-            assert_close([t["logprob"] for t in a["top_logprobs"]], [t["logprob"] for t in b["top_logprobs"]],
+            assert_logprobs_close([t["logprob"] for t in a["top_logprobs"]], [t["logprob"] for t in b["top_logprobs"]],
                          f"{what} top {j}")
         finishes.append(ch["finish_reason"])
     assert "stop" in finishes, (stop, full["choices"])
@@ -175,9 +168,12 @@ def test_best_of_keeps_the_best_sample(base):
     assert [ch["index"] for ch in best["choices"]] == [0, 1]
     for p in range(2):
         mine = [ch for ch in three["choices"] if ch["index"] // 3 == p]
-        top = max(mine, key=lambda ch: sum(ch["logprobs"]["token_logprobs"]))
-        assert best["choices"][p]["text"] == top["text"], (p, [ch["text"] for ch in mine])
-        assert best["choices"][p]["finish_reason"] == top["finish_reason"]
+        sums = [sum(ch["logprobs"]["token_logprobs"]) for ch in mine]
+        # the n=3 run is another batch shape than best_of's: sums within MAX_TOKENS x LOGPROB_ATOL tie
+        tops = [(ch["text"], ch["finish_reason"]) for ch, s in zip(mine, sums)
+                if max(sums) - s <= MAX_TOKENS * LOGPROB_ATOL]
+        kept = best["choices"][p]
+        assert (kept["text"], kept["finish_reason"]) in tops, (p, kept["text"], [ch["text"] for ch in mine], sums)
     assert best["usage"] == three["usage"]  # all best_of samples are generated, and counted
 
 
