@@ -44,11 +44,11 @@ test-fast: $(STAMP)
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -m "not slow and not integration" $(ARGS)
 
-# latency-SLA tests against a live server (timing thresholds: not for CI on shared machines).
-# INFERD_BENCH_URL=http://host:port points them at a running server instead of starting one.
+# every test marked integration: the latency SLA against a live server and the wall-clock halves of
+# the bench's calibration tests (timing thresholds: not for CI on shared machines).
+# INFERD_BENCH_URL=http://host:port points the SLA test at a running server instead of starting one.
 test-integration: $(STAMP)
 	INFERD_TIMING_TESTS=1 $(PY) -m pytest -q -m integration $(ARGS)
-	INFERD_TIMING_TESTS=1 $(PY) -m pytest -q tests/test_bench_mock.py tests/test_bench_rate.py $(ARGS)
 
 # the documentation site (docs/, mkdocs.yml) on http://127.0.0.1:8001; `make test` builds it strictly
 docs: $(STAMP)
