@@ -23,6 +23,28 @@ def default_gguf_path() -> str:
     return path
 
 
+# -- the shared data beside the repository -------------------------------------------------------
+
+def find_wikitext() -> str | None:
+    """WikiText-2's test split where inferd itself looks for it (inferd.data: ../shared/data beside
+    the repository, as CI lays out a clone), or None."""
+    from inferd.data import wikitext_path
+    from inferd.errors import InferdError
+
+    try:
+        return wikitext_path()
+    except InferdError:
+        return None
+
+
+@pytest.fixture(scope="session")
+def wikitext_file() -> str:
+    path = find_wikitext()
+    if path is None:
+        pytest.skip("WikiText-2 not found: expected ../shared/data/wikitext-2/test.txt beside the repository")
+    return path
+
+
 # -- tiny random models for engine sweeps -------------------------------------------------------
 import torch  # noqa: E402
 

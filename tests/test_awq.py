@@ -269,7 +269,7 @@ def tiny_folder(tmp_path_factory, default_gguf_path):
 
 
 @pytest.fixture(scope="module")
-def tiny_awq(tiny_folder, tmp_path_factory):
+def tiny_awq(tiny_folder, tmp_path_factory, wikitext_file):  # calibrated on WikiText-2: skipped without it
     out = str(tmp_path_factory.mktemp("tiny-awq") / "awq")
     r = run_cli("quantize", "--model", tiny_folder, "--method", "awq", "--group-size", "32", "--calib", "wikitext",
                 "--calib-samples", "4", "--calib-seqlen", "128", "--out", out)

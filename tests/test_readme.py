@@ -111,8 +111,9 @@ def test_the_readme_bench_command(server, tmp_path):
     assert "TTFT" in r.stdout and (tmp_path / "report.html").is_file()
 
 
-def test_the_readme_eval_command(tmp_path):
-    """Also the eval CLI's own test: the numbers exist, are sane and order as they must."""
+def test_the_readme_eval_command(tmp_path, wikitext_file):
+    """Also the eval CLI's own test: the numbers exist, are sane and order as they must (on
+    WikiText-2: skipped without it)."""
     (cmd,) = shell_commands(".venv/bin/inferd eval")
     cmd[0] = os.path.join(VENV_BIN, "inferd")
     out = tmp_path / "eval.json"

@@ -9,8 +9,6 @@ import pytest
 from inferd.errors import InferdError
 from inferd.tokenizer import DEFAULT_CHAT_TEMPLATE, IncrementalDetokenizer, Tokenizer
 
-WIKITEXT = "/work/shared/data/wikitext-2/test.txt"
-
 EXTRA_TEXTS = [
     "Hello 👋 world 🌍🎉! 👨‍👩‍👧‍👦 family",
     "日本語のテキスト、中文字符。한국어 텍스트",
@@ -31,16 +29,6 @@ EXTRA_TEXTS = [
 ]
 
 
-def _wikitext_lines(n=200):
-    if not os.path.isfile(WIKITEXT):
-        return []
-    with open(WIKITEXT, encoding="utf-8") as f:
-        lines = [line for line in f.read().split("\n") if line.strip()]
-    return lines[:n]
-
-
-WIKI_LINES = _wikitext_lines()
-ALL_TEXTS = WIKI_LINES + EXTRA_TEXTS
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi there"}],
@@ -57,6 +45,19 @@ CONVERSATIONS = [
         {"role": "user", "content": "c\nd"},
     ],
 ]
+
+
+@pytest.fixture(scope="module")
+def wiki_lines(wikitext_file) -> list[str]:
+    """WikiText-2's first 200 non-blank lines (the test skips without the file)."""
+    with open(wikitext_file, encoding="utf-8") as f:
+        return [line for line in f.read().split("\n") if line.strip()][:200]
+
+
+@pytest.fixture(params=["extra", "wikitext"])
+def texts(request) -> list[str]:
+    """The hand-picked EXTRA_TEXTS, then (a second run) WikiText-2's lines, which skips without the file."""
+    return EXTRA_TEXTS if request.param == "extra" else request.getfixturevalue("wiki_lines")
 
 
 @pytest.fixture(scope="module")
@@ -82,12 +83,12 @@ def hf(default_gguf_path):
 # ---------------------------------------------------------------------------- ids vs transformers
 
 
-def test_wikitext_lines_present():
-    assert len(WIKI_LINES) == 200
+def test_wikitext_lines_present(wiki_lines):
+    assert len(wiki_lines) == 200
 
 
-def test_ids_match_transformers_wikitext(tok, hf):
-    for line in WIKI_LINES:
+def test_ids_match_transformers_wikitext(tok, hf, wiki_lines):
+    for line in wiki_lines:
         assert tok.encode(line) == hf.encode(line), line
         assert tok.encode(line, add_special_tokens=False) == hf.encode(line, add_special_tokens=False), line
 
@@ -98,8 +99,8 @@ def test_ids_match_transformers_extra(tok, hf, text):
     assert tok.encode(text, add_special_tokens=False) == hf.encode(text, add_special_tokens=False)
 
 
-def test_decode_matches_transformers(tok, hf):
-    for text in ALL_TEXTS:
+def test_decode_matches_transformers(tok, hf, texts):
+    for text in texts:
         ids = tok.encode(text)
         for skip in (False, True):
             assert tok.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip), text
@@ -134,9 +135,9 @@ def test_metadata(tok, hf):
     assert tok.id_to_token(10**7) is None
 
 
-@pytest.mark.parametrize("text", ALL_TEXTS[:40] + EXTRA_TEXTS)
-def test_roundtrip(tok, text):
-    assert tok.decode(tok.encode(text)) == text
+def test_roundtrip(tok, texts):
+    for text in texts[:40]:
+        assert tok.decode(tok.encode(text)) == text
 
 
 # ---------------------------------------------------------------------------- chat template
@@ -200,8 +201,8 @@ def _stream(tok, ids, chunk, skip):
 
 @pytest.mark.parametrize("chunk", [1, 3])
 @pytest.mark.parametrize("skip", [True, False])
-def test_detokenizer_matches_full_decode(tok, chunk, skip):
-    for text in ALL_TEXTS:
+def test_detokenizer_matches_full_decode(tok, chunk, skip, texts):
+    for text in texts:
         ids = tok.encode(text)
         full = tok.decode(ids, skip_special_tokens=skip)
         deltas = _stream(tok, ids, chunk, skip)
@@ -228,8 +229,8 @@ def test_detokenizer_flush_drops_incomplete_tail(tok):
     assert out == tok.decode(ids[:-1]).rstrip("\ufffd") == "ok " and detok.text == out
 
 
-def test_detokenizer_window_stays_small(tok):
-    ids = tok.encode(" ".join(WIKI_LINES[:50]))
+def test_detokenizer_window_stays_small(tok, wiki_lines):
+    ids = tok.encode(" ".join(wiki_lines[:50]))
     assert len(ids) > 1000
     lengths = []
 
@@ -276,11 +277,11 @@ def _write_folder(tmp_path, tok, **cfg):
     return str(tmp_path)
 
 
-def test_from_hf_folder(tmp_path, tok):
+def test_from_hf_folder(tmp_path, tok, texts):
     path = _write_folder(tmp_path, tok)
     (tmp_path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": [2, 0]}))
     ht = Tokenizer.from_hf_folder(path)
-    for text in ALL_TEXTS[:50] + EXTRA_TEXTS:
+    for text in texts[:50]:
         assert ht.encode(text) == tok.encode(text), text
         assert ht.decode(ht.encode(text)) == text
     assert (ht.bos_token_id, ht.eos_token_id, ht.pad_token_id, ht.add_bos) == (1, 2, 2, False)
@@ -345,11 +346,12 @@ def test_load_errors(tmp_path):
 # ---------------------------------------------------------------------------- sentencepiece-style GGUF
 
 
-def _tiny_spm_meta():
-    """A small SentencePiece-style vocabulary (no merges in the file: derived from scores)."""
+def _tiny_spm_meta(lines):
+    """A small SentencePiece-style vocabulary (no merges in the file: derived from scores), its
+    pieces the frequent word starts of `lines`."""
     import collections
 
-    corpus = " ".join(WIKI_LINES)
+    corpus = " ".join(lines)
     words = collections.Counter("▁" + w for w in corpus.split())
     chars = sorted(set(corpus.replace(" ", "▁")) | {"▁"})
     pieces = collections.Counter()
@@ -381,11 +383,11 @@ def _tiny_spm_meta():
     }
 
 
-def test_sentencepiece_gguf_matches_transformers():
+def test_sentencepiece_gguf_matches_transformers(wiki_lines):
     pytest.importorskip("transformers")
     from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
 
-    meta = _tiny_spm_meta()
+    meta = _tiny_spm_meta(wiki_lines)
     ours = Tokenizer.from_gguf_metadata(meta)
     d = {
         "tokenizer_type": "llama",
@@ -398,7 +400,7 @@ def test_sentencepiece_gguf_matches_transformers():
     }
     ref, _ = convert_gguf_tokenizer("llama", d)
     assert ours.add_bos and ours.encode("hi")[0] == 1
-    for text in WIKI_LINES[:60] + EXTRA_TEXTS + ["</s> x <s> <unk>"]:
+    for text in wiki_lines[:60] + EXTRA_TEXTS + ["</s> x <s> <unk>"]:
         ids = ours.encode(text, add_special_tokens=False)
         assert ids == ref.encode(text, add_special_tokens=False).ids, text
         for skip in (False, True):
