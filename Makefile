@@ -48,7 +48,7 @@ test-fast: $(STAMP)
 # the bench's calibration tests (timing thresholds: not for CI on shared machines).
 # INFERD_BENCH_URL=http://host:port points the SLA test at a running server instead of starting one.
 test-integration: $(STAMP)
-	INFERD_TIMING_TESTS=1 $(PY) -m pytest -q -m integration $(ARGS)
+	$(PY) -m pytest -q -m integration $(ARGS)
 
 # the documentation site (docs/, mkdocs.yml) on http://127.0.0.1:8001; `make test` builds it strictly
 docs: $(STAMP)

@@ -1,0 +1,230 @@
+"""The suite's own hygiene, read from its source with `ast` (no server, well under a second):
+
+- no absolute filesystem path in a string literal: CI clones the repository anywhere, with
+  `shared/` beside it (conftest's find_wikitext finds the data there), so a path that exists on one
+  machine fails on the next. The kernel's and the system's fixed places are allowed (ALLOWED).
+- no test outside the `integration` marker asserts a clock-measured time or rate against a number:
+  a shared or busy CI machine stretches any elapsed time, so such a bound fails at random. The logic
+  stays in the suite; the bound goes to a test marked integration (`make test-integration`).
+
+A clock reading is a call of time.monotonic / perf_counter / time (and their _ns forms) or a value
+the bench recorded from one: a key or attribute ending in `_ns` (a timestamp) or `_ms` (a duration).
+A difference of readings is a duration, and so is anything computed from one (a rate); an `assert`
+that orders a duration against a number other than 0 is a threshold. Comparing a reading with a
+deadline (`time.monotonic() < deadline`, a wait on a condition) is not.
+"""
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+
+TESTS = pathlib.Path(__file__).resolve().parent
+
+# the first component of a path on the filesystem (URL paths such as /v1 or /health are not these)
+FS_ROOTS = {"bin", "boot", "data", "dev", "etc", "home", "lib", "lib64", "media", "mnt", "nfs", "opt", "proc",
+            "root", "run", "sbin", "scratch", "shared", "srv", "sys", "tmp", "usr", "var", "work", "workspace"}
+# the same on every Linux machine: the kernel's interfaces, shared memory, the null device, a browser
+ALLOWED = ("/proc", "/dev/shm", "/dev/null", "/usr/bin/chromium")
+PATH = re.compile(r"^/([A-Za-z0-9._-]+)(/|$)")
+
+CLOCK_CALLS = {"monotonic", "monotonic_ns", "perf_counter", "perf_counter_ns", "time", "time_ns"}
+ORDERINGS = (ast.Lt, ast.LtE, ast.Gt, ast.GtE)
+
+
+# -- absolute paths ------------------------------------------------------------------------------
+
+def _allowed(path: str) -> bool:
+    return any(path == a or path.startswith(a + "/") for a in ALLOWED)
+
+
+def absolute_paths(source: str) -> list[tuple[int, str]]:
+    """(line, literal) of each string literal that starts with an absolute filesystem path; in an
+    f-string only its start counts (a later "/tmp" part follows something else)."""
+    tree = ast.parse(source)
+    later_parts = {id(v) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr) for v in n.values[1:]}
+    out = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in later_parts:
+            m = PATH.match(n.value)
+            if m and m.group(1) in FS_ROOTS and not _allowed(n.value):
+                out.append((n.lineno, n.value))
+    return sorted(out)
+
+
+# -- wall-clock thresholds ----------------------------------------------------------------------
+
+def _is_clock_call(n: ast.AST) -> bool:
+    if not isinstance(n, ast.Call):
+        return False
+    f = n.func
+    if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "time":
+        return f.attr in CLOCK_CALLS
+    return isinstance(f, ast.Name) and f.id in CLOCK_CALLS - {"time"}
+
+
+def _recorded(n: ast.AST) -> str | None:
+    """'stamp' or 'duration' for a reading the bench recorded (q["send_ns"], res["p99_ttft_ms"])."""
+    key = None
+    if isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Constant) and isinstance(n.slice.value, str):
+        key = n.slice.value
+    elif isinstance(n, ast.Attribute):
+        key = n.attr
+    if key is None:
+        return None
+    return "stamp" if key.endswith("_ns") else "duration" if key.endswith("_ms") else None
+
+
+class _Clocks:
+    """Which names of one test hold clock readings ('stamp') or durations and rates ('duration')."""
+
+    def __init__(self, fn: ast.AST):
+        self.names: dict[str, str] = {}
+        bindings = []  # (target, value): assignments, for loops and comprehensions
+        for n in ast.walk(fn):
+            if isinstance(n, ast.Assign):
+                bindings += [(t, n.value) for t in n.targets]
+            elif isinstance(n, (ast.AugAssign, ast.AnnAssign)) and n.value is not None:
+                bindings.append((n.target, n.value))
+            elif isinstance(n, (ast.For, ast.AsyncFor, ast.comprehension)):
+                bindings.append((n.target, n.iter))
+        changed = True
+        while changed:  # to a fixed point: a name may be bound from a name bound later in the text
+            changed = False
+            for target, value in bindings:
+                kind = self.kind(value)
+                if kind is None:
+                    continue
+                for t in ast.walk(target):
+                    if isinstance(t, ast.Name) and self.names.get(t.id) not in ("duration", kind):  # only ever up
+                        self.names[t.id] = kind
+                        changed = True
+
+    def kind(self, e: ast.AST) -> str | None:
+        stamp = False
+        for n in ast.walk(e):
+            if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Sub) and (self.kind(n.left) or self.kind(n.right)):
+                return "duration"  # a difference of readings
+            k = self.names.get(n.id) if isinstance(n, ast.Name) else _recorded(n)
+            if k == "duration":
+                return "duration"
+            stamp = stamp or k == "stamp" or _is_clock_call(n)
+        return "stamp" if stamp else None
+
+
+def _numbers(e: ast.AST) -> list[float]:
+    return [n.value for n in ast.walk(e) if isinstance(n, ast.Constant)
+            and isinstance(n.value, (int, float)) and not isinstance(n.value, bool)]
+
+
+def _marked_integration(decorators: list[ast.expr]) -> bool:
+    return any(isinstance(n, ast.Attribute) and n.attr == "integration" for d in decorators for n in ast.walk(d))
+
+
+def _tests(tree: ast.Module):
+    """Every test function (module level, or a method of a Test class) not marked integration."""
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets):
+            if _marked_integration([node.value]):
+                return
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test"):
+            if not _marked_integration(node.decorator_list):
+                yield node
+        elif isinstance(node, ast.ClassDef) and node.name.startswith("Test") \
+                and not _marked_integration(node.decorator_list):
+            for m in node.body:
+                if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)) and m.name.startswith("test") \
+                        and not _marked_integration(m.decorator_list):
+                    yield m
+
+
+def clock_thresholds(source: str) -> list[tuple[int, str]]:
+    """(line, test name) of each assert, in a test not marked integration, that orders a duration
+    or rate measured on a clock against a number other than 0."""
+    out = []
+    for fn in _tests(ast.parse(source)):
+        clocks = _Clocks(fn)
+        for a in (n for n in ast.walk(fn) if isinstance(n, ast.Assert)):
+            for c in (n for n in ast.walk(a.test) if isinstance(n, ast.Compare)):
+                sides = [c.left, *c.comparators]
+                if (any(isinstance(op, ORDERINGS) for op in c.ops)
+                        and any(clocks.kind(s) == "duration" for s in sides)
+                        and any(v != 0 for v in _numbers(c))):
+                    out.append((a.lineno, fn.name))
+                    break
+    return out
+
+
+# -- the suite ----------------------------------------------------------------------------------
+
+def _suite() -> dict[str, str]:
+    """Every module in tests/ but this one, whose own checks below hold offenders on purpose."""
+    me = pathlib.Path(__file__).resolve()
+    return {p.name: p.read_text(encoding="utf-8") for p in sorted(TESTS.glob("*.py")) if p.resolve() != me}
+
+
+def test_no_absolute_paths_in_the_suite():
+    found = [f"{name}:{line}: {text!r}" for name, src in _suite().items() for line, text in absolute_paths(src)]
+    assert not found, "absolute paths (find the file from the repository, e.g. conftest.find_wikitext):\n" + \
+        "\n".join(found)
+
+
+def test_no_wall_clock_thresholds_outside_integration():
+    found = [f"{name}:{line}: {test}" for name, src in _suite().items() for line, test in clock_thresholds(src)]
+    assert not found, ("wall-clock thresholds outside the integration marker (assert the logic here, move "
+                       "the bound to a test marked @pytest.mark.integration):\n" + "\n".join(found))
+
+
+# -- the lint itself, on small sources ----------------------------------------------------------
+
+def test_the_path_check_sees_filesystem_paths_only():
+    src = '''
+WIKITEXT = "/work/shared/data/wikitext-2/test.txt"
+LOG = f"/tmp/run-{1}.log"
+ok = [open("/proc/self/statm"), f"/proc/{2}/status", "/dev/shm", "/dev/null", "/usr/bin/chromium",
+      base + "/v1/completions", "/health", f"{base}/tmp/x", "/nonexistent/model.gguf", "a/b"]
+'''
+    assert absolute_paths(src) == [(2, "/work/shared/data/wikitext-2/test.txt"), (3, "/tmp/run-")]
+
+
+def test_the_clock_check_sees_elapsed_times_and_rates():
+    src = '''
+import pytest, time
+
+def test_elapsed():
+    t0 = time.monotonic()
+    work()
+    assert time.monotonic() - t0 < 30
+
+def test_elapsed_name():
+    t0 = time.perf_counter()
+    dt = time.perf_counter() - t0
+    assert result and dt <= 2.5
+
+def test_recorded_rate(reqs, res):
+    sends = sorted(q["send_ns"] for q in reqs)
+    gaps = [(b - a) / 1e9 for a, b in zip(sends, sends[1:])]
+    rate = len(gaps) / ((sends[-1] - sends[0]) / 1e9)
+    assert abs(rate - 100) / 100 <= 0.05
+    assert res["p99_send_lag_ms"] < 10
+
+def test_allowed(res, reqs):
+    deadline = time.monotonic() + 20
+    while True:
+        assert time.monotonic() < deadline, "a wait on a condition"
+        break
+    t0 = time.monotonic()
+    print(time.monotonic() - t0)
+    sends = [q["send_ns"] for q in reqs]
+    assert res["mean_ttft_ms"] > 0 and res["achieved_send_rate"] == len(sends) / (sends[-1] - sends[0])
+    assert len(reqs) < 100
+
+@pytest.mark.integration
+def test_timing():
+    t0 = time.monotonic()
+    assert time.monotonic() - t0 < 30
+'''
+    assert clock_thresholds(src) == [(7, "test_elapsed"), (12, "test_elapsed_name"), (18, "test_recorded_rate"),
+                                     (19, "test_recorded_rate")]
+    assert clock_thresholds("import pytest\npytestmark = [pytest.mark.slow, pytest.mark.integration]\n" + src) == []
