@@ -32,6 +32,7 @@ import time
 from time import perf_counter_ns
 
 from inferd.bench.loop import run as run_precise
+from inferd.errors import openai_error
 
 _TOKEN = " tok"
 
@@ -75,10 +76,10 @@ class MockServer:
                 if not isinstance(req, dict):
                     raise ValueError("not an object")
             except ValueError:
-                self.send_json(conn, 400, _err("request body is not valid JSON"), keep, "Bad Request")
+                self.send_json(conn, 400, openai_error("request body is not valid JSON"), keep, "Bad Request")
                 return True
             return await self.generate(req, path.endswith("chat/completions"), conn, recv_ns, keep)
-        self.send_json(conn, 404, _err(f"no route {method} {path}", "not_found_error"), keep, "Not Found")
+        self.send_json(conn, 404, openai_error(f"no route {method} {path}", "not_found_error"), keep, "Not Found")
         return True
 
     # -- generation ---------------------------------------------------------------------------
@@ -120,7 +121,7 @@ class MockServer:
         prompt_tokens = len(prompt.split())
         created = int(time.time())
         if "MOCK_HTTP_500" in prompt:
-            self.send_json(conn, 500, _err("mock failure", "server_error"), keep, "Internal Server Error")
+            self.send_json(conn, 500, openai_error("mock failure", "server_error"), keep, "Internal Server Error")
             return True
         obj = "chat.completion" if chat else "text_completion"
         if not req.get("stream"):
@@ -174,7 +175,8 @@ class MockServer:
                        f'"finish_reason": null}}]{usage_tail(0)}}}', "role", 0, recv_ns)
         if "MOCK_STREAM_ERROR" in prompt:
             await _sleep_until(recv_ns + self.ttft_ns)
-            send(json.dumps(_err("mock error inside the stream", "server_error")), "error", 0, recv_ns + self.ttft_ns)
+            send(json.dumps(openai_error("mock error inside the stream", "server_error")), "error", 0,
+                 recv_ns + self.ttft_ns)
             n = 0
         prev = 0
         ends = self.chunk_ends(n)
@@ -297,10 +299,6 @@ class _Conn(asyncio.Protocol):
 
 def _usage(p: int, c: int) -> dict:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-
-def _err(msg: str, type_: str = "invalid_request_error") -> dict:
-    return {"error": {"message": msg, "type": type_, "param": None, "code": None}}
 
 
 def _prompt_text(req: dict, chat: bool) -> str:

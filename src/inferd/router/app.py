@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from inferd.distributed.policy import Balancer
+from inferd.errors import openai_error
 from inferd.router.backends import Pool
 from inferd.router.disagg import kv_params_of, prefill_body, route
 from inferd.web.assets import HEADERS, PAGES, asset
@@ -38,7 +39,7 @@ HOP_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-e
 
 
 def error_body(message: str, type_: str = "invalid_request_error", code: int = 400) -> dict:
-    return {"error": {"message": message, "type": type_, "param": None, "code": code}}
+    return openai_error(message, type_, code=code)
 
 
 def routing_text(body: dict, chat: bool) -> str:

@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from inferd.engine.request import SamplingParams, StructuredOutputs
-from inferd.errors import InferdError
+from inferd.errors import InferdError, openai_error
 
 MAX_N = 16
 
@@ -19,8 +19,7 @@ class ApiError(Exception):
         self.headers = headers
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code if self.code is not None else self.status}}
+        return openai_error(self.message, self.type, self.param, self.status if self.code is None else self.code)
 
 
 # Bounds of the request fields. Every numeric field has a range (a value past 64 bits or a NaN is a

@@ -17,6 +17,7 @@ from collections import OrderedDict
 from fastapi import APIRouter, Query
 from fastapi.responses import Response, StreamingResponse
 
+from inferd.errors import openai_error
 from inferd.server.protocol import COMMON_ERRORS, ApiError, error_responses
 from inferd.web.assets import HEADERS, PAGES, asset
 from inferd.web.feed import STEP_ROWS, events, trim
@@ -113,7 +114,7 @@ def router(srv, app_state) -> APIRouter:
         await cache.fetch(interval / 2)  # an engine that does not answer is a 503 before the stream starts
         body = events(lambda: cache.fetch(interval / 2), document, interval,
                       lambda: getattr(app_state, "draining", False),
-                      lambda e: e.body() if isinstance(e, ApiError) else {"error": {"message": str(e)}})
+                      lambda e: e.body() if isinstance(e, ApiError) else openai_error(str(e), "server_error", code=503))
         return StreamingResponse(body, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
