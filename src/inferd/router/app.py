@@ -8,6 +8,9 @@ is that backend's: a stream that breaks mid-way ends with an SSE error event and
 silent truncation; a plain answer that breaks is a 502. Streams are passed on chunk by chunk as
 they arrive; the next chunk is read only when the client took the last, so a slow reader slows
 its backend stream, not the router's memory.
+
+`Router` holds the backends, their balancers, the metrics and one HTTP client; each route is one of
+its methods, and every request they make of a backend goes through `Router.send`.
 """
 from __future__ import annotations
 
@@ -16,15 +19,18 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import anyio
+import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from inferd.distributed.policy import Balancer
+from inferd.distributed.policy import Balancer, Pick
 from inferd.errors import openai_error
 from inferd.router.backends import Pool
 from inferd.router.disagg import kv_params_of, prefill_body, route
@@ -36,10 +42,17 @@ log = logging.getLogger("inferd")
 RETRY_STATUSES = (502, 503, 504)
 HOP_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
                "proxy-authorization", "proxy-connection", "accept-encoding"}
+ANSWER_HEADERS = ("retry-after", "x-request-id")  # of a backend's answer, the ones its client may act on
 
 
-def error_body(message: str, type_: str = "invalid_request_error", code: int = 400) -> dict:
-    return openai_error(message, type_, code=code)
+def error_response(status: int, message: str, type_: str = "invalid_request_error",
+                   headers: dict | None = None) -> JSONResponse:
+    """The router's own failure, its code the HTTP status (as `inferd serve` answers)."""
+    return JSONResponse(openai_error(message, type_, code=status), status_code=status, headers=headers)
+
+
+def headers_named(headers, names) -> dict:
+    return {k: v for k, v in headers.items() if k.lower() in names}
 
 
 def routing_text(body: dict, chat: bool) -> str:
@@ -91,334 +104,370 @@ class RouterMetrics:
             self.inflight.labels(backend=u).set(0)
 
 
-def create_router_app(urls: list[str], policy: str = "prefix", health_interval: float = 2.0,
-                      request_timeout: float = 600.0, max_body_bytes: int = 4 << 20, chunk_chars: int = 64,
-                      cache_chunks: int = 1 << 16, balance_abs: float = 4, balance_rel: float = 1.5,
-                      cache_threshold: float = 0.5, prefill_urls: list[str] | None = None,
-                      disagg_min_chars: int = 0) -> Starlette:
-    """`urls` are the backends requests are answered by (with prefill_urls: the decode workers)."""
-    import httpx
+@dataclass
+class Answer:
+    """What one request to one backend got: its response, or the transport error that stopped it."""
+    url: str
+    path: str
+    release: Callable[[], None]  # a client's request stops counting in the backend's load (idempotent)
+    resp: httpx.Response | None = None
+    error: httpx.HTTPError | None = None
 
-    prefill_urls = list(prefill_urls or [])
-    metrics = RouterMetrics(prefill_urls + urls)
+    @property
+    def status(self) -> int | None:
+        return None if self.resp is None else self.resp.status_code
 
-    def balancer_for(targets):
-        return Balancer(targets, policy, chunk=chunk_chars, capacity=cache_chunks, cache_threshold=cache_threshold,
-                        balance_abs=balance_abs, balance_rel=balance_rel)
+    def document(self) -> tuple[dict | None, str]:
+        """A read answer's JSON object if it is a 200 with one; else None and why not."""
+        if self.error is not None:
+            return None, f"unreachable: {type(self.error).__name__}"
+        if self.resp.status_code != 200:
+            return None, f"{self.path} answered {self.resp.status_code}"
+        try:
+            doc = self.resp.json()
+        except ValueError:
+            doc = None
+        return (doc, "") if isinstance(doc, dict) else (None, f"{self.path} answered no JSON")
 
-    balancer = balancer_for(urls)
-    pbalancer = balancer_for(prefill_urls) if prefill_urls else None
-    state: dict = {}
+    def passed_on(self, content: bytes) -> Response:
+        """The backend's whole answer as the client's."""
+        return Response(content, status_code=self.resp.status_code,
+                        media_type=self.resp.headers.get("content-type", "application/json"),
+                        headers=headers_named(self.resp.headers, ANSWER_HEADERS))
 
-    def on_change(b, up: bool):
-        metrics.up.labels(backend=b.url).set(1 if up else 0)
-        metrics.backends_up.set(len(pool.live()))
-        for bal in (balancer, pbalancer):
-            if bal is not None and b.url in bal.targets:
-                bal.forget(b.url)  # down: whatever it cached may be gone when it is back
+    async def close(self):
+        self.release()
+        if self.resp is not None:
+            # shielded: a client that disconnected cancels this task, and an unshielded await in a
+            # cancelled anyio scope raises at once, leaving the backend's stream (and its KV) open
+            with anyio.CancelScope(shield=True):
+                await self.resp.aclose()
 
-    timeout = httpx.Timeout(connect=5.0, read=request_timeout, write=30.0, pool=30.0)
-    client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=4096,
-                                                                     max_keepalive_connections=256))
-    pool = Pool(prefill_urls + urls, client, health_interval, on_change)
+
+class Router:
+    """The front: `urls` answer requests (with `prefill_urls`: the decode workers); `app` serves it."""
+
+    def __init__(self, urls: list[str], policy: str = "prefix", health_interval: float = 2.0,
+                 request_timeout: float = 600.0, max_body_bytes: int = 4 << 20, chunk_chars: int = 64,
+                 cache_chunks: int = 1 << 16, balance_abs: float = 4, balance_rel: float = 1.5,
+                 cache_threshold: float = 0.5, prefill_urls: list[str] | None = None, disagg_min_chars: int = 0):
+        prefill_urls = list(prefill_urls or [])
+        self.max_body_bytes = max_body_bytes
+        self.disagg_min_chars = disagg_min_chars
+        self.retry_after = {"Retry-After": str(max(1, int(health_interval)))}  # when a backend may be back
+        self.metrics = RouterMetrics(prefill_urls + urls)
+
+        def balancer_for(targets):
+            return Balancer(targets, policy, chunk=chunk_chars, capacity=cache_chunks,
+                            cache_threshold=cache_threshold, balance_abs=balance_abs, balance_rel=balance_rel)
+
+        self.balancer = balancer_for(urls)
+        self.pbalancer = balancer_for(prefill_urls) if prefill_urls else None
+        timeout = httpx.Timeout(connect=5.0, read=request_timeout, write=30.0, pool=30.0)
+        self.client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=4096,
+                                                                              max_keepalive_connections=256))
+        self.pool = Pool(prefill_urls + urls, self.client, health_interval, self.on_change)
+        self.engine_counts: dict[str, int] = {}  # engines per backend at its last answer: indexes stay put
+        self.app = self.starlette()
+
+    def starlette(self) -> Starlette:
+        routes = [Route("/v1/completions", self.generate, methods=["POST"]),
+                  Route("/v1/chat/completions", self.generate, methods=["POST"]),
+                  Route("/v1/models", self.models, methods=["GET"]),
+                  Route("/health", self.health, methods=["GET"]),
+                  Route("/metrics", self.prom, methods=["GET"]),
+                  Route("/", self.page, methods=["GET"]),
+                  Route("/dashboard", self.page, methods=["GET"]),
+                  Route("/static/{name}", self.page, methods=["GET"]),
+                  Route("/v1/engine/state", self.engine_state, methods=["GET"]),
+                  Route("/v1/engine/state/stream", self.engine_state_stream, methods=["GET"])]
+        app = Starlette(routes=routes, lifespan=self.lifespan,
+                        exception_handlers={404: self.not_found, 405: self.not_found})
+        app.state.pool, app.state.balancer, app.state.metrics = self.pool, self.balancer, self.metrics
+        return app
 
     @contextlib.asynccontextmanager
-    async def lifespan(app):
-        await asyncio.gather(*(pool.check(b) for b in pool.backends.values()))
-        state["health"] = asyncio.create_task(pool.run())
+    async def lifespan(self, app):
+        await asyncio.gather(*(self.pool.check(b) for b in self.pool.backends.values()))
+        health = asyncio.create_task(self.pool.run())
         try:
             yield
         finally:
-            state["health"].cancel()
-            await client.aclose()
+            health.cancel()
+            await self.client.aclose()
 
-    def unavailable(msg: str) -> JSONResponse:
-        return JSONResponse(error_body(msg, "service_unavailable", 503), status_code=503,
-                            headers={"Retry-After": str(max(1, int(health_interval)))})
+    def on_change(self, b, up: bool):
+        self.metrics.up.labels(backend=b.url).set(1 if up else 0)
+        self.metrics.backends_up.set(len(self.pool.live()))
+        for bal in (self.balancer, self.pbalancer):
+            if bal is not None and b.url in bal.targets:
+                bal.forget(b.url)  # down: whatever it cached may be gone when it is back
 
-    async def read_body(request: Request) -> bytes | Response:
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > max_body_bytes:
-            return JSONResponse(error_body(f"request body over {max_body_bytes} bytes", code=413), status_code=413)
-        data = bytearray()
-        try:
-            async for part in request.stream():
-                data += part
-                if len(data) > max_body_bytes:
-                    return JSONResponse(error_body(f"request body over {max_body_bytes} bytes", code=413),
-                                        status_code=413)
-        except ClientDisconnect:
-            return Response(status_code=400)
-        return bytes(data)
-
-    async def generate(request: Request) -> Response:
-        chat = request.url.path.endswith("/chat/completions")
-        raw = await read_body(request)
-        if isinstance(raw, Response):
-            return raw
-        try:
-            body = json.loads(raw or b"{}")
-        except ValueError:
-            return JSONResponse(error_body("request body is not valid JSON"), status_code=400)
-        if not isinstance(body, dict):
-            return JSONResponse(error_body("request body must be a JSON object"), status_code=400)
-        text = routing_text(body, chat)
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
-        if pbalancer is not None:
-            path = route(body, chat, text, disagg_min_chars)
-            if path == "disagg":
-                got = await prefill(request.url.path, body, chat, text, headers)
-                if isinstance(got, Response):
-                    return got  # the prefill worker's 4xx: the client's answer
-                if got is None:
-                    path = "fallback"
-                else:
-                    raw = json.dumps({**body, "kv_transfer_params": got}).encode()
-            metrics.disagg.labels(path=path).inc()
+    # -- sending to a backend -------------------------------------------------------------------
+    def choices(self, balancer: Balancer, text: str) -> Iterator[tuple[int, Pick]]:
+        """The policy's pick among the live backends; asked again (the pick failed before answering),
+        once more among the others."""
         tried: list[str] = []
-        last_error = ""
-        for attempt in range(2):  # the first choice, then once more elsewhere if it failed before answering
-            live = [u for u in pool.live() if u not in tried and u in balancer.targets]
+        for attempt in range(2):
+            live = [u for u in self.pool.live() if u in balancer.targets and u not in tried]
             if not live:
-                break
-            pick = balancer.pick(text, pool.loads(), live)
-            url = pick.target
-            tried.append(url)
-            metrics.decisions.labels(reason=pick.reason).inc()
-            metrics.requests.labels(backend=url).inc()
-            if attempt:
-                metrics.retries.labels(backend=url).inc()
-            b = pool.backends[url]
-            b.inflight += 1
-            metrics.inflight.labels(backend=url).inc()
-            b.sent += 1
-            released = False
+                return
+            pick = balancer.pick(text, self.pool.loads(), live)
+            tried.append(pick.target)
+            yield attempt, pick
 
-            def release(b=b, url=url):
-                nonlocal released
-                if not released:
-                    released = True
-                    b.inflight -= 1
-                    metrics.inflight.labels(backend=url).dec()
+    def count(self, url: str) -> Callable[[], None]:
+        """Count a client's request as open at `url`; the function returned uncounts it, once."""
+        b = self.pool.backends[url]
+        b.inflight += 1
+        b.sent += 1
+        self.metrics.requests.labels(backend=url).inc()
+        self.metrics.inflight.labels(backend=url).inc()
+        released = False
 
-            try:
-                req = client.build_request("POST", url + request.url.path, content=raw, headers=headers)
-                resp = await client.send(req, stream=True)
-            except httpx.HTTPError as e:
-                release()
-                last_error = f"{url}: {type(e).__name__}"
-                pool.mark(b, False, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
-                continue
-            if resp.status_code in RETRY_STATUSES and attempt == 0 and len(pool.live()) > 1:
-                await resp.aclose()
-                release()
-                last_error = f"{url}: {resp.status_code}"
-                continue
-            return await relay(resp, release, url)
-        metrics.failed.labels(reason="no_backend").inc()
-        if last_error:
-            return JSONResponse(error_body(f"no backend could take the request (last: {last_error})",
-                                           "service_unavailable", 503), status_code=503,
-                                headers={"Retry-After": str(max(1, int(health_interval)))})
-        return unavailable("no healthy backend")
-
-    async def prefill(path: str, body: dict, chat: bool, text: str, headers: dict):
-        """Phase 1 on a prefill worker: its kv_transfer_params, None if no worker could give them,
-        or the worker's 4xx answer."""
-        pbody = json.dumps(prefill_body(body, chat)).encode()
-        tried: list[str] = []
-        for _ in range(2):
-            live = [u for u in pool.live() if u in pbalancer.targets and u not in tried]
-            if not live:
-                break
-            url = pbalancer.pick(text, pool.loads(), live).target
-            tried.append(url)
-            b = pool.backends[url]
-            b.inflight += 1
-            b.sent += 1
-            metrics.requests.labels(backend=url).inc()
-            metrics.inflight.labels(backend=url).inc()
-            try:
-                resp = await client.post(url + path, content=pbody, headers=headers)
-            except httpx.HTTPError as e:
-                pool.mark(b, False, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
-                metrics.prefill_failed.labels(backend=url).inc()
-                continue
-            finally:
+        def release():
+            nonlocal released
+            if not released:
+                released = True
                 b.inflight -= 1
-                metrics.inflight.labels(backend=url).dec()
-            if 400 <= resp.status_code < 500:
-                keep = {k: v for k, v in resp.headers.items() if k.lower() == "retry-after"}
-                return Response(resp.content, status_code=resp.status_code,
-                                media_type=resp.headers.get("content-type", "application/json"), headers=keep)
-            try:
-                kvp = kv_params_of(resp.json()) if resp.status_code == 200 else None
-            except ValueError:
-                kvp = None
-            if kvp is not None:
-                return kvp
-            metrics.prefill_failed.labels(backend=url).inc()
-            log.warning("prefill worker %s answered %d without kv_transfer_params", url, resp.status_code)
-        return None
+                self.metrics.inflight.labels(backend=url).dec()
 
-    async def close(resp):
-        # shielded: a client that disconnected cancels this task, and an unshielded await in a
-        # cancelled anyio scope raises at once, leaving the backend's stream (and its KV) open
-        with anyio.CancelScope(shield=True):
-            await resp.aclose()
+        return release
 
-    async def relay(resp, release, url: str) -> Response:
+    async def send(self, url: str, path: str, headers: dict, content: bytes | None = None, stream: bool = False,
+                   timeout=httpx.USE_CLIENT_DEFAULT) -> Answer:
+        """POST a client's request (`content`) to a backend, or GET the router's own question of it.
+
+        Never raises for the backend's failures: a transport error is the answer's `error`. A
+        client's request counts in the backend's load until its answer is read (`stream`: until
+        `Answer.close`), and a backend it cannot reach is marked down at once, not at its next
+        health check. The router's own questions (the dashboard's, the model list) count nowhere
+        and mark nothing down: a slow dashboard is no reason to stop routing there.
+        """
+        ans = Answer(url, path, self.count(url) if content is not None else (lambda: None))
+        try:
+            req = self.client.build_request("GET" if content is None else "POST", url + path, content=content,
+                                            headers=headers, timeout=timeout)
+            ans.resp = await self.client.send(req, stream=stream)
+        except httpx.HTTPError as e:
+            ans.error = e
+            if content is not None:
+                self.pool.mark(self.pool.backends[url], False, f"{type(e).__name__}: {e}" if str(e)
+                               else type(e).__name__)
+        finally:
+            if ans.resp is None or not stream:  # a stream's reader releases it
+                ans.release()
+        return ans
+
+    async def relay(self, ans: Answer) -> Response:
+        """A backend's streamed answer, passed on as it arrives (`send(..., stream=True)`)."""
+        resp = ans.resp
         ctype = resp.headers.get("content-type", "application/json")
-        keep = {k: v for k, v in resp.headers.items() if k.lower() in ("retry-after", "x-request-id")}
         if not ctype.startswith("text/event-stream"):
             try:
                 data = await resp.aread()
             except httpx.HTTPError as e:
-                metrics.failed.labels(reason="broken_answer").inc()
-                return JSONResponse(error_body(f"backend {url} broke off its answer ({type(e).__name__})",
-                                               "bad_gateway", 502), status_code=502)
+                self.metrics.failed.labels(reason="broken_answer").inc()
+                return error_response(502, f"backend {ans.url} broke off its answer ({type(e).__name__})",
+                                      "bad_gateway")
             finally:
-                release()
-                await close(resp)
-            return Response(data, status_code=resp.status_code, media_type=ctype, headers=keep)
+                await ans.close()
+            return ans.passed_on(data)
 
         async def chunks():
             try:
                 async for part in resp.aiter_raw():
                     yield part
             except httpx.HTTPError as e:
-                metrics.failed.labels(reason="broken_stream").inc()
-                msg = f"backend {url} broke off the stream ({type(e).__name__})"
-                yield b"data: " + json.dumps(error_body(msg, "bad_gateway", 502)).encode() + b"\n\n"
+                self.metrics.failed.labels(reason="broken_stream").inc()
+                msg = f"backend {ans.url} broke off the stream ({type(e).__name__})"
+                yield b"data: " + json.dumps(openai_error(msg, "bad_gateway", code=502)).encode() + b"\n\n"
                 yield b"data: [DONE]\n\n"
             finally:  # also when the client left: closing the upstream stream aborts it at the backend
-                release()
-                await close(resp)
+                await ans.close()
 
-        return StreamingResponse(chunks(), status_code=resp.status_code, media_type=ctype, headers=keep)
+        return StreamingResponse(chunks(), status_code=resp.status_code, media_type=ctype,
+                                 headers=headers_named(resp.headers, ANSWER_HEADERS))
 
-    async def models(request: Request) -> Response:
-        seen, data = set(), []
-        for url in pool.live():
-            try:
-                r = await client.get(url + "/v1/models", headers={k: v for k, v in request.headers.items()
-                                                                  if k.lower() == "authorization"})
-                items = r.json().get("data", []) if r.status_code == 200 else []
-            except (httpx.HTTPError, ValueError, AttributeError):
+    def unavailable(self, msg: str) -> JSONResponse:
+        return error_response(503, msg, "service_unavailable", self.retry_after)
+
+    # -- generation -----------------------------------------------------------------------------
+    async def read_body(self, request: Request) -> bytes | Response:
+        too_large = f"request body over {self.max_body_bytes} bytes"
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > self.max_body_bytes:
+            return error_response(413, too_large)
+        data = bytearray()
+        try:
+            async for part in request.stream():
+                data += part
+                if len(data) > self.max_body_bytes:
+                    return error_response(413, too_large)
+        except ClientDisconnect:
+            return Response(status_code=400)
+        return bytes(data)
+
+    async def generate(self, request: Request) -> Response:
+        chat = request.url.path.endswith("/chat/completions")
+        raw = await self.read_body(request)
+        if isinstance(raw, Response):
+            return raw
+        try:
+            body = json.loads(raw or b"{}")
+        except ValueError:
+            return error_response(400, "request body is not valid JSON")
+        if not isinstance(body, dict):
+            return error_response(400, "request body must be a JSON object")
+        text = routing_text(body, chat)
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        if self.pbalancer is not None:
+            path = route(body, chat, text, self.disagg_min_chars)
+            if path == "disagg":
+                got = await self.prefill(request.url.path, body, chat, text, headers)
+                if isinstance(got, Response):
+                    return got  # the prefill worker's 4xx: the client's answer
+                if got is None:
+                    path = "fallback"
+                else:
+                    raw = json.dumps({**body, "kv_transfer_params": got}).encode()
+            self.metrics.disagg.labels(path=path).inc()
+        last_error = ""
+        for attempt, pick in self.choices(self.balancer, text):
+            self.metrics.decisions.labels(reason=pick.reason).inc()
+            if attempt:
+                self.metrics.retries.labels(backend=pick.target).inc()
+            ans = await self.send(pick.target, request.url.path, headers, raw, stream=True)
+            if ans.error is not None:
+                last_error = f"{ans.url}: {type(ans.error).__name__}"
                 continue
-            for m in items:
+            if ans.status in RETRY_STATUSES and attempt == 0 and len(self.pool.live()) > 1:
+                await ans.close()
+                last_error = f"{ans.url}: {ans.status}"
+                continue
+            return await self.relay(ans)
+        self.metrics.failed.labels(reason="no_backend").inc()
+        return self.unavailable(f"no backend could take the request (last: {last_error})" if last_error
+                                else "no healthy backend")
+
+    async def prefill(self, path: str, body: dict, chat: bool, text: str, headers: dict):
+        """Phase 1 on a prefill worker: its kv_transfer_params, None if no worker could give them,
+        or the worker's 4xx answer."""
+        pbody = json.dumps(prefill_body(body, chat)).encode()
+        for _, pick in self.choices(self.pbalancer, text):
+            ans = await self.send(pick.target, path, headers, pbody)
+            if ans.status is not None and 400 <= ans.status < 500:
+                return ans.passed_on(ans.resp.content)
+            kvp = kv_params_of(ans.document()[0])
+            if kvp is not None:
+                return kvp
+            self.metrics.prefill_failed.labels(backend=ans.url).inc()
+            if ans.error is None:
+                log.warning("prefill worker %s answered %d without kv_transfer_params", ans.url, ans.status)
+        return None
+
+    # -- the rest of the API --------------------------------------------------------------------
+    async def models(self, request: Request) -> Response:
+        seen, data = set(), []
+        auth = headers_named(request.headers, ("authorization",))
+        for url in self.pool.live():
+            doc, _ = (await self.send(url, "/v1/models", auth)).document()
+            items = doc.get("data", []) if doc is not None else []
+            for m in items if isinstance(items, list) else []:
                 if isinstance(m, dict) and m.get("id") not in seen:
                     seen.add(m.get("id"))
                     data.append(m)
-        if not data and not pool.live():
-            return unavailable("no healthy backend")
+        if not data and not self.pool.live():
+            return self.unavailable("no healthy backend")
         return JSONResponse({"object": "list", "data": data})
 
-    async def health(request: Request) -> Response:
-        live = pool.live()
-        body = {"status": "ok" if live else "error", "backends_up": len(live), "backends": len(pool.backends)}
-        return JSONResponse(body, status_code=200 if live else 503,
-                            headers=None if live else {"Retry-After": str(max(1, int(health_interval)))})
+    async def health(self, request: Request) -> Response:
+        live = self.pool.live()
+        body = {"status": "ok" if live else "error", "backends_up": len(live), "backends": len(self.pool.backends)}
+        return JSONResponse(body, status_code=200 if live else 503, headers=None if live else self.retry_after)
 
-    async def prom(request: Request) -> Response:
-        return Response(generate_latest(metrics.registry), media_type="text/plain; version=0.0.4; charset=utf-8")
+    async def prom(self, request: Request) -> Response:
+        return Response(generate_latest(self.metrics.registry), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def not_found(self, request: Request, exc) -> Response:
+        code = getattr(exc, "status_code", 404)
+        kind = "not_found_error" if code == 404 else "invalid_request_error"
+        return error_response(code, "no such route" if code == 404 else "method not allowed", kind)
 
     # -- the pages, and the dashboard's state of every backend's engines ---------------------------
-    async def page(request: Request) -> Response:
+    async def page(self, request: Request) -> Response:
         name = PAGES.get(request.url.path) or request.path_params.get("name", "")
         found = asset(name)
         if found is None:
-            return JSONResponse(error_body("no such file", "not_found_error", 404), status_code=404)
+            return error_response(404, "no such file", "not_found_error")
         return Response(found[0], media_type=found[1], headers=HEADERS)
 
-    engine_counts: dict[str, int] = {}  # engines per backend at its last answer: indexes stay put while one is down
-
-    async def backend_states(request: Request) -> tuple[list[dict], str | None] | Response:
+    async def backend_states(self, request: Request) -> tuple[list[dict], str | None] | Response:
         """Every backend's engines, numbered across backends in their order (prefill workers first)."""
-        auth = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
-
-        async def one(url):
-            try:
-                r = await client.get(url + "/v1/engine/state", headers=auth, timeout=10.0)
-            except httpx.HTTPError as e:
-                return url, None, f"unreachable: {type(e).__name__}"
-            if r.status_code != 200:
-                return url, r, f"/v1/engine/state answered {r.status_code}"
-            try:
-                return url, r.json(), None
-            except ValueError:
-                return url, None, "/v1/engine/state answered no JSON"
-
-        answers = await asyncio.gather(*(one(u) for u in pool.backends))
+        auth = headers_named(request.headers, ("authorization",))
+        answers = await asyncio.gather(*(self.send(u, "/v1/engine/state", auth, timeout=10.0)
+                                         for u in self.pool.backends))
         out, model = [], None
-        for url, body, err in answers:
-            if err is not None and body is not None and body.status_code == 401:
-                return JSONResponse(body.json() if body.headers.get("content-type", "").startswith(
-                    "application/json") else error_body("invalid or missing API key", "authentication_error", 401),
-                    status_code=401)
-            if err is not None:
-                for i in range(engine_counts.get(url, 1)):
-                    out.append({"backend": url, "backend_engine": i, "dead": err})
+        for ans in answers:
+            if ans.status == 401:  # the API key is the backends' to check
+                if ans.resp.headers.get("content-type", "").startswith("application/json"):
+                    return ans.passed_on(ans.resp.content)
+                return error_response(401, "invalid or missing API key", "authentication_error")
+            body, err = ans.document()
+            if body is None:
+                for i in range(self.engine_counts.get(ans.url, 1)):
+                    out.append({"backend": ans.url, "backend_engine": i, "dead": err})
                 continue
             model = model or body.get("model")
-            engine_counts[url] = len(body.get("engines", []))
-            out.extend({**st, "backend": url, "backend_engine": st.get("engine", 0)} for st in body.get("engines", []))
+            self.engine_counts[ans.url] = len(body.get("engines", []))
+            out.extend({**st, "backend": ans.url, "backend_engine": st.get("engine", 0)}
+                       for st in body.get("engines", []))
         for i, st in enumerate(out):
             st["engine"] = i
         return out, model
 
-    def state_document(engines: list[dict], model) -> dict:
+    def state_document(self, engines: list[dict], model) -> dict:
         return {"object": "engine.state", "model": model, "time": time.time(),
-                "draining": bool(getattr(app.state, "draining", False)), "engines": engines}
+                "draining": bool(getattr(self.app.state, "draining", False)), "engines": engines}
 
-    async def engine_state(request: Request) -> Response:
-        got = await backend_states(request)
+    async def engine_state(self, request: Request) -> Response:
+        got = await self.backend_states(request)
         if isinstance(got, Response):
             return got
-        return JSONResponse(state_document(*got))
+        return JSONResponse(self.state_document(*got))
 
-    async def engine_state_stream(request: Request) -> Response:
+    async def engine_state_stream(self, request: Request) -> Response:
         try:
             interval = float(request.query_params.get("interval", "0.25"))
         except ValueError:
             interval = -1.0
         if not 0.1 <= interval <= 10:
-            return JSONResponse(error_body("interval: a number of seconds from 0.1 to 10"), status_code=400)
-        got = await backend_states(request)
+            return error_response(400, "interval: a number of seconds from 0.1 to 10")
+        got = await self.backend_states(request)
         if isinstance(got, Response):
             return got
         model = got[1]
 
         async def fetch():
             nonlocal model
-            again = await backend_states(request)
+            again = await self.backend_states(request)
             if isinstance(again, Response):
                 raise RuntimeError("a backend refused the API key")
             model = again[1] or model
             return again[0]
 
-        body = events(fetch, lambda engines: state_document(engines, model), interval,
+        body = events(fetch, lambda engines: self.state_document(engines, model), interval,
                       lambda: getattr(request.app.state, "draining", False),
-                      lambda e: error_body(str(e), "server_error", 503))
+                      lambda e: openai_error(str(e), "server_error", code=503))
         return StreamingResponse(body, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def not_found(request: Request, exc) -> Response:
-        code = getattr(exc, "status_code", 404)
-        kind = "not_found_error" if code == 404 else "invalid_request_error"
-        return JSONResponse(error_body("no such route" if code == 404 else "method not allowed", kind, code),
-                            status_code=code)
 
-    routes = [Route("/v1/completions", generate, methods=["POST"]),
-              Route("/v1/chat/completions", generate, methods=["POST"]),
-              Route("/v1/models", models, methods=["GET"]),
-              Route("/health", health, methods=["GET"]),
-              Route("/metrics", prom, methods=["GET"]),
-              Route("/", page, methods=["GET"]),
-              Route("/dashboard", page, methods=["GET"]),
-              Route("/static/{name}", page, methods=["GET"]),
-              Route("/v1/engine/state", engine_state, methods=["GET"]),
-              Route("/v1/engine/state/stream", engine_state_stream, methods=["GET"])]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found, 405: not_found})
-    app.state.pool, app.state.balancer, app.state.metrics = pool, balancer, metrics
-    return app
+def create_router_app(urls: list[str], policy: str = "prefix", health_interval: float = 2.0,
+                      request_timeout: float = 600.0, max_body_bytes: int = 4 << 20, chunk_chars: int = 64,
+                      cache_chunks: int = 1 << 16, balance_abs: float = 4, balance_rel: float = 1.5,
+                      cache_threshold: float = 0.5, prefill_urls: list[str] | None = None,
+                      disagg_min_chars: int = 0) -> Starlette:
+    """`urls` are the backends requests are answered by (with prefill_urls: the decode workers)."""
+    return Router(urls, policy, health_interval, request_timeout, max_body_bytes, chunk_chars, cache_chunks,
+                  balance_abs, balance_rel, cache_threshold, prefill_urls, disagg_min_chars).app
