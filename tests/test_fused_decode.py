@@ -1,6 +1,7 @@
 """The fused decode step (inferd.model.fused_decode): the same kernels as the eager forward, called
 from one C++ loop, must give the eager forward's hidden states and KV writes bit for bit, and must
 really run where it applies (W4A8/W8A8 models, decode-only steps) and nowhere else."""
+import logging
 import random
 
 import pytest
@@ -26,7 +27,7 @@ def _step(lm, pool, tables, ctx, ids, fused=None):
     """One decode step (one new token per sequence at position ctx-1) on a copy of the pool, through
     the fused step where given, else the eager forward."""
     pool2 = KVPool(lm.config.num_hidden_layers, pool.num_blocks, pool.block_size, lm.config.num_key_value_heads,
-                   lm.config.head_dim, torch.float32, "cpu")
+                   lm.config.head_dim, pool.k.dtype, "cpu")
     pool2.k.copy_(pool.k)
     pool2.v.copy_(pool.v)
     attn = PagedAttention(pool2, lm.config.head_dim, sliding_window=lm.config.sliding_window)
@@ -37,21 +38,24 @@ def _step(lm, pool, tables, ctx, ids, fused=None):
     return h, pool2, attn
 
 
-@pytest.mark.parametrize("method,n_seq,over", [
-    ("int4", 1, {}),
-    ("int4", 7, {}),
-    ("int4", 20, {}),  # 20 rows: four 4-row tiles and a 4-row tail per panel
-    ("int4", 5, {"sliding_window": 6, "architecture": "mistral"}),
-    ("int8", 6, {"attention_bias": True, "architecture": "qwen2"}),  # W8A8 layers and a q/k/v bias
+@pytest.mark.parametrize("method,n_seq,over,kv", [
+    ("int4", 1, {}, torch.float32),
+    ("int4", 7, {}, torch.float32),
+    ("int4", 20, {}, torch.float32),  # 20 rows: four 4-row tiles and a 4-row tail per panel
+    ("int4", 5, {"sliding_window": 6, "architecture": "mistral"}, torch.float32),
+    ("int8", 6, {"attention_bias": True, "architecture": "qwen2"}, torch.float32),  # W8A8 layers, a q/k/v bias
+    # a bf16 cache: K/V rounded once on their way in, as the eager forward rounds them, attention in fp32
+    ("int4", 7, {}, torch.bfloat16),
+    ("int8", 6, {"attention_bias": True, "architecture": "qwen2"}, torch.bfloat16),
 ])
-def test_fused_step_equals_eager_bit_for_bit(method, n_seq, over):
+def test_fused_step_equals_eager_bit_for_bit(method, n_seq, over, kv):
     lm = _tiny_a8(method, **over)
     fused = fused_decode.build(lm.model)
     assert fused is not None
     cfg = lm.config
     rng = random.Random(n_seq)
     bs = 4
-    pool = KVPool(cfg.num_hidden_layers, 256, bs, cfg.num_key_value_heads, cfg.head_dim, torch.float32, "cpu")
+    pool = KVPool(cfg.num_hidden_layers, 256, bs, cfg.num_key_value_heads, cfg.head_dim, kv, "cpu")
     g = torch.Generator().manual_seed(n_seq)
     pool.k.copy_(torch.randn(pool.k.shape, generator=g))  # stands in for earlier prefills
     pool.v.copy_(torch.randn(pool.v.shape, generator=g))
@@ -114,3 +118,86 @@ def test_speculative_verify_rows_run_fused_and_change_nothing():
     assert_speculated(eng)
     assert eng.runner.fused.max_rows > 1  # one sequence at a time: rows > 1 are a verify chunk, served fused
     assert got == plain
+
+
+# -- the announcement and the counter agree --------------------------------------------------------
+
+def _announced(caplog) -> str:
+    """The runner's one line about decode-only steps."""
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("decode-only steps:")]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def _assert_log_matches_counter(line: str, fused_steps: int):
+    if "fused C++ call" in line:
+        assert fused_steps > 0, line
+    else:
+        assert line.startswith("decode-only steps: eager (") and fused_steps == 0, (line, fused_steps)
+
+
+@pytest.fixture(scope="module")
+def gguf_w4a8(default_gguf_path):
+    from inferd.loading.loader import load_model
+
+    return load_model(default_gguf_path, with_tokenizer=False, quantization="gguf", quantize_activations=True)
+
+
+@pytest.mark.parametrize("kv", ["auto", "bfloat16"])
+def test_engine_says_fused_and_counts_fused_steps_for_each_kv_dtype(gguf_w4a8, kv, caplog):
+    """The default GGUF as W4A8, its KV cache in fp32 (auto: the model's dtype) or bf16: the runner
+    announces the fused step, EngineStats.fused_steps counts the steps it served, the paths record
+    reports that count, and the tokens are an --enforce-eager engine's."""
+    from helpers import run_engine
+
+    from inferd.engine.paths import engine_paths
+
+    reqs = [([1, 9, 400, 27, 3000], 6), ([5, 77, 12, 900, 4, 61, 2048, 8], 5), ([1200, 31], 7)]
+    opts = {"kv_cache_dtype": kv, "max_num_seqs": 4, "num_kv_blocks": 32}
+    with caplog.at_level(logging.INFO, logger="inferd"):
+        outs, eng = run_engine(gguf_w4a8, reqs, **opts)
+    line = _announced(caplog)
+    assert "fused C++ call" in line and eng.runner.fused is not None
+    _assert_log_matches_counter(line, eng.stats.fused_steps)
+    assert eng.stats.fused_steps == eng.runner.fused.steps < eng.stats.steps  # prompt steps ran eagerly
+    paths = engine_paths(eng)
+    assert paths["fused_steps"] == eng.stats.fused_steps
+    assert paths["kv_dtype"] == ("float32" if kv == "auto" else kv)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="inferd"):
+        eager, eager_eng = run_engine(gguf_w4a8, reqs, enforce_eager=True, **opts)
+    assert not [r for r in caplog.records if r.getMessage().startswith("decode-only steps:")]
+    assert eager_eng.stats.fused_steps == 0
+    assert outs == eager
+
+
+def _decode_plan():
+    """Three sequences decoding one token each (context 3, 9, 14 in blocks of 4)."""
+    from inferd.worker.runner import StepPlan
+
+    ctx, tables, ids = [3, 9, 14], [[5], [1, 8, 2], [0, 3, 6, 7]], [4, 17, 30]
+    return StepPlan(ids, tables, [c - 1 for c in ctx], [1] * 3, [0, 1, 2], [0, 1, 2])
+
+
+@pytest.mark.parametrize("kv,use_kernel,why", [
+    (torch.float16, True, "a float32 or bfloat16 KV cache; this one is float16"),
+    (torch.float32, False, "without the native paged-decode kernel"),
+])
+def test_runner_says_eager_where_the_fused_step_cannot_run(kv, use_kernel, why, caplog):
+    """A model the fused step qualifies for, given an attention it cannot serve: one line says
+    eager and why, runner.fused is None (nothing claims the path), and no step counts as fused."""
+    from inferd.worker.runner import ModelRunner
+
+    lm = _tiny_a8()
+    assert fused_decode.build(lm.model) is not None
+    cfg = lm.config
+    pool = KVPool(cfg.num_hidden_layers, 16, 4, cfg.num_key_value_heads, cfg.head_dim, kv, "cpu")
+    with caplog.at_level(logging.INFO, logger="inferd"):
+        runner = ModelRunner(lm.model, PagedAttention(pool, cfg.head_dim, use_kernel=use_kernel))
+    line = _announced(caplog)
+    assert why in line and runner.fused is None
+    if use_kernel:
+        return  # an fp16 cache has no decode kernel at all: nothing to run
+    logits, idx, _ = runner.run(_decode_plan())
+    assert logits.shape == (3, cfg.vocab_size) and idx == [0, 1, 2]
+    _assert_log_matches_counter(line, runner.fused_steps)

@@ -43,12 +43,14 @@ class DecodeStack {
   }
 
   // x [M, hidden] float32 embeddings (updated in place: the residual stream); cos/sin [M, head_dim];
-  // kcache/vcache [layers, slots, kv_heads, head_dim]; the rest as for inferd::paged_decode.
-  // Returns the final norm of the last residual, as LlamaModel.forward does.
+  // kcache/vcache [layers, slots, kv_heads, head_dim], float32 or bfloat16; the rest as for
+  // inferd::paged_decode. Returns the final norm of the last residual, as LlamaModel.forward does.
   Tensor forward(Tensor x, Tensor cos, Tensor sin, Tensor kcache, Tensor vcache, Tensor slots, Tensor block_tables,
                  Tensor ctx_lens, int64_t block_size, double scale, int64_t window) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous());
-    TORCH_CHECK(kcache.size(0) == L_ && kcache.scalar_type() == torch::kFloat32);
+    const auto kv = kcache.scalar_type();
+    TORCH_CHECK(kcache.size(0) == L_ && vcache.scalar_type() == kv && (kv == torch::kFloat32 || kv == torch::kBFloat16),
+                "DecodeStack: the KV cache must be float32 or bfloat16");
     const int64_t M = x.size(0);
     Tensor h = rms_norm_.call(x, norms_[0], eps_);
     for (int64_t l = 0; l < L_; ++l) {
@@ -56,7 +58,11 @@ class DecodeStack {
       Tensor qkv = lin(w[0], h).view({M, nq_ + 2 * nk_, D_});
       rope_.call(qkv, nq_ + nk_, cos, sin);
       Tensor kc = kcache.select(0, l), vc = vcache.select(0, l);
-      write_kv_.call(qkv.narrow(1, nq_, nk_), qkv.narrow(1, nq_ + nk_, nk_), slots, kc, vc);
+      Tensor k = qkv.narrow(1, nq_, nk_), v = qkv.narrow(1, nq_ + nk_, nk_);
+      // a bf16 cache stores this step's K/V rounded as the eager forward's k.to(cache dtype) rounds
+      // them; attention still computes in fp32 (paged_decode reads either cache dtype)
+      if (kv != torch::kFloat32) k = k.to(kv), v = v.to(kv);
+      write_kv_.call(k, v, slots, kc, vc);
       Tensor o = paged_decode_.call(qkv.narrow(1, 0, nq_).contiguous(), kc, vc, block_tables, ctx_lens, block_size,
                                     scale, window);
       h = add_rms_norm_.call(x, lin(w[1], o.view({M, nq_ * D_})), norms_[2 * l + 1], eps_);

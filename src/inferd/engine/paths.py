@@ -70,10 +70,6 @@ def engine_paths(engine) -> dict:
     torch = sys.modules["torch"]
     runner, stats, cfg = engine.runner, engine.stats, engine.config
     fused = getattr(runner, "fused", None)
-    # engine.stats.fused_steps where the engine counts them; else the fused step's own counter
-    fused_steps = getattr(stats, "fused_steps", None)
-    if fused_steps is None:
-        fused_steps = 0 if fused is None else getattr(fused, "steps", None)
     return {
         "engine": "inferd",
         "kernel_variant": kernel_variant(getattr(runner.attn, "kernel", None)),
@@ -81,7 +77,7 @@ def engine_paths(engine) -> dict:
         **module_paths(engine.model),
         "kv_dtype": engine.cache_info()["dtype"],
         "fused_built": fused is not None,
-        "fused_steps": fused_steps,
+        "fused_steps": stats.fused_steps,
         "steps": stats.steps,
         "decode_steps": getattr(stats, "decode_steps", None),
         "prefill_tokens": stats.prefill_tokens,

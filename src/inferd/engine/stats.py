@@ -31,6 +31,7 @@ class EngineStats:
     forks: int = 0  # n > 1 requests split into samples
     failed: int = 0  # sequences ended by an error in their step (the engine went on)
     sample_events: int = 0  # (sequence, step) pairs that gained tokens: target forwards per sequence
+    fused_steps: int = 0  # steps the fused C++ decode call computed (inferd.model.fused_decode), not eager ones
     history: list[StepStats] = field(default_factory=list)
 
 

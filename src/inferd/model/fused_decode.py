@@ -7,14 +7,20 @@ layer around those matmuls. The C++ loop calls the same ops as the eager forward
 (torch.ops.inferd.*) in the same order, so its hidden states equal the eager model's bit for bit.
 
 `build(model)` says whether a model qualifies (CPU, float32, every layer linear W4A8 or W8A8, the
-native kernels built) and returns the step; the engine's ModelRunner owns the decision to use it
-(never with `--enforce-eager`) and calls it each step, where it runs only if every sequence decodes
-through the paged kernel (speculative verify chunks qualify: their k+1 rows reach the kernel as
-single-query rows). Quantization only rewrites layers; the model itself is never changed.
+native kernels built) and returns the step; `FusedDecode.unusable_with(attn)` says why it could
+never run with an attention (no paged decode kernel, a KV cache neither float32 nor bfloat16). The
+engine's ModelRunner owns the decision to use it (never with `--enforce-eager`, never under tensor
+parallelism) and calls it each step, where it runs only if every sequence decodes through the paged
+kernel (speculative verify chunks qualify: their k+1 rows reach the kernel as single-query rows);
+a step holding prompt rows returns None and runs eagerly. Quantization only rewrites layers; the
+model itself is never changed.
 """
 from __future__ import annotations
 
 import torch
+
+# what DecodeStack reads and writes (csrc/cpu/fused_decode.cpp); attention computes in fp32 either way
+KV_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class FusedDecode:
@@ -25,12 +31,27 @@ class FusedDecode:
         self.steps = 0  # steps served (tests check the fused path ran)
         self.max_rows = 0  # most rows in one fused step (speculative verify rows count one each)
 
+    @staticmethod
+    def unusable_with(attn) -> str | None:
+        """Why no step through this attention could ever run fused, or None where decode-only steps
+        will: what the runner decides with before it announces the path."""
+        if getattr(attn, "decode_args", None) is None:
+            return f"{type(attn).__name__} has no paged decode path"
+        if getattr(attn, "kernel", None) is None:
+            return "the attention runs without the native paged-decode kernel"
+        dtype = attn.pool.k.dtype
+        if dtype not in KV_DTYPES:
+            name = str(dtype).replace("torch.", "")
+            return f"the fused step needs a float32 or bfloat16 KV cache; this one is {name}"
+        return None
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor | None:
         """Final hidden states [T, hidden] as LlamaModel.forward returns them, or None where this
-        step must run eagerly (not every row a single-query decode through the paged kernel)."""
+        step must run eagerly: not every row a single-query decode through the paged kernel (a step
+        with prompt rows, or any step through an attention `unusable_with` refuses)."""
         decode_args = getattr(attn, "decode_args", None)
         args = decode_args() if decode_args is not None else None
-        if args is None or args[0].dtype != torch.float32:
+        if args is None or args[0].dtype not in KV_DTYPES:
             return None
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rope.cos_sin(positions)

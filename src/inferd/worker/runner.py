@@ -38,8 +38,15 @@ class ModelRunner:
         # a qualifying model runs its decode-only steps as one C++ call, every other step eagerly.
         # Under tensor parallelism always eagerly: the fused step has no all-reduce inside its layer loop.
         self.fused = None if enforce_eager or comm is not None else fused_decode.build(model)
-        if self.fused is not None:
+        # announced only where it will run: a model that qualifies may still meet an attention (its KV
+        # cache dtype, its kernel) the fused step cannot serve, and then nothing may claim the path
+        why = None if self.fused is None else self.fused.unusable_with(attention)
+        if why is not None:
+            log.info("decode-only steps: eager (%s)", why)
+            self.fused = None
+        elif self.fused is not None:
             log.info("decode-only steps: one fused C++ call (--enforce-eager: eager)")
+        self.fused_steps = 0  # steps whose hidden states the fused call produced (EngineStats.fused_steps)
         # each rank's slice of the vocabulary, for the logits gather (set by the tensor-parallel rewrite)
         self.vocab_widths = getattr(model, "tp_vocab_widths", None)
 
@@ -47,6 +54,7 @@ class ModelRunner:
         if self.fused is not None:
             hidden = self.fused(input_ids, positions, self.attn)
             if hidden is not None:
+                self.fused_steps += 1
                 return hidden
         return self.model(input_ids, positions, self.attn)
 
