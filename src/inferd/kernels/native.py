@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 from pathlib import Path
 
 from inferd.errors import InferdError
@@ -71,23 +72,53 @@ def _build():
                     extra_ldflags=list(LDFLAGS), extra_include_paths=[str(CSRC)], verbose=False)
 
 
+def disabled() -> bool:
+    """INFERD_NO_NATIVE is set: no native code, on purpose."""
+    return bool(os.environ.get("INFERD_NO_NATIVE"))
+
+
+def build_error() -> str | None:
+    """Why load() has no native kernels although they were wanted, in one line; None where they
+    loaded, are off by request, or load() has not run."""
+    return _state.get("error")
+
+
+_NAMES_ERROR = re.compile(r"error|not found|cannot find|no such file", re.IGNORECASE)
+
+
+def failure_line(message: str) -> str:
+    """The one line of a failed build that says why. torch's message is ninja's log: progress lines
+    and, after each `FAILED: target`, the command echoed, then what the compiler or linker printed;
+    the first of those naming an error is the cause (a missing compiler, a missing header, a
+    compile error). A failure before any compiling (no ninja) is the message's first line."""
+    lines = message.splitlines()
+    failed = next((i for i, ln in enumerate(lines) if ln.startswith("FAILED:")), None)
+    if failed is None:
+        return lines[0].strip() if lines else ""
+    told = [ln.strip() for ln in lines[failed + 2:] if ln.strip() and not ln.startswith(("[", "ninja:"))]
+    cause = next((ln for ln in told if _NAMES_ERROR.search(ln)), told[0] if told else lines[failed].strip())
+    return cause[:400]
+
+
 def load():
     """The extension's Python module (its torch ops are then in torch.ops.inferd), or None where
-    INFERD_NO_NATIVE=1 or nothing can be compiled (each caller has a slower path or a clear error).
-    Raises InferdError for an INFERD_ISA this CPU cannot run."""
+    INFERD_NO_NATIVE=1 or nothing can be compiled (each caller has a slower path or a clear error;
+    build_error() says why). Raises InferdError for an INFERD_ISA this CPU cannot run."""
     if "module" in _state:
         return _state["module"]
     mod = None
-    if os.environ.get("INFERD_NO_NATIVE"):
+    if disabled():
         log.info("native kernels off (INFERD_NO_NATIVE)")
     elif not CSRC.is_dir():
-        log.warning("native kernels unavailable (no sources at %s); using the torch fallbacks", CSRC)
+        _state["error"] = f"no sources at {CSRC}"
+        log.warning("native kernels unavailable (%s); using the torch fallbacks", _state["error"])
     else:
         try:
             mod = _build()
-        except Exception as e:  # no compiler / ninja
+        except Exception as e:  # noqa: BLE001 - no compiler / ninja, a compile error: load() says why
+            _state["error"] = failure_line(str(e)) or type(e).__name__
             log.warning("native kernels unavailable (%s: %s); using the torch fallbacks", type(e).__name__,
-                        str(e).splitlines()[0] if str(e) else "")
+                        _state["error"])
     if mod is not None:
         import torch
 
