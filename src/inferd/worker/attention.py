@@ -41,7 +41,8 @@ class PagedAttention:
                  use_kernel: bool = True):
         self.pool = pool
         self.kernel = None
-        if use_kernel and pool.k.device.type == "cpu":
+        # the compiled decode kernel reads fp32 or bf16 caches; any other (fp16) takes the SDPA path
+        if use_kernel and pool.k.device.type == "cpu" and pool.k.dtype in (torch.float32, torch.bfloat16):
             from inferd.kernels import native
 
             self.kernel = native.ops()
