@@ -160,6 +160,7 @@ def test_engine_says_fused_and_counts_fused_steps_for_each_kv_dtype(gguf_w4a8, k
     assert "fused C++ call" in line and eng.runner.fused is not None
     _assert_log_matches_counter(line, eng.stats.fused_steps)
     assert eng.stats.fused_steps == eng.runner.fused.steps < eng.stats.steps  # prompt steps ran eagerly
+    assert eng.stats.eager_decode_steps == 0  # and no decode-only step fell back
     paths = engine_paths(eng)
     assert paths["fused_steps"] == eng.stats.fused_steps
     assert paths["kv_dtype"] == ("float32" if kv == "auto" else kv)
@@ -167,7 +168,7 @@ def test_engine_says_fused_and_counts_fused_steps_for_each_kv_dtype(gguf_w4a8, k
     with caplog.at_level(logging.INFO, logger="inferd"):
         eager, eager_eng = run_engine(gguf_w4a8, reqs, enforce_eager=True, **opts)
     assert not [r for r in caplog.records if r.getMessage().startswith("decode-only steps:")]
-    assert eager_eng.stats.fused_steps == 0
+    assert eager_eng.stats.fused_steps == 0 and eager_eng.stats.eager_decode_steps > 0
     assert outs == eager
 
 
@@ -185,7 +186,7 @@ def _decode_plan():
 ])
 def test_runner_says_eager_where_the_fused_step_cannot_run(kv, use_kernel, why, caplog):
     """A model the fused step qualifies for, given an attention it cannot serve: one line says
-    eager and why, runner.fused is None (nothing claims the path), and no step counts as fused."""
+    eager and why, runner.fused is None (nothing claims the path), and a decode step counts as eager."""
     from inferd.worker.runner import ModelRunner
 
     lm = _tiny_a8()
@@ -196,8 +197,7 @@ def test_runner_says_eager_where_the_fused_step_cannot_run(kv, use_kernel, why, 
         runner = ModelRunner(lm.model, PagedAttention(pool, cfg.head_dim, use_kernel=use_kernel))
     line = _announced(caplog)
     assert why in line and runner.fused is None
-    if use_kernel:
-        return  # an fp16 cache has no decode kernel at all: nothing to run
     logits, idx, _ = runner.run(_decode_plan())
     assert logits.shape == (3, cfg.vocab_size) and idx == [0, 1, 2]
     _assert_log_matches_counter(line, runner.fused_steps)
+    assert runner.eager_decode_steps == 1

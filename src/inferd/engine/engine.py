@@ -542,6 +542,7 @@ class LLMEngine:
         s = self.stats
         s.steps += 1
         s.fused_steps = self.runner.fused_steps  # the runner alone knows which path a forward took
+        s.eager_decode_steps = self.runner.eager_decode_steps
         s.prefill_tokens += batch.num_prefill_tokens
         s.decode_tokens += batch.num_decode_tokens
         s.recompute_tokens += batch.num_recompute_tokens

@@ -32,6 +32,7 @@ class EngineStats:
     failed: int = 0  # sequences ended by an error in their step (the engine went on)
     sample_events: int = 0  # (sequence, step) pairs that gained tokens: target forwards per sequence
     fused_steps: int = 0  # steps the fused C++ decode call computed (inferd.model.fused_decode), not eager ones
+    eager_decode_steps: int = 0  # one-token-per-sequence steps the eager forward computed (fused declined or off)
     history: list[StepStats] = field(default_factory=list)
 
 

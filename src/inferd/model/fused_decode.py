@@ -37,12 +37,13 @@ class FusedDecode:
         will: what the runner decides with before it announces the path."""
         if getattr(attn, "decode_args", None) is None:
             return f"{type(attn).__name__} has no paged decode path"
-        if getattr(attn, "kernel", None) is None:
-            return "the attention runs without the native paged-decode kernel"
+        # the dtype first: it is also why an fp16 cache's attention has no kernel, and the truer reason
         dtype = attn.pool.k.dtype
         if dtype not in KV_DTYPES:
             name = str(dtype).replace("torch.", "")
             return f"the fused step needs a float32 or bfloat16 KV cache; this one is {name}"
+        if getattr(attn, "kernel", None) is None:
+            return "the attention runs without the native paged-decode kernel"
         return None
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor | None:

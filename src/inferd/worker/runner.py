@@ -47,15 +47,18 @@ class ModelRunner:
         elif self.fused is not None:
             log.info("decode-only steps: one fused C++ call (--enforce-eager: eager)")
         self.fused_steps = 0  # steps whose hidden states the fused call produced (EngineStats.fused_steps)
+        self.eager_decode_steps = 0  # one-token-per-sequence steps the eager forward computed instead
         # each rank's slice of the vocabulary, for the logits gather (set by the tensor-parallel rewrite)
         self.vocab_widths = getattr(model, "tp_vocab_widths", None)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, decode_only: bool = False) -> torch.Tensor:
         if self.fused is not None:
             hidden = self.fused(input_ids, positions, self.attn)
             if hidden is not None:
                 self.fused_steps += 1
                 return hidden
+        if decode_only:
+            self.eager_decode_steps += 1
         return self.model(input_ids, positions, self.attn)
 
     def plan(self, requests: list, num_new: list[int]) -> StepPlan:
@@ -106,7 +109,8 @@ class ModelRunner:
         """The forward of one plan (every rank of a tensor-parallel group runs it; only rank 0 gets
         logits back)."""
         positions = self.attn.prepare(plan.block_tables, plan.starts, plan.num_new)
-        hidden = self.forward(torch.tensor(plan.ids, dtype=torch.long, device=self.device), positions.to(self.device))
+        hidden = self.forward(torch.tensor(plan.ids, dtype=torch.long, device=self.device), positions.to(self.device),
+                              decode_only=all(n == 1 for n in plan.num_new))
         spans = plan.prompt_spans
         if not spans and not plan.sample_rows:
             return hidden.new_zeros(0, self.model.cfg.vocab_size, dtype=torch.float32), [], {}
