@@ -178,7 +178,7 @@ def fmt_spread(runs: list[float], spec: str = "{:.1f}") -> str:
 
 
 # counters of a record that add up over runs (each run may be its own engine)
-COUNTERS = ("fused_steps", "steps", "decode_steps", "prefill_tokens", "decode_tokens")
+COUNTERS = ("fused_steps", "eager_decode_steps", "steps", "prefill_tokens", "decode_tokens")
 
 
 def merge_paths(acc: dict | None, new: dict) -> dict:
@@ -209,7 +209,8 @@ def paths_line(p: dict) -> str:
         bits.append(f"KV {p['kv_dtype']}")
     if "fused_steps" in p:
         bits.append(f"fused decode {'built' if p.get('fused_built') else 'not built'}, "
-                    f"{p.get('fused_steps')} fused of {p.get('steps')} steps")
+                    f"{p.get('fused_steps')} fused of {p.get('steps')} steps"
+                    + (f", {p['eager_decode_steps']} decode-only steps eager" if p.get("eager_decode_steps") else ""))
     if p.get("tensor_parallel_size", 1) != 1:
         bits.append(f"TP={p['tensor_parallel_size']}")
     if p.get("speculative_method"):

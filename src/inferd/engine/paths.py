@@ -79,7 +79,7 @@ def engine_paths(engine) -> dict:
         "fused_built": fused is not None,
         "fused_steps": stats.fused_steps,
         "steps": stats.steps,
-        "decode_steps": getattr(stats, "decode_steps", None),
+        "eager_decode_steps": stats.eager_decode_steps,
         "prefill_tokens": stats.prefill_tokens,
         "decode_tokens": stats.decode_tokens,
         "tensor_parallel_size": cfg.tensor_parallel_size,
