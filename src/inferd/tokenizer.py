@@ -215,11 +215,11 @@ class Tokenizer:
         """From a .gguf file, a Hugging Face model folder (tokenizer.json), or a folder with one .gguf."""
         path = os.path.expanduser(str(model_path))
         if os.path.isfile(path):
-            with open(path, "rb") as f:
-                magic = f.read(4)
-            if magic == b"GGUF" or path.lower().endswith(".gguf"):
-                from inferd.gguf_file import read_gguf_metadata
+            from inferd.gguf_file import GGUF_MAGIC, read_gguf_metadata
 
+            with open(path, "rb") as f:
+                magic = f.read(len(GGUF_MAGIC))
+            if magic == GGUF_MAGIC or path.lower().endswith(".gguf"):
                 return cls.from_gguf_metadata(read_gguf_metadata(path))
             if os.path.basename(path) == "tokenizer.json":
                 return cls.from_hf_folder(os.path.dirname(path) or ".")
