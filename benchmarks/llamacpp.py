@@ -54,7 +54,11 @@ def build_dir(amx: bool) -> Path:
 #   time slice at every barrier; batch-1 decode at 2 threads measured 2.7 tok/s spinning vs 21.4
 #   passive at load ~11 on 2 cores;
 # - quiet: spinning wins, 116 vs 36.5 tok/s passive (the 2-core AVX2 machine, load ~1).
+# The load is read once, at the first call of a benchmark process: later calls would read the
+# load the benchmark's own previous contender left in the 1-minute average (an inferd server that
+# just ran pushed llama-server onto the passive policy, 3x slower at concurrency 1).
 # An explicit OMP_WAIT_POLICY in the environment still wins.
+@functools.lru_cache(maxsize=1)
 def omp_env() -> dict:
     busy = os.getloadavg()[0] >= (os.cpu_count() or 1)
     return {"OMP_WAIT_POLICY": "passive" if busy else "active"}
