@@ -15,7 +15,9 @@ from inferd.errors import InferdError
 from inferd.gguf_file import unpermute_qk
 
 
-def config_from_metadata(meta: dict[str, Any]):
+def config_from_metadata(meta: dict[str, Any], rope_freqs: np.ndarray | None = None):
+    """`rope_freqs`: the file's `rope_freqs.weight` tensor where it has one. llama.cpp's converter
+    stores Llama 3.x's RoPE scaling there (one divisor per rotary frequency), not in the metadata."""
     from inferd.model.config import ModelConfig
 
     arch = meta.get("general.architecture")
@@ -33,6 +35,8 @@ def config_from_metadata(meta: dict[str, Any]):
     rope_scaling = None
     if g("rope.scaling.type") in ("linear",) and g("rope.scaling.factor"):
         rope_scaling = {"rope_type": "linear", "factor": float(g("rope.scaling.factor"))}
+    if rope_freqs is not None:
+        rope_scaling = {"rope_type": "freq_factors", "factors": [float(f) for f in np.asarray(rope_freqs).reshape(-1)]}
     return ModelConfig(
         architecture={"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}[arch],
         vocab_size=int(vocab),
@@ -121,7 +125,7 @@ def load_gguf_state_dict(reader, cfg) -> dict[str, torch.Tensor]:
     for t in reader.tensors:
         ours = gguf_name_to_ours(t.name)
         if ours is None:
-            continue  # e.g. rope_freqs: recomputed from the config
+            continue  # e.g. rope_freqs: read into the config (rope_freqs_tensor)
         w = torch.from_numpy(dequantize_tensor(t).copy())
         if not permuted:
             pass
@@ -131,3 +135,11 @@ def load_gguf_state_dict(reader, cfg) -> dict[str, torch.Tensor]:
             w = unpermute_qk(w, cfg.num_key_value_heads)
         sd[ours] = w
     return sd
+
+
+def rope_freqs_tensor(reader) -> np.ndarray | None:
+    """The `rope_freqs.weight` divisors as float32, or None when the file has none."""
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            return dequantize_tensor(t).reshape(-1)
+    return None

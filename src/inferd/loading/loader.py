@@ -271,7 +271,7 @@ def _load(lc: LoadConfig, shard=None) -> LoadedModel:
         check_gguf(src.path)  # before the gguf reader trusts a count or an offset
         reader = open_gguf(src.path)
         meta = read_metadata(reader)
-        cfg = _checked(lambda: G.config_from_metadata(meta), src.path)
+        cfg = _checked(lambda: G.config_from_metadata(meta, G.rope_freqs_tensor(reader)), src.path)
         sd = None if dummy else G.load_gguf_state_dict(reader, cfg)
         if lc.with_tokenizer:
             tok = _tokenizer_from_meta(meta)

@@ -35,6 +35,13 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         scaled = torch.where(wavelen > old_ctx / lo, inv / factor, inv)
         mid = (wavelen <= old_ctx / lo) & (wavelen >= old_ctx / hi)
         inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    elif kind == "freq_factors":
+        # a GGUF's rope_freqs tensor: llama.cpp divides each frequency by its factor (the converter
+        # writes Llama 3's smoothed scaling this way), so it equals the llama3 rule above
+        factors = torch.tensor(rs["factors"], dtype=torch.float64)
+        if factors.numel() != inv.numel():
+            raise ValueError(f"rope_freqs has {factors.numel()} factors, the head needs {inv.numel()}")
+        inv = inv / factors
     elif kind not in (None, "default"):
         raise ValueError(f"unsupported rope scaling {kind!r}")
     return inv.float()

@@ -1,0 +1,125 @@
+"""A Hugging Face model in memory -> a GGUF file with llama.cpp's tensor and metadata names.
+
+Test-side only: it lets one set of random weights be held to `transformers` in both forms a user
+brings (HF folder, GGUF). Tensors are written as F32 (or a given quant type), so the GGUF model
+equals the HF one to float rounding. The naming follows llama.cpp's converter: which families
+interleave the q/k rows for llama.cpp's RoPE kernel, and where Llama 3's RoPE scaling goes (a
+`rope_freqs` tensor of per-frequency divisors, not metadata).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+# families whose q/k rows llama.cpp's converter interleaves (its "normal" RoPE); the others are
+# NeoX-style, stored as Hugging Face has them
+PERMUTED = {"llama"}
+
+_TOP = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_BLOCK = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's converter's interleaving of each head's two RoPE halves into pairs."""
+    rows, rest = w.shape[0], w.shape[1:]
+    return w.reshape(n_heads, 2, rows // n_heads // 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
+
+
+def llama3_rope_factors(rope: dict, theta: float, head_dim: int) -> np.ndarray:
+    """The divisors llama.cpp's converter writes as `rope_freqs` for `rope_type: llama3`."""
+    factor = float(rope["factor"])
+    lo, hi = float(rope.get("low_freq_factor", 1.0)), float(rope.get("high_freq_factor", 4.0))
+    old = float(rope["original_max_position_embeddings"])
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < old / hi:
+            out.append(1.0)
+        elif wavelen > old / lo:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - lo) / (hi - lo)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def gguf_name(hf_name: str) -> str | None:
+    if hf_name in _TOP:
+        return _TOP[hf_name]
+    parts = hf_name.split(".")
+    if parts[:2] != ["model", "layers"]:
+        return None
+    idx, rest = parts[2], ".".join(parts[3:])
+    stem, kind = rest.rsplit(".", 1)
+    if stem not in _BLOCK:
+        return None
+    return f"blk.{idx}.{_BLOCK[stem]}.{kind}"
+
+
+def write_gguf(model, path, arch: str, *, qtype=None, rope_freqs: bool = True) -> str:
+    """Write `model` (a transformers *ForCausalLM) as `path`. `arch`: the GGUF architecture name.
+    `rope_freqs=False` leaves Llama 3's scaling out (what a converter that forgot it would write)."""
+    from gguf import GGUFWriter, quants
+
+    c = model.config
+    heads, kv = c.num_attention_heads, c.num_key_value_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    rp = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
+    theta = float(rp.get("rope_theta", getattr(c, "rope_theta", 10000.0)))
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(theta)
+    w.add_vocab_size(c.vocab_size)
+    tensors: dict[str, np.ndarray] = {}
+    sd = model.state_dict()
+    tied = bool(getattr(c, "tie_word_embeddings", False))
+    for name, t in sd.items():
+        if tied and name == "lm_head.weight":
+            continue
+        g = gguf_name(name)
+        if g is None:
+            raise ValueError(f"no GGUF name for {name}")
+        a = t.detach().float().numpy()
+        if arch in PERMUTED and g.endswith(("attn_q.weight", "attn_q.bias")):
+            a = permute_qk(a, heads)
+        elif arch in PERMUTED and g.endswith(("attn_k.weight", "attn_k.bias")):
+            a = permute_qk(a, kv)
+        tensors[g] = a
+    if rope_freqs and rp.get("rope_type") == "llama3":
+        tensors["rope_freqs.weight"] = llama3_rope_factors(rp, theta, head_dim)
+    for g, a in tensors.items():
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        if qtype is None or a.ndim == 1 or g == "rope_freqs.weight":
+            w.add_tensor(g, a)
+        else:
+            w.add_tensor(g, quants.quantize(a, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
