@@ -3,6 +3,7 @@
 - reference/flags.md: every flag of every `inferd` subcommand, from the argument parsers (inferd.cli);
 - reference/metrics.md: every Prometheus series `inferd serve` and `inferd router` export, from the
   metrics modules, with the vLLM names they are also exposed as.
+- reference/models.md: the supported model families, from the registry (inferd.model.registry).
 
 - index.md: the README, its links made relative to docs/ (one text for both front pages).
 
@@ -72,6 +73,18 @@ def metrics_markdown() -> str:
     return "\n".join(out) + "\n"
 
 
+def models_markdown() -> str:
+    from inferd.model import registry
+
+    return "\n".join([
+        "# Supported models", "",
+        "Generated from `inferd.model.registry` at every docs build (`docs/hooks.py`). A family is served from "
+        "a Hugging Face folder (its `config.json` names the class) or a GGUF file (its `general.architecture`); "
+        "anything else is refused with one line naming these. Every family is held to `transformers` (the \"tested\" column) on tiny "
+        "random weights in both forms (`tests/test_families.py`).", "",
+        registry.markdown()])
+
+
 def _write(path: str, text: str):
     try:
         with open(path) as f:
@@ -88,6 +101,7 @@ def write_reference(docs_dir: str = HERE):
     ref = os.path.join(docs_dir, "reference")
     _write(os.path.join(ref, "flags.md"), flags_markdown())
     _write(os.path.join(ref, "metrics.md"), metrics_markdown())
+    _write(os.path.join(ref, "models.md"), models_markdown())
 
 
 def readme_as_home(readme: str) -> str:

@@ -33,7 +33,20 @@ _BLOCK = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.qkv_proj": "attn_qkv",  # Phi-3's fused projections
+    "mlp.gate_up_proj": "ffn_up",
+    "mlp.gate": "ffn_gate_inp",  # a mixture of experts' router
 }
+
+
+# Gemma's four norms a layer: llama.cpp calls the pre-MLP one ffn_norm, as Llama's single one
+_GEMMA_BLOCK = {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+# llama.cpp's converter writes Gemma's norm weights as 1 + w (its RMSNorm multiplies by the weight)
+NORM_PLUS_ONE = {"gemma3"}
 
 
 def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -60,7 +73,7 @@ def llama3_rope_factors(rope: dict, theta: float, head_dim: int) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def gguf_name(hf_name: str) -> str | None:
+def gguf_name(hf_name: str, arch: str = "llama") -> str | None:
     if hf_name in _TOP:
         return _TOP[hf_name]
     parts = hf_name.split(".")
@@ -68,9 +81,10 @@ def gguf_name(hf_name: str) -> str | None:
         return None
     idx, rest = parts[2], ".".join(parts[3:])
     stem, kind = rest.rsplit(".", 1)
-    if stem not in _BLOCK:
+    table = {**_BLOCK, **_GEMMA_BLOCK} if arch.startswith("gemma") else _BLOCK
+    if stem not in table:
         return None
-    return f"blk.{idx}.{_BLOCK[stem]}.{kind}"
+    return f"blk.{idx}.{table[stem]}.{kind}"
 
 
 def write_gguf(model, path, arch: str, *, qtype=None, rope_freqs: bool = True) -> str:
@@ -82,6 +96,7 @@ def write_gguf(model, path, arch: str, *, qtype=None, rope_freqs: bool = True) -
     heads, kv = c.num_attention_heads, c.num_key_value_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
     rp = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
+    rp = rp.get("full_attention", rp)  # per layer type (Gemma 3): the global layers' RoPE
     theta = float(rp.get("rope_theta", getattr(c, "rope_theta", 10000.0)))
     w = GGUFWriter(str(path), arch)
     w.add_block_count(c.num_hidden_layers)
@@ -95,16 +110,34 @@ def write_gguf(model, path, arch: str, *, qtype=None, rope_freqs: bool = True) -
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_rope_freq_base(theta)
     w.add_vocab_size(c.vocab_size)
+    experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        if getattr(c, "moe_intermediate_size", None):
+            w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    if getattr(c, "sliding_window", None) and arch in ("gemma3", "phi3"):  # as llama.cpp's converter
+        w.add_sliding_window(c.sliding_window)
     tensors: dict[str, np.ndarray] = {}
     sd = model.state_dict()
     tied = bool(getattr(c, "tie_word_embeddings", False))
     for name, t in sd.items():
         if tied and name == "lm_head.weight":
             continue
-        g = gguf_name(name)
+        if name.endswith("mlp.experts.gate_up_proj"):  # [E, 2ff, h]: llama.cpp keeps gate and up apart
+            blk = f"blk.{name.split('.')[2]}."
+            gate, up = t.detach().float().numpy().reshape(t.shape[0], 2, -1, t.shape[2]).swapaxes(0, 1)
+            tensors[blk + "ffn_gate_exps.weight"], tensors[blk + "ffn_up_exps.weight"] = gate, up
+            continue
+        if name.endswith("mlp.experts.down_proj"):
+            tensors[f"blk.{name.split('.')[2]}.ffn_down_exps.weight"] = t.detach().float().numpy()
+            continue
+        g = gguf_name(name, arch)
         if g is None:
             raise ValueError(f"no GGUF name for {name}")
         a = t.detach().float().numpy()
+        if arch in NORM_PLUS_ONE and g.endswith("norm.weight"):
+            a = a + 1
         if arch in PERMUTED and g.endswith(("attn_q.weight", "attn_q.bias")):
             a = permute_qk(a, heads)
         elif arch in PERMUTED and g.endswith(("attn_k.weight", "attn_k.bias")):

@@ -5,7 +5,6 @@ import random
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from inferd.kernels import native
 from inferd.worker.attention import PagedAttention

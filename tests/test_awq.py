@@ -4,10 +4,8 @@ quantize -> save -> load round trip, the `inferd quantize` command, and a saved 
 `inferd serve`."""
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -16,9 +14,9 @@ from safetensors.torch import save_file
 
 from conftest import make_tiny_model
 from helpers import FUSED, TINY, build_hf_awq_checkpoint, hf_awq_config, pack_by_hand  # noqa: F401
-from inferd.model.llama import ContiguousKV
+from inferd.model.layers import ContiguousKV
 from inferd.loading.loader import load_model
-from inferd.quant import Int4Linear, dequantize_int4, quantize_int4
+from inferd.quant import Int4Linear
 from inferd.quant.awq import attach, awq_quantize, fake_quant, int_grid, output_error, quantize_groups
 from inferd.quant.awq_checkpoint import dequantize, pack_int4, save_awq, unpack_int4
 

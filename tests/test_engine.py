@@ -6,7 +6,6 @@ Sweeps run on a tiny random model; each test also asserts that the machinery it 
 import random
 
 import pytest
-import torch
 
 from inferd.engine.engine import LLMEngine
 from inferd.engine.request import SamplingParams

@@ -1,9 +1,5 @@
 """`inferd eval` on the default model, small: the numbers exist, are sane, and order as they must."""
-import json
-import subprocess
-import sys
 
-import pytest
 import torch
 
 from inferd.eval import compare

@@ -7,12 +7,14 @@ transformers = pytest.importorskip("transformers")
 
 from hf_to_gguf import write_gguf  # noqa: E402
 
+from inferd.errors import InferdError  # noqa: E402
 from inferd.loading.loader import load_model  # noqa: E402
-from inferd.model.llama import ContiguousKV  # noqa: E402
+from inferd.model.layers import ContiguousKV  # noqa: E402
 
 NEAR_TIE = 1e-4
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+            eos_token_id=None)  # the engine runs to max_tokens, as the reference loop does
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 32, "rope_theta": 10000.0}
 
@@ -57,6 +59,57 @@ def assert_teacher_forced(mine, ref, start):
     torch.testing.assert_close(mine, ref, atol=2e-4, rtol=0)
 
 
+# (transformers config class, model class, GGUF architecture, config overrides)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", "llama", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "qwen2", {"tie_word_embeddings": True}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "qwen3", {}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", "phi3", {"sliding_window": 24, "pad_token_id": 0}),
+    # mixtures of experts: 8 experts, 2 a token; Mixtral as llama.cpp writes it (arch llama + experts)
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", "llama", {"num_local_experts": 8, "num_experts_per_tok": 2}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "qwen3moe",
+                  {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True}),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", "olmoe",
+              {"num_experts": 8, "num_experts_per_tok": 2, "pad_token_id": 0}),
+    # six layers: llama.cpp's Gemma 3 pattern (five local, then one global); a window of 16 that the
+    # 88-token sequence outruns; query_pre_attn_scalar = head_dim, as in every Gemma 3 but 27B (a GGUF
+    # has no key for it: llama.cpp derives it, see test_gemma3_query_scale_is_the_configs)
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", "gemma3",
+               {"num_hidden_layers": 6, "sliding_window": 16, "query_pre_attn_scalar": 16,
+                "tie_word_embeddings": True,
+                "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}),
+}
+
+
+def tiny(family, **over):
+    conf, cls, _, base = FAMILIES[family]
+    torch.manual_seed(0)
+    cfg = getattr(transformers, conf)(**{**TINY, **base, **over})
+    m = widen(getattr(transformers, cls)(cfg))
+    if family == "qwen2":  # random biases: zero ones would not show a misplaced bias
+        with torch.no_grad():
+            for n, p in m.named_parameters():
+                if n.endswith("bias"):
+                    p.normal_(0, 0.5)
+    return m
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_in_both_forms_equals_transformers(family, tmp_path):
+    """The HF folder and the GGUF (llama.cpp's names and row order) of the same random weights, each
+    teacher-forced against transformers over a prompt and 48 of its greedy tokens."""
+    hf = tiny(family)
+    hf.save_pretrained(tmp_path / "hf")
+    ids = sequence(hf)
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    for form in (str(tmp_path / "hf"), write_gguf(hf, tmp_path / "m.gguf", FAMILIES[family][2])):
+        lm = load_model(form, dtype="float32", with_tokenizer=False)
+        assert lm.config.architecture == family
+        assert_teacher_forced(our_logits(lm, ids), ref, 0)
+
+
 @pytest.fixture(scope="module")
 def llama3(tmp_path_factory):
     torch.manual_seed(0)
@@ -83,3 +136,60 @@ def test_llama3_rope_from_rope_freqs_equals_transformers(llama3):
                          with_tokenizer=False)
     wrong = our_logits(dropped, ids)
     assert (wrong[40:] - ref[40:]).abs().max() > 1e-2
+
+
+def test_gemma3_query_scale_is_the_configs(tmp_path):
+    """query_pre_attn_scalar, where it differs from head_dim (Gemma 3 27B), sets the softmax scale."""
+    hf = tiny("gemma3", query_pre_attn_scalar=24, num_hidden_layers=2)
+    hf.save_pretrained(tmp_path)
+    lm = load_model(str(tmp_path), dtype="float32", with_tokenizer=False)
+    assert lm.config.query_scale == 24 ** -0.5
+    ids = torch.arange(40) % hf.config.vocab_size
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    torch.testing.assert_close(our_logits(lm, ids), ref, atol=2e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_through_the_engine(family, tmp_path):
+    """The engine's greedy tokens equal the reference loop's for every family: continuous batching
+    with chunked prefill, prefix caching and preemption in one run, n-gram speculation in another;
+    each run shows its machinery ran and leaked no KV block."""
+    from helpers import compare, make_requests, mixed_requests, reference_outputs, run_engine
+
+    hf = tiny(family)
+    hf.save_pretrained(tmp_path)
+    lm = load_model(str(tmp_path), dtype="float32", with_tokenizer=False)
+    vocab = hf.config.vocab_size
+    # shared prefixes (cache hits), copy-style prompts (n-gram matches), prompts past every window
+    reqs = make_requests(seed=1, n=8, vocab=vocab, shared_prefixes=2) + mixed_requests(n=8, vocab=vocab)
+    ref = reference_outputs(lm.model, reqs)
+    got, eng = run_engine(lm, reqs, max_num_batched_tokens=32, num_kv_blocks=64, block_size=8,
+                          enable_prefix_caching=True)
+    compare(got, ref)
+    s = eng.stats
+    assert s.max_batch_seqs >= 4 and s.max_prefill_chunks >= 2 and s.preemptions >= 1
+    assert eng.block_manager.hits > 0
+    got, eng = run_engine(lm, reqs, speculative_method="ngram", num_speculative_tokens=4)
+    compare(got, ref)
+    assert eng.spec.stats.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("family", ["mixtral", "olmoe"])
+def test_moe_runs_one_matmul_per_active_expert(family, tmp_path):
+    """A 40-token forward routes 80 token-slots a layer; the experts run once each that any slot
+    chose (at most 8 a layer), never once a token."""
+    from inferd.model.moe import route
+
+    hf = tiny(family)
+    hf.save_pretrained(tmp_path)
+    lm = load_model(str(tmp_path), dtype="float32", with_tokenizer=False)
+    active = []
+    for layer in lm.model.layers:
+        layer.gate.register_forward_hook(
+            lambda mod, args, out, lay=layer: active.append(len(route(out, lay.top_k, lay.renormalise)[1].unique())))
+    our_logits(lm, torch.arange(40) % hf.config.vocab_size)
+    calls = [layer.experts.matmuls for layer in lm.model.layers]
+    assert calls == active and all(c <= 8 for c in calls)
+    with pytest.raises(InferdError, match="experts"):
+        load_model(str(tmp_path), dtype="float32", with_tokenizer=False, quantization="int8")

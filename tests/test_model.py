@@ -58,7 +58,7 @@ def test_logits_and_greedy_match_transformers(tmp_path, kind, over):
     prompt = [3, 17, 99, 5, 42, 7, 200, 1, 64, 8]
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0]
-    from inferd.model.llama import ContiguousKV
+    from inferd.model.layers import ContiguousKV
     cache = ContiguousKV(ours.config, 64, torch.float32, torch.device("cpu"))
     pos = torch.arange(len(prompt))
     cache.set_positions(pos)

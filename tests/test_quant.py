@@ -159,7 +159,7 @@ def test_gguf_blocks_roundtrip_bit_exact(tmp_path, qt_name):
 
 def test_gguf_native_on_default_model_matches_dequantized():
     """fp32 activations: the file's own blocks through the int4 kernel give the dequantized model's logits."""
-    from inferd.model.llama import ContiguousKV
+    from inferd.model.layers import ContiguousKV
     from inferd.loading.loader import load_model
 
     ref = load_model(None, dtype="float32", with_tokenizer=False)

@@ -17,7 +17,7 @@ from inferd.engine.engine import LLMEngine  # noqa: E402
 from inferd.engine.llm import LLM  # noqa: E402
 from inferd.engine.output import detokenize  # noqa: E402
 from inferd.engine.request import Request, SamplingParams  # noqa: E402
-from inferd.model.llama import ContiguousKV  # noqa: E402
+from inferd.model.layers import ContiguousKV  # noqa: E402
 
 R, V = 6, 300
 

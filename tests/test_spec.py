@@ -269,7 +269,7 @@ def small():
 
 @torch.inference_mode()
 def _next_probs(model, seqs: list[list[int]], temperature=1.0) -> torch.Tensor:
-    from inferd.model.llama import ContiguousKV
+    from inferd.model.layers import ContiguousKV
 
     out = []
     for s in seqs:

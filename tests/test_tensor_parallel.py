@@ -382,7 +382,6 @@ def test_packed_layers_shard_exactly(method):
     asked of this path: its activation rounding turns the all-reduce's reordered fp32 sums (~1e-7)
     into flipped int8 codes (on the default model a 1e-7 relative nudge of the embedding moves
     logits by ~0.5), as any change of summation order would."""
-    import copy
 
     from inferd.quant import quantize
     from inferd.quant.w4a8 import quantize_activations

@@ -198,6 +198,8 @@ class VocabParallelEmbedding(nn.Module):
 def apply_tp(model: nn.Module, shard: Shard, comm) -> nn.Module:
     """Rewrite a loaded LlamaModel in place to `shard`'s share; `comm` all-reduces (`all_reduce_(x)`)."""
     cfg = model.cfg
+    if not all(getattr(layer, "dense_mlp", True) for layer in model.layers):
+        raise InferdError("tensor parallelism does not split a mixture of experts yet")
     D, nq, nk, ff = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
     q0, q1 = shard.q_heads[0], shard.q_heads[-1] + 1
     k0, k1 = shard.kv_heads[0], shard.kv_heads[-1] + 1

@@ -46,6 +46,7 @@ def serve(spec: dict) -> int:
         _, comm = connect(spec["backend"], rank, world, spec["store"], spec["shm"], device)
         from inferd.distributed.tensor_parallel import apply_tp, shard_of
         from inferd.loading.loader import load_model, resolve_dtype
+        from inferd.model.config import attention_scale
         from inferd.worker.attention import PagedAttention
         from inferd.worker.kv_pool import KVPool
         from inferd.worker.runner import ModelRunner
@@ -63,7 +64,8 @@ def serve(spec: dict) -> int:
         pool = KVPool(mcfg.num_hidden_layers, setup["num_blocks"], setup["block_size"], model.layers[0].n_kv,
                       mcfg.head_dim, kv_dtype, model.device)
         attention = SpecPagedAttention if setup["speculative"] else PagedAttention
-        runner = ModelRunner(model, attention(pool, mcfg.head_dim, setup["window"]), enforce_eager=True, comm=comm)
+        attn = attention(pool, mcfg.head_dim, setup["window"], scale=attention_scale(mcfg))
+        runner = ModelRunner(model, attn, enforce_eager=True, comm=comm)
         from inferd.distributed.tp_group import ready_counts
         from inferd.quant.linear import weight_bytes
 

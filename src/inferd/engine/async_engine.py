@@ -116,9 +116,11 @@ class AsyncLLM:
 
     def _deliver(self, outs):
         for out in outs:
-            self._streams.put_threadsafe(out.request_id, out)
+            # accounted before the client can see the end: whoever awaits the stream's last output
+            # then reads counters (a group's finished counts, metrics) that already include it
             if out.finished and self.on_finish:
                 self.on_finish(out)
+            self._streams.put_threadsafe(out.request_id, out)
 
     def _run(self):
         eng = self.engine

@@ -207,9 +207,9 @@ class EngineCoreClient:
     def _handle(self, msg):
         if isinstance(msg, StepOutputs):
             for out in msg.outputs:
-                self._streams.put(out.request_id, out)
-                if out.finished and self.on_finish:
+                if out.finished and self.on_finish:  # accounted first, as AsyncLLM does
                     self.on_finish(out)
+                self._streams.put(out.request_id, out)
             snap = msg.snapshot
             self._adds_seen = msg.adds_seen
             if snap is not None:

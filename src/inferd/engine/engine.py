@@ -29,6 +29,7 @@ from inferd.engine.structured import advance
 from inferd.errors import InferdError
 from inferd.faults import Faults
 from inferd.gguf_file import default_model_path
+from inferd.model.config import attention_scale, attention_windows
 from inferd.worker.attention import PagedAttention
 from inferd.worker.kv_pool import KVPool
 from inferd.worker.runner import ModelRunner
@@ -93,14 +94,15 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.scheduling)
-        window = mcfg.sliding_window if mcfg.sliding_window and mcfg.sliding_window < self.max_model_len else None
+        window = attention_windows(mcfg, self.max_model_len)
         # with speculation, verify chunks (k + 1 query rows) go through the decode kernel as single rows
         attention = SpecPagedAttention if cfg.speculative_method is not None else PagedAttention
         if self.tp is not None:
             self.tp.setup({"num_blocks": num_blocks, "block_size": cfg.block_size, "window": window,
                            "kv_dtype": str(kv_dtype).replace("torch.", ""),
                            "speculative": cfg.speculative_method is not None})
-        self.runner = ModelRunner(self.model, attention(self.pool, mcfg.head_dim, window), cfg.enforce_eager,
+        self.runner = ModelRunner(self.model, attention(self.pool, mcfg.head_dim, window, scale=attention_scale(mcfg)),
+                                  cfg.enforce_eager,
                                   comm=self.tp.comm if self.tp is not None else None)
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, set[str]] = {}  # client request id -> live sequence ids

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from inferd.model.llama import ContiguousKV, LlamaModel
+from inferd.model.layers import ContiguousKV
+from inferd.model.llama import LlamaModel
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,

@@ -18,11 +18,13 @@ from inferd.gguf_file import unpermute_qk
 def config_from_metadata(meta: dict[str, Any], rope_freqs: np.ndarray | None = None):
     """`rope_freqs`: the file's `rope_freqs.weight` tensor where it has one. llama.cpp's converter
     stores Llama 3.x's RoPE scaling there (one divisor per rotary frequency), not in the metadata."""
+    from inferd.model import registry
     from inferd.model.config import ModelConfig
 
     arch = meta.get("general.architecture")
-    if arch not in ("llama", "qwen2", "mistral"):
-        raise InferdError(f"unsupported architecture in GGUF: {arch!r} (supported: llama, mistral, qwen2)")
+    fam = registry.for_gguf(arch)
+    if fam.name == "llama" and meta.get("llama.expert_count"):
+        fam = registry.by_name("mixtral")  # what llama.cpp's converter writes for Mixtral
 
     def g(name, default=None):
         return meta.get(f"{arch}.{name}", default)
@@ -37,23 +39,45 @@ def config_from_metadata(meta: dict[str, Any], rope_freqs: np.ndarray | None = N
         rope_scaling = {"rope_type": "linear", "factor": float(g("rope.scaling.factor"))}
     if rope_freqs is not None:
         rope_scaling = {"rope_type": "freq_factors", "factors": [float(f) for f in np.asarray(rope_freqs).reshape(-1)]}
+    n_layers = int(g("block_count"))
+    head_dim = int(g("attention.key_length", hidden // n_heads))
+    window = g("attention.sliding_window")
+    extra = {}
+    if g("expert_count"):
+        extra = dict(num_experts=int(g("expert_count")), num_experts_per_tok=int(g("expert_used_count")),
+                     moe_intermediate_size=int(g("expert_feed_forward_length", g("feed_forward_length"))),
+                     # llama.cpp renormalises the top-k weights for Mixtral and Qwen3-MoE, never for OLMoE
+                     norm_topk_prob=fam.name != "olmoe")
+    if fam.name == "gemma3":
+        # what llama.cpp assumes for every Gemma 3 file: 5 local layers in every 6, a local RoPE base of
+        # 10,000, the query scale 1/sqrt(head_dim) (27B: 1/sqrt(hidden / heads), its
+        # query_pre_attn_scalar)
+        pattern = int(g("attention.sliding_window_pattern", 6))
+        extra = dict(
+            layer_types=["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)],
+            rope_local_theta=10000.0,
+            query_scale=(hidden / n_heads if n_layers == 62 else head_dim) ** -0.5,
+            final_logit_softcapping=g("final_logit_softcapping"),
+        )
     return ModelConfig(
-        architecture={"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}[arch],
+        architecture=fam.name,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(g("feed_forward_length")),
-        num_hidden_layers=int(g("block_count")),
+        num_hidden_layers=n_layers,
         num_attention_heads=n_heads,
         num_key_value_heads=int(g("attention.head_count_kv", n_heads)),
-        head_dim=int(g("attention.key_length", hidden // n_heads)),
+        head_dim=head_dim,
         rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(g("rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling,
         max_position_embeddings=int(g("context_length", 2048)),
         tie_word_embeddings=True,  # corrected by the loader when output.weight exists
-        attention_bias=(arch == "qwen2"),
+        attention_bias=fam.attention_bias,
+        sliding_window=int(window) if window and fam.sliding_window else None,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        **extra,
     )
 
 
@@ -105,28 +129,42 @@ _BLOCK_MAP = {
     "ffn_gate.weight": "gate_proj.weight",
     "ffn_up.weight": "up_proj.weight",
     "ffn_down.weight": "down_proj.weight",
+    "attn_q_norm.weight": "q_norm.weight",
+    "attn_k_norm.weight": "k_norm.weight",
+    "ffn_gate_inp.weight": "gate.weight",  # a mixture of experts' router, then its stacked experts
+    "ffn_gate_exps.weight": "experts.gate_proj",
+    "ffn_up_exps.weight": "experts.up_proj",
+    "ffn_down_exps.weight": "experts.down_proj",
 }
 
 
-def gguf_name_to_ours(name: str) -> str | None:
+def gguf_name_to_ours(name: str, overrides: dict[str, str] | None = None) -> str | None:
+    """Our parameter name for a GGUF tensor; `overrides`: a family's own block names (registry)."""
     if name in _NAME_MAP:
         return _NAME_MAP[name]
     if name.startswith("blk."):
         _, idx, rest = name.split(".", 2)
-        if rest in _BLOCK_MAP:
-            return f"layers.{idx}.{_BLOCK_MAP[rest]}"
+        ours = (overrides or {}).get(rest) or _BLOCK_MAP.get(rest)
+        if ours is not None:
+            return f"layers.{idx}.{ours}"
     return None
 
 
 def load_gguf_state_dict(reader, cfg) -> dict[str, torch.Tensor]:
     """Dequantize every tensor to fp32 under our parameter names."""
     sd: dict[str, torch.Tensor] = {}
-    permuted = cfg.architecture != "qwen2"  # llama.cpp keeps Qwen2 in NeoX (half-rotation) order
+    from inferd.model import registry
+
+    fam = registry.by_name(cfg.architecture)
+    permuted = fam.gguf_interleaved_qk
+    names = dict(fam.gguf_names)
     for t in reader.tensors:
-        ours = gguf_name_to_ours(t.name)
+        ours = gguf_name_to_ours(t.name, names)
         if ours is None:
             continue  # e.g. rope_freqs: read into the config (rope_freqs_tensor)
         w = torch.from_numpy(dequantize_tensor(t).copy())
+        if fam.gguf_norm_offset and ours.endswith("norm.weight"):
+            w -= fam.gguf_norm_offset
         if not permuted:
             pass
         elif ours.endswith(("q_proj.weight", "q_proj.bias")):

@@ -1,6 +1,6 @@
 """Resolve `--model` to files on disk and build a LlamaModel from them.
 
-Accepted: the embedded default (None, "default", "smollm2-135m"), a `.gguf` file, a Hugging Face
+Accepted: the embedded models (None, "default", "smollm2-135m"; "gemma3-270m"), a `.gguf` file, a Hugging Face
 folder (config.json + *.safetensors + tokenizer.json), or with `--load-format dummy` a built-in
 config name. Nothing is ever downloaded.
 """
@@ -22,7 +22,9 @@ from inferd.errors import InferdError
 from inferd.gguf_file import DEFAULT_GGUF_FILE, default_model_path  # noqa: F401  (re-exported)
 from inferd.loading.checks import check_config, check_gguf, check_safetensors, read_config_json
 from inferd.model.config import ModelConfig, builtin_config, config_from_hf
-from inferd.model.llama import LlamaModel, rope_inv_freq
+from inferd.model import registry
+from inferd.model.layers import Rope
+from inferd.model.llama import LlamaModel
 
 log = logging.getLogger("inferd")
 
@@ -39,6 +41,10 @@ def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
         if load_format == "dummy":
             return ModelSource("builtin", None, "smollm2-135m")
         return ModelSource("gguf", default_model_path(), "smollm2-135m")
+    from inferd.loading import embedded
+
+    if load_format != "dummy" and model.lower() in embedded.NAMES:
+        return ModelSource("gguf", embedded.resolve(model), embedded.NAMES[model.lower()])
     path = os.path.expanduser(model)
     if os.path.isdir(path):
         return ModelSource("hf", path, os.path.basename(os.path.normpath(path)))
@@ -107,7 +113,11 @@ def _hf_key_to_ours(name: str) -> str:
     for prefix in ("model.",):
         if name.startswith(prefix):
             name = name[len(prefix):]
-    return name.replace("self_attn.", "").replace("mlp.", "")
+    return name.replace("self_attn.", "").replace("mlp.", "").replace("block_sparse_moe.", "")
+
+
+# one expert's SwiGLU weights as checkpoints name them: (gate, up, down), Mixtral's and the others'
+_EXPERT_NAMES = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
 
 
 def _checked(make_config, where: str):
@@ -154,7 +164,25 @@ def fuse_state_dict(sd: dict[str, torch.Tensor], num_layers: int) -> dict[str, t
         gu = [f"{p}gate_proj.weight", f"{p}up_proj.weight"]
         if all(n in sd for n in gu):
             sd[f"{p}gate_up_proj.weight"] = torch.cat([sd.pop(n) for n in gu], 0)
+        _stack_experts(sd, p)
     return sd
+
+
+def _stack_experts(sd: dict, p: str):
+    """Per-expert checkpoint weights (HF: experts.E.w1/w3/w2 or experts.E.gate/up/down_proj; GGUF:
+    experts.gate/up/down_proj already stacked) -> experts.gate_up_proj [E, 2ff, h], experts.down_proj."""
+    e = p + "experts."
+    if f"{e}gate_proj" in sd:  # stacked (GGUF)
+        sd[f"{e}gate_up_proj"] = torch.cat([sd.pop(f"{e}gate_proj"), sd.pop(f"{e}up_proj")], 1)
+        return
+    for gate, up, down in _EXPERT_NAMES:
+        n = 0
+        while f"{e}{n}.{gate}.weight" in sd:
+            n += 1
+        if n:
+            sd[f"{e}gate_up_proj"] = torch.stack([torch.cat([sd.pop(f"{e}{i}.{gate}.weight"),
+                                                             sd.pop(f"{e}{i}.{up}.weight")], 0) for i in range(n)])
+            sd[f"{e}down_proj"] = torch.stack([sd.pop(f"{e}{i}.{down}.weight") for i in range(n)])
 
 
 _init_lock = threading.Lock()
@@ -178,7 +206,7 @@ def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor] | None, dt
     # allocated where it runs, uninitialised (not on the meta device and then `to_empty`, whose
     # empty_like goes through torch's Python reference ops: ~1 s of every load)
     with torch.device(device), _no_default_init():
-        model = LlamaModel(cfg)
+        model = registry.model_class(cfg.architecture)(cfg)
     if state_dict is None:
         _init_random(model, cfg, seed)
     else:
@@ -206,19 +234,26 @@ def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor] | None, dt
                         raise InferdError(f"weight {k} has shape {tuple(v.shape)}, config expects {tuple(params[k].shape)}")
                     params[k].copy_(v)
     model = model.to(dtype)
-    # after .to(dtype): the RoPE frequencies stay fp32 whatever the weights are
-    model.rope.inv_freq = rope_inv_freq(cfg).to(device)
+    reset_rope(model, device)
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
     return model
 
 
+def reset_rope(model: nn.Module, device):
+    """After .to(dtype): the RoPE frequencies stay fp32 whatever the weights are (every table: Gemma's
+    local layers have their own)."""
+    for m in model.modules():
+        if isinstance(m, Rope):
+            m.reset(device)
+
+
 def _init_random(model: LlamaModel, cfg: ModelConfig, seed: int):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("layernorm.weight") or name == "norm.weight":
+            if name.endswith("norm.weight"):
                 p.fill_(1.0)
             elif name.endswith(".bias"):
                 p.zero_()
@@ -356,6 +391,6 @@ def awq_model(model: str | None, group_size: int, dtype: str = "auto", calib: st
     tdtype = resolve_dtype(dtype, packed=True)
     if tdtype != torch.float32:
         lm.model.to(tdtype)
-        lm.model.rope.inv_freq = rope_inv_freq(lm.config)  # RoPE frequencies stay fp32
+        reset_rope(lm.model, lm.model.device)
     attach(lm.model, res.codes, group_size)
     return lm, res

@@ -6,16 +6,13 @@ from typing import Any
 
 from inferd.errors import InferdError
 
-SUPPORTED_ARCHS = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
+# what model.layers.rope_inv_freq computes (freq_factors: a GGUF's rope_freqs tensor)
+ROPE_TYPES = (None, "default", "linear", "llama3")
 
 
 @dataclass
 class ModelConfig:
-    architecture: str = "llama"  # llama | mistral | qwen2
+    architecture: str = "llama"  # a family of inferd.model.registry
     vocab_size: int = 32000
     hidden_size: int = 4096
     intermediate_size: int = 11008
@@ -30,24 +27,47 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q/k/v
     sliding_window: int | None = None  # Mistral; honoured only when shorter than the context
+    # per layer "sliding_attention" | "full_attention" (Gemma); None: sliding_window, if any, is every layer's
+    layer_types: list[str] | None = None
+    rope_local_theta: float | None = None  # the RoPE base of sliding layers where it differs (Gemma 3)
+    query_scale: float | None = None  # attention's softmax scale; None: head_dim ** -0.5
+    final_logit_softcapping: float | None = None
+    # mixture of experts (model/moe.py): experts, experts a token is routed to, each expert's MLP width
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
     bos_token_id: Any = None
     eos_token_id: Any = None
     extra: dict = field(default_factory=dict)
 
 
 def config_from_hf(d: dict) -> ModelConfig:
-    archs = d.get("architectures") or []
-    arch = next((SUPPORTED_ARCHS[a] for a in archs if a in SUPPORTED_ARCHS), None)
-    if arch is None:
-        mt = d.get("model_type")
-        if mt in ("llama", "mistral", "qwen2"):
-            arch = mt
-        else:
-            raise InferdError(
-                f"unsupported architecture {archs or mt!r} (supported: {', '.join(SUPPORTED_ARCHS)})"
-            )
+    from inferd.model import registry
+
+    fam = registry.for_hf(d.get("architectures"), d.get("model_type"))
+    arch = fam.name
     n_heads = d["num_attention_heads"]
     hidden = d["hidden_size"]
+    rp = d.get("rope_parameters") or {}
+    local = None
+    if "full_attention" in rp:  # one RoPE per layer type (Gemma 3 in transformers 5)
+        local, rp = rp.get("sliding_attention") or {}, rp["full_attention"]
+    rope_theta = d.get("rope_theta", rp.get("rope_theta", 10000.0))
+    layer_types = d.get("layer_types")
+    if layer_types is None and d.get("sliding_window_pattern"):  # older Gemma 3 configs
+        n = int(d["sliding_window_pattern"])
+        layer_types = ["sliding_attention" if (i + 1) % n else "full_attention" for i in range(d["num_hidden_layers"])]
+    scalar = d.get("query_pre_attn_scalar")
+    experts = int(d.get("num_local_experts") or d.get("num_experts") or 0)
+    if experts and (d.get("mlp_only_layers") or (d.get("decoder_sparse_step") or 1) != 1):
+        raise InferdError("a mixture of experts with dense layers among the sparse ones is not supported")
+    rope_scaling = d.get("rope_scaling") or _rope_params_scaling(rp)
+    kind = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type"))
+    if kind not in ROPE_TYPES:
+        raise InferdError(f"RoPE scaling {kind!r} is not supported (supported: {', '.join(ROPE_TYPES[2:])})")
+    if float(rp.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise InferdError("a partial rotary embedding (partial_rotary_factor < 1) is not supported")
     return ModelConfig(
         architecture=arch,
         vocab_size=d["vocab_size"],
@@ -58,15 +78,41 @@ def config_from_hf(d: dict) -> ModelConfig:
         num_key_value_heads=d.get("num_key_value_heads") or n_heads,
         head_dim=d.get("head_dim") or hidden // n_heads,
         rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-        rope_theta=d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-        rope_scaling=d.get("rope_scaling") or _rope_params_scaling(d.get("rope_parameters")),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
         max_position_embeddings=d.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-        attention_bias=bool(d.get("attention_bias", arch == "qwen2")),
-        sliding_window=d.get("sliding_window") if d.get("use_sliding_window", arch == "mistral") else None,
+        attention_bias=bool(d.get("attention_bias", fam.attention_bias)),
+        sliding_window=d.get("sliding_window") if d.get("use_sliding_window", fam.sliding_window) else None,
+        layer_types=list(layer_types) if layer_types is not None else None,
+        rope_local_theta=(local or {}).get("rope_theta", d.get("rope_local_base_freq")),
+        query_scale=float(scalar) ** -0.5 if scalar else None,
+        final_logit_softcapping=d.get("final_logit_softcapping"),
+        num_experts=experts,
+        num_experts_per_tok=int(d.get("num_experts_per_tok") or 0),
+        # Mixtral's experts are intermediate_size wide and always renormalised
+        moe_intermediate_size=int(d.get("moe_intermediate_size") or d["intermediate_size"]) if experts else 0,
+        norm_topk_prob=bool(d.get("norm_topk_prob", True)) if fam.name != "mixtral" else True,
         bos_token_id=d.get("bos_token_id"),
         eos_token_id=d.get("eos_token_id"),
     )
+
+
+def attention_scale(cfg: ModelConfig) -> float:
+    return cfg.query_scale if cfg.query_scale is not None else cfg.head_dim ** -0.5
+
+
+def attention_windows(cfg: ModelConfig, max_len: int | None = None) -> int | None | list[int | None]:
+    """The sliding window the attention applies: one for every layer (an int, or None for none), or
+    one per layer (a list, None for a layer that sees the whole context). A window no shorter than
+    `max_len` is no window."""
+    w = cfg.sliding_window
+    if w is not None and max_len is not None and w >= max_len:
+        w = None
+    if cfg.layer_types is None or w is None:
+        return w
+    per_layer = [w if t == "sliding_attention" else None for t in cfg.layer_types]
+    return per_layer if len(set(per_layer)) > 1 else per_layer[0]
 
 
 def _rope_params_scaling(rp: dict | None) -> dict | None:

@@ -68,7 +68,9 @@ def build(model) -> FusedDecode | None:
     from inferd.kernels import native
     from inferd.model.llama import LlamaModel
 
-    if not isinstance(model, LlamaModel) or model.device.type != "cpu" or model.dtype != torch.float32:
+    if not isinstance(model, LlamaModel) or not model.fused_decode:
+        return None
+    if model.device.type != "cpu" or model.dtype != torch.float32:
         return None
     if not len(model.layers):
         return None

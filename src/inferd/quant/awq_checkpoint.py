@@ -148,12 +148,11 @@ def attach_awq_linears(model, parts: dict, group_size: int) -> int:
 
 # -- writing ----------------------------------------------------------------------------------
 
-_ARCH_NAMES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-
-
 def hf_config(cfg, group_size: int, extra: dict | None = None) -> dict:
+    from inferd.model import registry
+
     d = {
-        "architectures": [_ARCH_NAMES[cfg.architecture]],
+        "architectures": [registry.by_name(cfg.architecture).hf[0]],
         "model_type": cfg.architecture,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
@@ -177,7 +176,7 @@ def hf_config(cfg, group_size: int, extra: dict | None = None) -> dict:
     }
     if cfg.architecture == "mistral":
         d["sliding_window"] = cfg.sliding_window
-    if cfg.architecture == "qwen2":
+    if cfg.architecture in ("qwen2", "qwen3"):
         d["use_sliding_window"] = False
     return d
 

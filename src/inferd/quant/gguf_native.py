@@ -42,7 +42,9 @@ def apply_gguf_int4(model, reader, cfg, dense: bool = False) -> int:
     from inferd.quant.linear import Int4Linear
 
     tensors = {t.name: t for t in reader.tensors}
-    permute = cfg.architecture != "qwen2"
+    from inferd.model import registry
+
+    permute = registry.by_name(cfg.architecture).gguf_interleaved_qk
     plan = {"qkv_proj": ["attn_q", "attn_k", "attn_v"], "o_proj": ["attn_output"],
             "gate_up_proj": ["ffn_gate", "ffn_up"], "down_proj": ["ffn_down"]}
     heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}

@@ -26,19 +26,22 @@ class _Group:
     q_index: torch.Tensor  # [B, Q] rows of the flat batch (padded rows repeat a valid row)
     q_valid: torch.Tensor | None  # [B, Q] bool, None when every query is real (decode group)
     kv_slots: torch.Tensor | None  # [B, K] slots to gather (None: a decode group for the kernel)
-    mask: torch.Tensor | None  # [B, 1, Q, K] bool: may attend
+    masks: dict | None  # window (None: none) -> [B, 1, Q, K] bool: may attend
     out_rows: torch.Tensor  # [N] flat rows the valid outputs go to
     out_sel: torch.Tensor | None  # [N] positions in the flattened [B*Q] output that are valid
     block_tables: torch.Tensor | None = None  # [B, max_blocks] (decode group, for the kernel)
     ctx_lens: torch.Tensor | None = None  # [B]
-    # one fresh prompt (its queries are keys 0..Q-1, no window): SDPA's is_causal, whose kernel skips
+    # one fresh prompt (its queries are keys 0..Q-1; a layer without a window): SDPA's is_causal, which skips
     # the blocks above the diagonal that an explicit mask makes it compute (2x a 512-token prefill)
     causal: bool = False
 
 
 class PagedAttention:
-    def __init__(self, pool: KVPool, head_dim: int, sliding_window: int | None = None,
-                 use_kernel: bool = True):
+    def __init__(self, pool: KVPool, head_dim: int, sliding_window: int | None | list = None,
+                 use_kernel: bool = True, scale: float | None = None):
+        """`sliding_window`: one window for every layer, or a list of one per layer (None where a layer
+        sees the whole context: Gemma's global layers); model.config.attention_windows gives it.
+        `scale`: the softmax scale (default head_dim ** -0.5; Gemma's query_pre_attn_scalar)."""
         self.pool = pool
         self.kernel = None
         # the compiled decode kernel reads fp32 or bf16 caches; any other (fp16) takes the SDPA path
@@ -47,8 +50,10 @@ class PagedAttention:
 
             self.kernel = native.ops()
         self.kernel_calls = 0  # decode groups served by the compiled kernel (tests check it ran)
-        self.scale = head_dim ** -0.5
-        self.window = sliding_window
+        self.scale = scale if scale is not None else head_dim ** -0.5
+        self.window = sliding_window  # as given, to hand on (a draft model's attention)
+        self.windows = sliding_window if isinstance(sliding_window, list) else None
+        self._all_windows = set(self.windows) if self.windows is not None else {sliding_window}
         self.slot_mapping: torch.Tensor | None = None
         self.groups: list[_Group] = []
 
@@ -91,7 +96,7 @@ class PagedAttention:
         self.positions = pos = torch.tensor(starts, dtype=torch.long)
         rows = torch.arange(B, device=dev)
         self.groups = [_Group(
-            q_index=rows[:, None], q_valid=None, kv_slots=None, mask=None, out_rows=rows, out_sel=None,
+            q_index=rows[:, None], q_valid=None, kv_slots=None, masks=None, out_rows=rows, out_sel=None,
             block_tables=torch.tensor([bt + [0] * (max_blocks - len(bt)) for bt in block_tables],
                                       dtype=torch.long, device=dev),
             ctx_lens=(pos + 1).to(dev))]
@@ -103,35 +108,41 @@ class PagedAttention:
         ctx_lens, block_size, scale, window); else None."""
         if self.kernel is None or len(self.groups) != 1 or self.groups[0].out_sel is not None:
             return None
+        if self.windows is not None:  # the C++ layer loop takes one window for every layer
+            return None
         g = self.groups[0]
         return (self.pool.k, self.pool.v, self.slot_mapping, g.block_tables, g.ctx_lens, self.pool.block_size,
-                self.scale, self.window or 0)
+                self.scale, self._window(0) or 0)
 
-    def _with_kernel(self, layer, q, kc, vc) -> torch.Tensor:
+    def _window(self, layer: int) -> int | None:
+        return self.windows[layer] if self.windows is not None else self.window
+
+    def _with_kernel(self, layer, q, kc, vc, window) -> torch.Tensor:
         """Decodes through the compiled kernel; a prefill group (if any) through SDPA."""
         T, H, D = q.shape
         dec = self.groups[0]
         self.kernel_calls += 1
         qd = q[dec.out_rows] if len(self.groups) > 1 else q
         od = self.kernel.paged_decode(qd.float().contiguous(), kc, vc, dec.block_tables, dec.ctx_lens,
-                                      self.pool.block_size, self.scale, self.window or 0)
+                                      self.pool.block_size, self.scale, window or 0)
         if len(self.groups) == 1:
             return od.view(T, H * D).to(q.dtype)
         out = torch.empty(T, H * D, dtype=q.dtype, device=q.device)
         out[dec.out_rows] = od.view(-1, H * D).to(q.dtype)
-        self._sdpa_group(self.groups[1], q.to(kc.dtype), kc, vc, out)
+        self._sdpa_group(self.groups[1], q.to(kc.dtype), kc, vc, out, window)
         return out
 
-    def _sdpa_group(self, g: _Group, qc, kc, vc, out):
+    def _sdpa_group(self, g: _Group, qc, kc, vc, out, window):
         B, Q = g.q_index.shape
         H, D = qc.shape[1], qc.shape[2]
         qg = qc[g.q_index].permute(0, 2, 1, 3)  # [B, H, Q, D]
         kg = kc[g.kv_slots].permute(0, 2, 1, 3)  # [B, Hkv, K, D]
         vg = vc[g.kv_slots].permute(0, 2, 1, 3)
-        if g.causal:
+        if g.causal and window is None:
             o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=self.scale, enable_gqa=True)
         else:
-            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.masks[window], scale=self.scale,
+                                               enable_gqa=True)
         o = o.permute(0, 2, 1, 3).reshape(B * Q, H * D)
         if g.out_sel is not None:
             o = o[g.out_sel]
@@ -150,19 +161,20 @@ class PagedAttention:
         qpos = starts[:, None] + qoff[None, :]  # [B, Q]
         mask = kpos[None, None, :] <= qpos[:, :, None]
         mask &= kpos[None, None, :] < ctx[:, None, None]
-        if self.window is not None:
-            mask &= kpos[None, None, :] > qpos[:, :, None] - self.window
+        masks = {w: (mask if w is None else mask & (kpos[None, None, :] > qpos[:, :, None] - w)).unsqueeze(1).to(dev)
+                 for w in self._all_windows}
         flat_valid = q_valid.flatten()
         return _Group(
             q_index=q_index.to(dev),
             q_valid=None if Q == 1 else q_valid.to(dev),
             kv_slots=slots.to(dev),
-            mask=mask.unsqueeze(1).to(dev),
+            masks=masks,
             out_rows=q_index.flatten()[flat_valid].to(dev),
             out_sel=None if Q == 1 else torch.nonzero(flat_valid).flatten().to(dev),
             block_tables=bt.contiguous().to(dev) if Q == 1 else None,
             ctx_lens=ctx.contiguous().to(dev) if Q == 1 else None,
-            causal=B == 1 and Q > 1 and int(starts[0]) == 0 and int(lens[0]) == int(ctx[0]) and self.window is None,
+            causal=(B == 1 and Q > 1 and int(starts[0]) == 0 and int(lens[0]) == int(ctx[0])
+                    and None in self._all_windows),  # for the layers without a window
         )
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -175,15 +187,16 @@ class PagedAttention:
             vc.index_copy_(0, self.slot_mapping, v.to(cdt))
         T, H, D = q.shape
         qc = q.to(cdt)
+        window = self._window(layer)
         if self.kernel is not None and self.groups and self.groups[0].out_sel is None:
-            return self._with_kernel(layer, q, kc, vc)
+            return self._with_kernel(layer, q, kc, vc, window)
         if len(self.groups) == 1 and self.groups[0].out_sel is None:  # all decodes: rows in order
             g = self.groups[0]
             o = F.scaled_dot_product_attention(qc.unsqueeze(2), kc[g.kv_slots].transpose(1, 2),
-                                               vc[g.kv_slots].transpose(1, 2), attn_mask=g.mask,
+                                               vc[g.kv_slots].transpose(1, 2), attn_mask=g.masks[window],
                                                scale=self.scale, enable_gqa=True)
             return o.view(T, H * D).to(q.dtype)
         out = torch.empty(T, H * D, dtype=q.dtype, device=q.device)
         for g in self.groups:
-            self._sdpa_group(g, qc, kc, vc, out)
+            self._sdpa_group(g, qc, kc, vc, out, window)
         return out

@@ -25,6 +25,7 @@ from inferd.engine.speculative.draft import DraftProposer, SeqView, parse_self_d
 from inferd.engine.speculative.ngram import NgramProposer
 from inferd.engine.speculative.rejection import accept_greedy, rejection_sample
 from inferd.errors import InferdError
+from inferd.model.config import attention_windows
 from inferd.worker.spec_attention import SpecPagedAttention
 
 
@@ -72,7 +73,7 @@ class SpecDecoder:
         if self.method == "draft":
             model = self._draft_model(engine, draft_loaded)
             mcfg = engine.model_config
-            window = engine.runner.attn.window
+            window = attention_windows(model.cfg, engine.max_model_len)
             # the same token capacity as the target's cache, plus room for every sequence's guesses
             blocks = engine.num_kv_blocks + cfg.max_num_seqs * (-(-self.k // cfg.block_size) + 1)
             self.proposer = DraftProposer(model, blocks, cfg.block_size, mcfg.vocab_size, engine.eos_ids, window)

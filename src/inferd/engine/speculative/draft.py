@@ -21,6 +21,7 @@ from torch import nn
 from inferd.engine.kv_cache import BlockManager
 from inferd.engine.sampler import build_batch, categorical, process_logits
 from inferd.errors import InferdError
+from inferd.model.config import attention_scale
 from inferd.worker.kv_pool import KVPool
 from inferd.worker.spec_attention import SpecPagedAttention
 
@@ -92,7 +93,7 @@ class DraftProposer:
         pool = KVPool(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
                       model.dtype, model.device)
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
-        self.attn = SpecPagedAttention(pool, cfg.head_dim, sliding_window)
+        self.attn = SpecPagedAttention(pool, cfg.head_dim, sliding_window, scale=attention_scale(cfg))
         self.seqs: dict[str, DraftSeq] = {}
         self.forwards = 0
 

