@@ -90,7 +90,7 @@ def gguf_name(hf_name: str, arch: str = "llama") -> str | None:
 def write_gguf(model, path, arch: str, *, qtype=None, rope_freqs: bool = True) -> str:
     """Write `model` (a transformers *ForCausalLM) as `path`. `arch`: the GGUF architecture name.
     `rope_freqs=False` leaves Llama 3's scaling out (what a converter that forgot it would write)."""
-    from gguf import GGUFWriter, quants
+    from gguf import GGUFWriter
 
     c = model.config
     heads, kv = c.num_attention_heads, c.num_key_value_heads
@@ -145,14 +145,22 @@ def write_gguf(model, path, arch: str, *, qtype=None, rope_freqs: bool = True) -
         tensors[g] = a
     if rope_freqs and rp.get("rope_type") == "llama3":
         tensors["rope_freqs.weight"] = llama3_rope_factors(rp, theta, head_dim)
-    for g, a in tensors.items():
+    # norms and rope_freqs stay F32, as llama.cpp's quantizer leaves one-dimensional tensors
+    finish(w, {g: (a, None if a.ndim == 1 else qtype) for g, a in tensors.items()})
+    return str(path)
+
+
+def finish(w, tensors: dict):
+    """Add {name: (float array, GGML type or None for F32)} to writer `w`, then write and close it."""
+    from gguf import GGMLQuantizationType as Q, quants
+
+    for name, (a, qt) in tensors.items():
         a = np.ascontiguousarray(a, dtype=np.float32)
-        if qtype is None or a.ndim == 1 or g == "rope_freqs.weight":
-            w.add_tensor(g, a)
+        if qt in (None, Q.F32):
+            w.add_tensor(name, a)
         else:
-            w.add_tensor(g, quants.quantize(a, qtype), raw_dtype=qtype)
+            w.add_tensor(name, quants.quantize(a, qt), raw_dtype=qt)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return str(path)

@@ -4,6 +4,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q, GGUFReader, GGUFWriter, quants
 
+from hf_to_gguf import finish
 from inferd.errors import InferdError
 from inferd.gguf_file import unpermute_qk
 from inferd.loading.loader import load_model
@@ -42,16 +43,7 @@ def write_tiny_gguf(path, arch="llama"):
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
     w.add_vocab_size(V)
-    for name, (arr, qt) in _tensors(rng).items():
-        arr = (0.2 * arr).astype(np.float32)
-        if qt == Q.F32:
-            w.add_tensor(name, arr)
-        else:
-            w.add_tensor(name, quants.quantize(arr, qt), raw_dtype=qt)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w, {name: (0.2 * arr, qt) for name, (arr, qt) in _tensors(rng).items()})
     return path
 
 
