@@ -191,5 +191,56 @@ def test_moe_runs_one_matmul_per_active_expert(family, tmp_path):
     our_logits(lm, torch.arange(40) % hf.config.vocab_size)
     calls = [layer.experts.matmuls for layer in lm.model.layers]
     assert calls == active and all(c <= 8 for c in calls)
-    with pytest.raises(InferdError, match="experts"):
-        load_model(str(tmp_path), dtype="float32", with_tokenizer=False, quantization="int8")
+    with pytest.raises(InferdError, match="mixture of experts"):
+        load_model(str(tmp_path), dtype="float32", with_tokenizer=False, quantization="int4-gptq")
+
+
+def test_quantized_experts_run_the_dense_layers_kernels(tmp_path):
+    """int8 weights with int8 activations: every expert's two Linears become the W8A8 kernel the
+    dense layers use (the router stays float), and the engine's greedy tokens equal the reference
+    loop's on that quantized model."""
+    from helpers import compare, mixed_requests, reference_outputs, run_engine
+
+    hf = tiny("qwen3_moe")
+    hf.save_pretrained(tmp_path)
+    lm = load_model(str(tmp_path), dtype="float32", with_tokenizer=False, quantization="int8",
+                    quantize_activations=True)
+    kinds = {type(lin).__name__ for layer in lm.model.layers for e in layer.experts
+             for lin in (e.gate_up_proj, e.down_proj)}
+    assert kinds == {"W8A8Linear"} and type(lm.model.layers[0].qkv_proj).__name__ == "W8A8Linear"
+    assert type(lm.model.layers[0].gate).__name__ == "Linear"
+    reqs = mixed_requests(n=8, vocab=hf.config.vocab_size)
+    got, _ = run_engine(lm, reqs)
+    compare(got, reference_outputs(lm.model, reqs))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_two_ranks_give_the_reference_tokens(family, tmp_path):
+    """Tensor parallelism over 2 ranks: a dense family cut by heads and MLP columns, a mixture of
+    experts by whole experts (4 of 8 a rank); the reference loop's greedy tokens, near ties allowed."""
+    from helpers import assert_no_leaks, compare, make_requests, reference_outputs, run_engine  # noqa: F401
+
+    from inferd.engine.engine import LLMEngine
+    from inferd.engine.request import SamplingParams
+
+    hf = tiny(family)
+    hf.save_pretrained(tmp_path)
+    ref_model = load_model(str(tmp_path), dtype="float32", with_tokenizer=False).model
+    reqs = [(p[:100], min(n, 24)) for p, n in make_requests(seed=3, n=8, vocab=hf.config.vocab_size)]
+    ref = reference_outputs(ref_model, reqs)
+    eng = LLMEngine(model=str(tmp_path), dtype="float32", tensor_parallel_size=2, kv_cache_memory="64MiB")
+    try:
+        rids = [eng.add_request(p, SamplingParams(max_tokens=n, temperature=0)) for p, n in reqs]
+        outs = {r: [] for r in rids}
+        while eng.has_unfinished():
+            for o in eng.step():
+                outs[o.request_id].extend(o.new_token_ids)
+        assert compare([outs[r] for r in rids], ref) <= 1
+        assert_no_leaks(eng)
+        # the split ran: 2 all-reduces a layer (attention's output, the MLP or the experts) + 1 for
+        # the embedding, every step
+        assert eng.runner.comm.counts["all_reduce"] == (2 * hf.config.num_hidden_layers + 1) * eng.stats.steps
+        if family == "qwen3_moe":
+            assert eng.model.layers[0].experts.owned == frozenset({0, 2, 4, 6})
+    finally:
+        eng.close()

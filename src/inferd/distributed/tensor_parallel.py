@@ -195,11 +195,21 @@ class VocabParallelEmbedding(nn.Module):
         return x
 
 
+def split_experts(experts: nn.ModuleList, rank: int, world: int, comm):
+    """A mixture of experts across the ranks whole: rank r keeps experts r, r + world, ...; each rank
+    runs its own experts over the tokens routed to them and one all-reduce sums the ranks' outputs
+    (one a layer, as the dense MLP's down projection). Whole experts rather than a slice of every
+    expert: each expert's matmul stays as wide as on one rank, and the router needs no change."""
+    experts.owned = frozenset(range(rank, len(experts), world))
+    experts.comm = comm
+    for e in range(len(experts)):
+        if e not in experts.owned:
+            experts[e] = nn.Module()  # its weights freed on this rank
+
+
 def apply_tp(model: nn.Module, shard: Shard, comm) -> nn.Module:
     """Rewrite a loaded LlamaModel in place to `shard`'s share; `comm` all-reduces (`all_reduce_(x)`)."""
     cfg = model.cfg
-    if not all(getattr(layer, "dense_mlp", True) for layer in model.layers):
-        raise InferdError("tensor parallelism does not split a mixture of experts yet")
     D, nq, nk, ff = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
     q0, q1 = shard.q_heads[0], shard.q_heads[-1] + 1
     k0, k1 = shard.kv_heads[0], shard.kv_heads[-1] + 1
@@ -209,9 +219,13 @@ def apply_tp(model: nn.Module, shard: Shard, comm) -> nn.Module:
     for layer in model.layers:
         layer.qkv_proj = take_rows(layer.qkv_proj, qkv_rows)
         layer.o_proj = RowParallel(take_cols(layer.o_proj, q0 * D, q1 * D), comm, shard.rank)
+        layer.n_heads, layer.n_kv = q1 - q0, k1 - k0
+        if not layer.dense_mlp:
+            split_experts(layer.experts, shard.rank, shard.world, comm)
+            continue
         layer.gate_up_proj = take_rows(layer.gate_up_proj, gu_rows)
         layer.down_proj = RowParallel(take_cols(layer.down_proj, a, b), comm, shard.rank)
-        layer.n_heads, layer.n_kv, layer.ff = q1 - q0, k1 - k0, b - a
+        layer.ff = b - a
     v0, v1 = shard.vocab
     tied = model.lm_head.weight is getattr(model.embed_tokens, "weight", None) if hasattr(model.lm_head, "weight") else False
     emb = model.embed_tokens

@@ -164,25 +164,28 @@ def fuse_state_dict(sd: dict[str, torch.Tensor], num_layers: int) -> dict[str, t
         gu = [f"{p}gate_proj.weight", f"{p}up_proj.weight"]
         if all(n in sd for n in gu):
             sd[f"{p}gate_up_proj.weight"] = torch.cat([sd.pop(n) for n in gu], 0)
-        _stack_experts(sd, p)
+        _fuse_experts(sd, p)
     return sd
 
 
-def _stack_experts(sd: dict, p: str):
-    """Per-expert checkpoint weights (HF: experts.E.w1/w3/w2 or experts.E.gate/up/down_proj; GGUF:
-    experts.gate/up/down_proj already stacked) -> experts.gate_up_proj [E, 2ff, h], experts.down_proj."""
+def _fuse_experts(sd: dict, p: str):
+    """Checkpoint expert weights (HF: experts.E.w1/w3/w2 or experts.E.gate/up/down_proj; GGUF: stacked
+    experts.gate/up/down_proj [E, ...]) -> ours, one fused gate/up per expert: experts.E.gate_up_proj,
+    experts.E.down_proj."""
     e = p + "experts."
     if f"{e}gate_proj" in sd:  # stacked (GGUF)
-        sd[f"{e}gate_up_proj"] = torch.cat([sd.pop(f"{e}gate_proj"), sd.pop(f"{e}up_proj")], 1)
+        gate, up, down = (sd.pop(f"{e}{n}") for n in ("gate_proj", "up_proj", "down_proj"))
+        for i in range(gate.shape[0]):
+            sd[f"{e}{i}.gate_up_proj.weight"] = torch.cat([gate[i], up[i]], 0)
+            sd[f"{e}{i}.down_proj.weight"] = down[i]
         return
     for gate, up, down in _EXPERT_NAMES:
-        n = 0
-        while f"{e}{n}.{gate}.weight" in sd:
-            n += 1
-        if n:
-            sd[f"{e}gate_up_proj"] = torch.stack([torch.cat([sd.pop(f"{e}{i}.{gate}.weight"),
-                                                             sd.pop(f"{e}{i}.{up}.weight")], 0) for i in range(n)])
-            sd[f"{e}down_proj"] = torch.stack([sd.pop(f"{e}{i}.{down}.weight") for i in range(n)])
+        i = 0
+        while f"{e}{i}.{gate}.weight" in sd:
+            sd[f"{e}{i}.gate_up_proj.weight"] = torch.cat([sd.pop(f"{e}{i}.{gate}.weight"),
+                                                         sd.pop(f"{e}{i}.{up}.weight")], 0)
+            sd[f"{e}{i}.down_proj.weight"] = sd.pop(f"{e}{i}.{down}.weight")
+            i += 1
 
 
 _init_lock = threading.Lock()

@@ -32,34 +32,47 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Te
     return weights, ids
 
 
-class Experts(nn.Module):
-    """E SwiGLU experts as two stacked weights: gate_up [E, 2 * ff, hidden], down [E, hidden, ff]."""
+class Expert(nn.Module):
+    """One SwiGLU expert as the dense layers hold their MLP (gate/up fused): quantization rewrites its
+    two Linears with the same kernels as the dense layers'."""
 
-    def __init__(self, n: int, hidden: int, ff: int):
+    def __init__(self, hidden: int, ff: int):
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(n, 2 * ff, hidden))
-        self.down_proj = nn.Parameter(torch.empty(n, hidden, ff))
+        self.gate_up_proj = Linear(hidden, 2 * ff, bias=False)
+        self.down_proj = Linear(ff, hidden, bias=False)
+
+
+class Experts(nn.ModuleList):
+    def __init__(self, n: int, hidden: int, ff: int):
+        super().__init__(Expert(hidden, ff) for _ in range(n))
         self.ff = ff
         self.matmuls = 0  # expert calls (gate/up and down together), for the tests' one-per-expert check
+        # tensor parallelism (distributed/tensor_parallel.split_experts): this rank's experts, and the
+        # collective that sums the ranks' outputs
+        self.owned: frozenset[int] | None = None
+        self.comm = None
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         t, k = ids.shape
         flat = ids.flatten()
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        counts = torch.bincount(flat, minlength=len(self)).tolist()
         rows = order // k  # the token of each routed slot, grouped by expert
         w = weights.flatten()[order].to(x.dtype)
         out = torch.zeros_like(x)
         start = 0
         for e, n in enumerate(counts):
-            if n == 0:
+            if n == 0 or (self.owned is not None and e not in self.owned):
+                start += n
                 continue
             sel = rows[start:start + n]
-            gate, up = F.linear(x[sel], self.gate_up_proj[e]).split(self.ff, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e])
+            gate, up = self[e].gate_up_proj(x[sel]).split(self.ff, dim=-1)
+            y = self[e].down_proj(F.silu(gate) * up)
             out.index_add_(0, sel, y * w[start:start + n, None])
             self.matmuls += 1
             start += n
+        if self.comm is not None:
+            self.comm.all_reduce_(out)
         return out
 
 

@@ -40,7 +40,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen2", "llama", "LlamaModel", ("Qwen2ForCausalLM",), ("qwen2",), False, attention_bias=True,
            tested="HF and GGUF (q/k/v biases); the engine"),
     Family("qwen3", "qwen3", "Qwen3Model", ("Qwen3ForCausalLM",), ("qwen3",), False,
-           tested="HF and GGUF; the engine"),
+           tested="HF and GGUF; the engine; TP=2"),
     # Phi-3 is the Llama layer with q/k/v and gate/up stored fused, as inferd holds them anyway
     Family("phi3", "llama", "LlamaModel", ("Phi3ForCausalLM",), ("phi3",), False, sliding_window=True,
            gguf_names=(("attn_qkv.weight", "qkv_proj.weight"), ("ffn_up.weight", "gate_up_proj.weight")),
@@ -50,7 +50,7 @@ FAMILIES: tuple[Family, ...] = (
            tested="HF and GGUF (as llama.cpp writes it: arch llama with experts); the engine; "
                   "one matmul per active expert"),
     Family("qwen3_moe", "moe", "Qwen3MoeModel", ("Qwen3MoeForCausalLM",), ("qwen3moe",), False,
-           tested="HF and GGUF; the engine"),
+           tested="HF and GGUF; the engine; int8 experts on the W8A8 kernel; TP=2 (whole experts a rank)"),
     Family("olmoe", "moe", "OlmoeModel", ("OlmoeForCausalLM",), ("olmoe",), False,
            tested="HF and GGUF; the engine; one matmul per active expert"),
     Family("gemma3", "gemma3", "Gemma3Model", ("Gemma3ForCausalLM",), ("gemma3",), False, sliding_window=True,

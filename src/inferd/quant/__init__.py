@@ -105,9 +105,9 @@ def apply(model, ctx: QuantContext, shard=None) -> list[str]:
         raise InferdError("--quantize-activations applies to quantized weights: add --quantization "
                           "int4, int4-gptq, gguf, awq (W4A8) or int8, int8-gptq (W8A8)" if m is None else
                           "--quantize-activations is a CPU kernel for packed weights")
-    if m is not None and not all(getattr(layer, "dense_mlp", True) for layer in model.layers):
-        raise InferdError(f"--quantization {ctx.method}: a mixture of experts' experts are not quantized yet; "
-                          "serve it without --quantization")
+    if m is not None and m.module != "inferd.quant.rtn" and not all(layer.dense_mlp for layer in model.layers):
+        raise InferdError(f"--quantization {ctx.method}: a mixture of experts quantizes with int8 or int4 "
+                          "(round to nearest), not calibrated or file codes yet")
     first = shard is not None and (m is None or m.local)
     if first:
         shard(model)

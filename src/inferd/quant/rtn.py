@@ -10,12 +10,17 @@ from inferd.quant.linear import Int4Linear, Int8Linear, quantize_int4, quantize_
 
 def _targets(model: nn.Module, include_lm_head: bool):
     for layer in model.layers:
-        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-            lin = getattr(layer, name)
+        # a mixture of experts' experts, each like a dense MLP (the router stays float, as in vLLM)
+        parts = [(layer, n) for n in ("qkv_proj", "o_proj")] + (
+            [(layer, n) for n in ("gate_up_proj", "down_proj")] if layer.dense_mlp else
+            [(e, n) for e in layer.experts if hasattr(e, "gate_up_proj")  # this rank's, under TP
+             for n in ("gate_up_proj", "down_proj")])
+        for parent, name in parts:
+            lin = getattr(parent, name)
             if not hasattr(lin, "weight") and hasattr(lin, "inner"):  # a tensor-parallel wrapper: its linear
                 yield lin, "inner"
             else:
-                yield layer, name
+                yield parent, name
     if include_lm_head:
         yield model, "lm_head"
 
