@@ -18,15 +18,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from inferd.model.config import ModelConfig
-from inferd.model.layers import Rope, fused_ops
-from inferd.model.llama import DecoderLayer, LlamaModel
+from inferd.model.layers import RMSNorm, Rope, fused_ops
+from inferd.model.llama import LlamaModel
+from inferd.model.qwen3 import Qwen3DecoderLayer
 
 
-class GemmaRMSNorm(nn.Module):
+class GemmaRMSNorm(RMSNorm):
     def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
+        super().__init__(dim, eps)
+        nn.init.zeros_(self.weight)  # the scale is 1 + w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # fp32 throughout, cast once: 1 + w held in bf16 would lose w's low bits (8-bit mantissa)
@@ -34,7 +34,9 @@ class GemmaRMSNorm(nn.Module):
         return y.to(x.dtype)
 
 
-class Gemma3DecoderLayer(DecoderLayer):
+class Gemma3DecoderLayer(Qwen3DecoderLayer):
+    """Qwen3's per-head q/k norms before RoPE (its `rotate`), Gemma's norms everywhere."""
+
     def __init__(self, cfg: ModelConfig, idx: int):
         super().__init__(cfg, idx)
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
@@ -45,12 +47,6 @@ class Gemma3DecoderLayer(DecoderLayer):
         self.q_norm = GemmaRMSNorm(cfg.head_dim, eps)
         self.k_norm = GemmaRMSNorm(cfg.head_dim, eps)
         self.local = cfg.layer_types is not None and cfg.layer_types[idx] == "sliding_attention"
-
-    def rotate(self, qkv: torch.Tensor, cos, sin, ops) -> torch.Tensor:
-        nq, nk = self.n_heads, self.n_kv
-        qkv[:, :nq] = self.q_norm(qkv[:, :nq])
-        qkv[:, nq:nq + nk] = self.k_norm(qkv[:, nq:nq + nk])
-        return super().rotate(qkv, cos, sin, ops)
 
     def forward(self, x, tables, attn, ops=None) -> torch.Tensor:
         """x: the residual stream; tables: (global, local) RoPE (cos, sin). Returns the new residual."""
