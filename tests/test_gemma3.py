@@ -82,16 +82,22 @@ def test_the_tokenizer_equals_transformers_on_the_file(hf_gemma, gemma_path):
             tok(text).input_ids, skip_special_tokens=True), text
 
 
-def test_generate_and_serve_give_transformers_greedy_tokens(hf_gemma, tmp_path):
+@pytest.fixture(scope="session")
+def gemma_llm():
+    from inferd.engine.llm import LLM
+
+    return LLM(model="gemma3-270m", dtype="float32")
+
+
+def test_generate_and_serve_give_transformers_greedy_tokens(hf_gemma, gemma_llm, tmp_path):
     """The engine (all 8 prompts in one batch, by name `gemma3-270m`) and `inferd serve` through the
     official openai client, streamed and not: transformers' greedy tokens on the same GGUF."""
     import openai
 
-    from inferd.engine.llm import LLM
     from inferd.engine.request import SamplingParams
 
     tok, refs = hf_gemma
-    llm = LLM(model="gemma3-270m", dtype="float32")
+    llm = gemma_llm
     outs = llm.generate([ids for ids, _, _ in refs], SamplingParams(max_tokens=N_NEW, temperature=0, ignore_eos=True))
     ties = sum(same_or_near_tie(o.token_ids, want, logits) for o, (_, want, logits) in zip(outs, refs))
     assert ties <= 1
@@ -107,3 +113,31 @@ def test_generate_and_serve_give_transformers_greedy_tokens(hf_gemma, tmp_path):
             stream = client.completions.create(model="gemma", prompt=PROMPTS[i], max_tokens=N_NEW, temperature=0,
                                                stream=True, extra_body={"ignore_eos": True})
             assert "".join(c.choices[0].text for c in stream if c.choices) == text
+
+
+def test_a_4k_request_keeps_the_windows_not_every_layer(gemma_llm):
+    """Gemma 3 270M (15 layers of window 512, 3 full): a 4,100-token WikiText request holds, by the
+    engine's block counter, the 3 full layers' KV of every token and the 15 window layers' last 512
+    tokens (plus a 512-token chunk while its prompt runs), not 18 layers of every token; its greedy
+    tokens are the reference loop's."""
+    from helpers import assert_no_leaks, compare
+    from test_kv_groups import ceil_div, run_long_request, window_bound
+
+    from inferd.data import wikitext_path
+    from inferd.engine.engine import LLMEngine
+    from inferd.engine.reference import reference_generate
+
+    loaded = gemma_llm.engine.loaded
+    with open(wikitext_path(), encoding="utf-8") as f:
+        prompt = loaded.tokenizer.encode(f.read(40000))[:4100]
+    assert len(prompt) == 4100
+    ref = reference_generate(loaded.model, prompt, 4, keep_logits=True)
+    eng = LLMEngine(loaded=loaded, dtype="float32", max_num_batched_tokens=512, kv_cache_memory="256MiB")
+    peak, decoding, out = run_long_request(eng, prompt, 4)
+    compare([out], [(ref.token_ids, ref.logits)])
+    lay, bs = eng.kv_layout, eng.config.block_size
+    assert lay.group_size == 3 and lay.windows == (None,) + (512,) * 5
+    assert decoding <= window_bound(eng, len(prompt) + 4, 1)  # 257 + 5 x 33 = 422 blocks of 3 layers
+    assert peak <= window_bound(eng, len(prompt) + 4, 512)
+    assert peak < 6 * ceil_div(len(prompt) + 4, bs) / 2.5  # one table for all 18 layers: 1542
+    assert_no_leaks(eng)

@@ -48,7 +48,7 @@ def serve(spec: dict) -> int:
         from inferd.loading.loader import load_model, resolve_dtype
         from inferd.model.config import attention_scale
         from inferd.worker.attention import PagedAttention
-        from inferd.worker.kv_pool import KVPool
+        from inferd.worker.kv_pool import KVPool, kv_layout
         from inferd.worker.runner import ModelRunner
         from inferd.worker.spec_attention import SpecPagedAttention
 
@@ -61,10 +61,11 @@ def serve(spec: dict) -> int:
         if setup is None:
             return 0
         kv_dtype = resolve_dtype(setup["kv_dtype"])
-        pool = KVPool(mcfg.num_hidden_layers, setup["num_blocks"], setup["block_size"], model.layers[0].n_kv,
-                      mcfg.head_dim, kv_dtype, model.device)
+        layout = kv_layout(setup["window"], mcfg.num_hidden_layers)  # rank 0's, from the same windows
+        pool = KVPool(layout.group_size, setup["num_blocks"] + (layout.num_groups > 1), setup["block_size"],
+                      model.layers[0].n_kv, mcfg.head_dim, kv_dtype, model.device)
         attention = SpecPagedAttention if setup["speculative"] else PagedAttention
-        attn = attention(pool, mcfg.head_dim, setup["window"], scale=attention_scale(mcfg))
+        attn = attention(pool, mcfg.head_dim, setup["window"], scale=attention_scale(mcfg), layout=layout)
         runner = ModelRunner(model, attn, enforce_eager=True, comm=comm)
         from inferd.distributed.tp_group import ready_counts
         from inferd.quant.linear import weight_bytes

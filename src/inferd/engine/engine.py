@@ -31,7 +31,7 @@ from inferd.faults import Faults
 from inferd.gguf_file import default_model_path
 from inferd.model.config import attention_scale, attention_windows
 from inferd.worker.attention import PagedAttention
-from inferd.worker.kv_pool import KVPool
+from inferd.worker.kv_pool import KVPool, kv_layout
 from inferd.worker.runner import ModelRunner
 from inferd.worker.spec_attention import SpecPagedAttention
 
@@ -82,26 +82,35 @@ class LLMEngine:
         kv_dtype = self._kv_dtype()
         # under tensor parallelism, this rank's KV heads (the pool of every rank has the same blocks)
         n_kv = self.model.layers[0].n_kv if self.tp is not None else mcfg.num_key_value_heads
-        per_block = KVPool.bytes_per_block(mcfg.num_hidden_layers, cfg.block_size, n_kv, mcfg.head_dim, kv_dtype)
-        num_blocks = cfg.num_kv_blocks or max(1, self._kv_bytes() // per_block)
+        window = attention_windows(mcfg, self.max_model_len)
+        # sliding-window and full layers in KV groups of their own (Gemma 2/3): window blocks go back
+        layout = kv_layout(window, mcfg.num_hidden_layers)
+        self.kv_layout = layout
+        per_block = KVPool.bytes_per_block(layout.group_size, cfg.block_size, n_kv, mcfg.head_dim, kv_dtype)
+        num_blocks = cfg.num_kv_blocks or max(1, self._kv_bytes() // per_block - (layout.num_groups > 1))
         from inferd.distributed.kv_transfer import parse_kv_transfer_config
         from inferd.distributed.kv_transfer.transfer import KVTransfer
 
         kv_cfg = parse_kv_transfer_config(cfg.kv_transfer_config, cfg.role)
         shared = kv_cfg is not None and kv_cfg.producer and kv_cfg.kv_connector == "SharedMemoryConnector"
-        self.pool = KVPool(mcfg.num_hidden_layers, num_blocks, cfg.block_size, n_kv,
+        if kv_cfg is not None and layout.num_groups > 1:
+            raise InferdError("disaggregated prefill/decode does not carry sliding-window KV groups yet "
+                              f"({mcfg.architecture}): serve this model without --kv-transfer-config")
+        # with KV groups, one more block: NULL, where a window group's released blocks point
+        self.pool = KVPool(layout.group_size, num_blocks + (layout.num_groups > 1), cfg.block_size, n_kv,
                            mcfg.head_dim, kv_dtype, self.model.device, shared=shared)
-        self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching,
+                                          layout.extra_windows)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.scheduling)
-        window = attention_windows(mcfg, self.max_model_len)
         # with speculation, verify chunks (k + 1 query rows) go through the decode kernel as single rows
         attention = SpecPagedAttention if cfg.speculative_method is not None else PagedAttention
         if self.tp is not None:
             self.tp.setup({"num_blocks": num_blocks, "block_size": cfg.block_size, "window": window,
                            "kv_dtype": str(kv_dtype).replace("torch.", ""),
                            "speculative": cfg.speculative_method is not None})
-        self.runner = ModelRunner(self.model, attention(self.pool, mcfg.head_dim, window, scale=attention_scale(mcfg)),
+        self.runner = ModelRunner(self.model, attention(self.pool, mcfg.head_dim, window, scale=attention_scale(mcfg),
+                                                        layout=layout),
                                   cfg.enforce_eager,
                                   comm=self.tp.comm if self.tp is not None else None)
         self.requests: dict[str, Request] = {}
@@ -114,9 +123,10 @@ class LLMEngine:
         self._ids = itertools.count()
         self.eos_ids = set(self.tokenizer.eos_token_ids) if self.tokenizer else (
             {mcfg.eos_token_id} if isinstance(mcfg.eos_token_id, int) else set(mcfg.eos_token_id or []))
-        log.info("KV cache: %d blocks of %d tokens (%s, %.1f MiB): up to %d tokens in flight",
-                 num_blocks, cfg.block_size, str(kv_dtype).replace("torch.", ""),
-                 num_blocks * per_block / 2**20, num_blocks * cfg.block_size)
+        log.info("KV cache: %d blocks of %d tokens (%s, %.1f MiB)%s", num_blocks, cfg.block_size,
+                 str(kv_dtype).replace("torch.", ""), num_blocks * per_block / 2**20,
+                 f": up to {num_blocks * cfg.block_size} tokens in flight" if layout.num_groups == 1 else
+                 f", {layout.num_groups} KV groups of {layout.group_size} layers (windows {list(layout.windows)})")
         self.kv = None  # KVTransfer: this engine's end of disaggregated prefill/decode
         if kv_cfg is not None:
             if cfg.speculative_method == "draft" and kv_cfg.consumer:
@@ -178,7 +188,8 @@ class LLMEngine:
                     kv_transfer_params: dict | None = None) -> str:
         params = params or SamplingParams()
         prompt_ids = check_request(prompt, params, self.tokenizer, self.model_config.vocab_size, self.max_model_len,
-                                   self.config.block_size, self.num_kv_blocks)
+                                   self.config.block_size, self.num_kv_blocks, self.kv_layout.extra_windows,
+                                   self.config.max_num_batched_tokens)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.groups:
             raise InferdError(f"duplicate request id {rid!r}")

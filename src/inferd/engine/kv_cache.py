@@ -5,6 +5,13 @@ full blocks findable by content for prefix caching.
 A full block's key is (parent key's hash, its token ids): equal keys mean equal tokens at equal
 positions after an equal prefix, so the K/V stored there can be reused as is. Freed blocks that
 hold a key stay findable, in least-recently-freed order, until a new allocation needs them.
+
+KV groups (inferd.worker.kv_pool.KVLayout): a model with sliding-window layers keeps them in groups
+of their own, each with a block table per request (`req.kv_tables`, beside `req.block_table` for
+the full-context group). All groups draw on the one pool. A window group's blocks that no query
+can see any more (wholly before the window of the next token to compute) go back as the request
+advances; their table entries become NULL, a pool block that is never handed out, so tables stay
+indexed by position. A prefix hit must find the window groups' blocks of its last window too.
 """
 from __future__ import annotations
 
@@ -17,11 +24,23 @@ def block_key(parent_hash: int | None, tokens: tuple[int, ...]) -> tuple:
     return (parent_hash, tokens)
 
 
+def first_visible_block(num_computed: int, window: int | None, block_size: int) -> int:
+    """The first block the next query (at position num_computed) can see through this window."""
+    if window is None:
+        return 0
+    return max(0, num_computed - window + 1) // block_size
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 group_windows: tuple = ()):
+        """`group_windows`: the windows of KV groups 1.. (KVLayout.extra_windows; None: a group that
+        keeps every block). With any, the pool holds one more block, NULL (= num_blocks)."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.caching = enable_prefix_caching
+        self.group_windows = tuple(group_windows)
+        self.NULL = num_blocks  # stands for a window group's released block; never allocated
         self.ref = [0] * num_blocks
         self.key_of: list[tuple | None] = [None] * num_blocks
         self.free: deque[int] = deque(range(num_blocks))
@@ -43,8 +62,15 @@ class BlockManager:
         return self.num_blocks - self.num_free
 
     def blocks_needed(self, req: Request, num_new_tokens: int) -> int:
-        total = req.num_computed + num_new_tokens
-        return max(0, -(-total // self.block_size) - len(req.block_table))
+        total = -(-(req.num_computed + num_new_tokens) // self.block_size)
+        need = max(0, total - len(req.block_table))
+        for table in req.kv_tables:
+            need += max(0, total - len(table))
+        return need
+
+    def held_blocks(self, req: Request) -> int:
+        """Pool blocks this request's tables point at (NULL entries are none)."""
+        return len(req.block_table) + sum(b != self.NULL for t in req.kv_tables for b in t)
 
     # -- allocation ---------------------------------------------------------------------------
     def _take(self) -> int:
@@ -61,13 +87,30 @@ class BlockManager:
         return b
 
     def allocate(self, req: Request, num_new_tokens: int) -> bool:
-        """Grow req's block table to hold num_computed + num_new_tokens tokens; False if short."""
+        """Grow req's block tables to hold num_computed + num_new_tokens tokens; False if short.
+        First gives back the window groups' blocks that no query from num_computed on can see."""
+        self.slide(req)
         need = self.blocks_needed(req, num_new_tokens)
         if need > self.num_free:
             return False
-        for _ in range(need):
-            req.block_table.append(self._take())
+        total = -(-(req.num_computed + num_new_tokens) // self.block_size)
+        for table in (req.block_table, *req.kv_tables):
+            while len(table) < total:
+                table.append(self._take())
         return True
+
+    def slide(self, req: Request):
+        """Release the window groups' blocks before the first one the next query can see."""
+        if not self.group_windows:
+            return
+        if not req.kv_tables:
+            req.kv_tables = [[] for _ in self.group_windows]
+        for table, w in zip(req.kv_tables, self.group_windows):
+            first = min(first_visible_block(req.num_computed, w, self.block_size), len(table))
+            gone = [b for b in table[:first] if b != self.NULL]
+            if gone:
+                table[:first] = [self.NULL] * first
+                self._release(gone)
 
     def release_blocks(self, blocks: list[int]):
         """Drop one reference to each of these blocks (a producer's expired or confirmed lease)."""
@@ -76,6 +119,8 @@ class BlockManager:
     def _release(self, blocks: list[int]):
         # reverse order: a sequence's tail blocks become the first to be evicted
         for b in reversed(blocks):
+            if b == self.NULL:
+                continue
             self.ref[b] -= 1
             assert self.ref[b] >= 0, f"block {b} freed twice"
             if self.ref[b] == 0:
@@ -85,8 +130,11 @@ class BlockManager:
                     self.free.append(b)
 
     def free_request(self, req: Request):
+        for table in req.kv_tables:
+            self._release(table)
         self._release(req.block_table)
         req.block_table = []
+        req.kv_tables = []
         req.block_hashes = []
         req.num_cached_hashed = 0
 
@@ -94,8 +142,9 @@ class BlockManager:
         """Give back the blocks wholly past the first num_tokens tokens (rejected speculative
         slots). They were allocated this step and never registered, so they go straight to free."""
         keep = -(-num_tokens // self.block_size)
-        self._release(req.block_table[keep:])
-        del req.block_table[keep:]
+        for table in (req.block_table, *req.kv_tables):
+            self._release(table[keep:])
+            del table[keep:]
         del req.block_hashes[keep:]
         req.num_cached_hashed = min(req.num_cached_hashed, keep)
 
@@ -104,9 +153,12 @@ class BlockManager:
         one prompt: their ref counts go up, and the child's computed length and prefix hashes stop
         at them, so a child recomputes (and writes) only the blocks it owns."""
         n = len(parent.block_table) if num_blocks is None else num_blocks
-        for b in parent.block_table[:n]:
-            self.ref[b] += 1
+        for table in (parent.block_table, *parent.kv_tables):
+            for b in table[:n]:
+                if b != self.NULL:
+                    self.ref[b] += 1
         child.block_table = list(parent.block_table[:n])
+        child.kv_tables = [list(t[:n]) for t in parent.kv_tables]
         child.block_hashes = list(parent.block_hashes[:n])
         child.num_cached_hashed = min(parent.num_cached_hashed, n)
         child.num_computed = parent.num_computed if num_blocks is None else n * self.block_size
@@ -130,21 +182,42 @@ class BlockManager:
             return 0  # prompt logprobs need every prompt position computed
         ids = req.all_ids
         n_full = (len(ids) - 1) // self.block_size
-        hit_blocks = 0
+        found: list[int] = []
         req.block_hashes = []
         for i, key in self._keys(ids, 0, n_full, req.block_hashes):
             b = self.cached.get(key)
             if b is None:
                 break
-            if self.ref[b] == 0:
-                del self.evictable[b]
-            self.ref[b] += 1
-            req.block_table.append(b)
-            hit_blocks += 1
+            found.append(b)
+        hit_blocks, groups = self._group_hits(req, found)
+        req.block_table = found[:hit_blocks]
+        if self.group_windows:
+            req.kv_tables = groups
+        for table in (req.block_table, *req.kv_tables):
+            for b in table:
+                if b == self.NULL:
+                    continue
+                if self.ref[b] == 0:
+                    del self.evictable[b]
+                self.ref[b] += 1
         tokens = hit_blocks * self.block_size
         req.num_computed = tokens
         req.num_cached_hashed = hit_blocks
         return tokens
+
+    def _group_hits(self, req: Request, found: list[int]) -> tuple[int, list[list[int]]]:
+        """How many of the full group's found blocks the other groups can back (a window group needs
+        its blocks from the first one the next query sees; a full group, all), and their tables."""
+        if not self.group_windows:
+            return len(found), []
+        bs = self.block_size
+        cand = [[self.cached.get(("group", g, h)) for h in req.block_hashes[:len(found)]]
+                for g in range(len(self.group_windows))]
+        for n in range(len(found), 0, -1):
+            firsts = [first_visible_block(n * bs, w, bs) for w in self.group_windows]
+            if all(None not in c[f:n] for c, f in zip(cand, firsts)):
+                return n, [[self.NULL] * f + c[f:n] for c, f in zip(cand, firsts)]
+        return 0, [[] for _ in self.group_windows]
 
     def count_admission(self, req: Request, hit_tokens: int):
         """Count a successful admission's cache use. Only prompt tokens this request never
@@ -169,18 +242,25 @@ class BlockManager:
             return
         ids = req.all_ids
         for i, key in self._keys(ids, req.num_cached_hashed, n_full, req.block_hashes):
-            b = req.block_table[i]
-            if key not in self.cached and self.key_of[b] is None:
-                self.cached[key] = b
-                self.key_of[b] = key
+            self._register(req.block_table[i], key)
+            # a window group's block is known by the full group's chain hash at the same index
+            for g, table in enumerate(req.kv_tables):
+                self._register(table[i], ("group", g, req.block_hashes[i]))
         req.num_cached_hashed = n_full
+
+    def _register(self, b: int, key):
+        if b != self.NULL and key not in self.cached and self.key_of[b] is None:
+            self.cached[key] = b
+            self.key_of[b] = key
 
     def check_invariants(self, live: list[Request]):
         """For tests: ref counts equal block-table occurrences; every block in exactly one state."""
         counts = [0] * self.num_blocks
         for r in live:
-            for b in r.block_table:
-                counts[b] += 1
+            for table in (r.block_table, *r.kv_tables):
+                for b in table:
+                    if b != self.NULL:
+                        counts[b] += 1
         assert counts == self.ref, "ref counts disagree with block tables"
         free, evict = set(self.free), set(self.evictable)
         assert len(free) == len(self.free), "duplicate in free list"

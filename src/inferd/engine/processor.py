@@ -30,15 +30,22 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: in
     return requested
 
 
-def kv_blocks_needed(prompt_len: int, max_tokens: int, samples: int, block_size: int) -> int:
+def kv_blocks_needed(prompt_len: int, max_tokens: int, samples: int, block_size: int,
+                     group_windows: tuple = (), chunk: int = 0) -> int:
     """Blocks a request may hold at its peak: the full prompt blocks once (shared by its samples),
-    and each sample's own tail (the partial prompt block, recomputed, plus its output)."""
+    and each sample's own tail (the partial prompt block, recomputed, plus its output); the same
+    again for every other KV group, a window group at most its window plus a step's chunk a sample."""
     prompt_blocks = prompt_len // block_size
-    return prompt_blocks + samples * (-(-(prompt_len + max_tokens) // block_size) - prompt_blocks + 1)
+    full = prompt_blocks + samples * (-(-(prompt_len + max_tokens) // block_size) - prompt_blocks + 1)
+
+    def windowed(w: int) -> int:
+        return samples * (-(-(w - 1 + chunk) // block_size) + 2)
+
+    return full + sum(full if w is None else min(full, windowed(w)) for w in group_windows)
 
 
 def check_request(prompt: str | list[int], params: SamplingParams, tokenizer, vocab: int, max_model_len: int,
-              block_size: int, num_kv_blocks: int) -> list[int]:
+              block_size: int, num_kv_blocks: int, group_windows: tuple = (), chunk: int = 0) -> list[int]:
     """The prompt's token ids; fills in params.max_tokens when absent (and logprobs for best_of)."""
     params.validate(vocab)
     if isinstance(prompt, str):
@@ -61,7 +68,7 @@ def check_request(prompt: str | list[int], params: SamplingParams, tokenizer, vo
         raise InferdError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
                           f"exceeds the context limit of {max_model_len}")
     k = params.num_samples
-    need = kv_blocks_needed(len(prompt_ids), params.max_tokens, k, block_size)
+    need = kv_blocks_needed(len(prompt_ids), params.max_tokens, k, block_size, group_windows, chunk)
     if need > num_kv_blocks:
         raise InferdError(f"request needs up to {need} KV blocks but the cache holds {num_kv_blocks}")
     if k > params.n:  # best_of ranks by cumulative logprob

@@ -181,6 +181,7 @@ class Request:
         self.num_computed = 0
         self.max_computed = 0  # high-water mark of num_computed: recompute lies below it
         self.block_table: list[int] = []
+        self.kv_tables: list[list[int]] = []  # KV groups 1.. (sliding-window layers); see kv_cache
         self.num_cached_hashed = 0  # leading blocks already registered in the prefix cache
         self.block_hashes: list[int] = []
         self.num_preemptions = 0

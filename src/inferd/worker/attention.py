@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from inferd.worker.kv_pool import KVPool
+from inferd.worker.kv_pool import KVLayout, KVPool
 
 
 @dataclass
@@ -38,11 +38,15 @@ class _Group:
 
 class PagedAttention:
     def __init__(self, pool: KVPool, head_dim: int, sliding_window: int | None | list = None,
-                 use_kernel: bool = True, scale: float | None = None):
+                 use_kernel: bool = True, scale: float | None = None, layout: KVLayout | None = None):
         """`sliding_window`: one window for every layer, or a list of one per layer (None where a layer
         sees the whole context: Gemma's global layers); model.config.attention_windows gives it.
-        `scale`: the softmax scale (default head_dim ** -0.5; Gemma's query_pre_attn_scalar)."""
+        `scale`: the softmax scale (default head_dim ** -0.5; Gemma's query_pre_attn_scalar).
+        `layout`: KV groups (inferd.worker.kv_pool): each group's layers live in the pool rows and
+        blocks of that group's own tables (prepare's kv_tables); None: every layer in one table."""
         self.pool = pool
+        self.layout = layout if layout is not None and layout.num_groups > 1 else None
+        self._states: list[tuple] = []  # per KV group: (slot_mapping, groups), made by prepare
         self.kernel = None
         # the compiled decode kernel reads fp32 or bf16 caches; any other (fp16) takes the SDPA path
         if use_kernel and pool.k.device.type == "cpu" and pool.k.dtype in (torch.float32, torch.bfloat16):
@@ -57,8 +61,20 @@ class PagedAttention:
         self.slot_mapping: torch.Tensor | None = None
         self.groups: list[_Group] = []
 
-    def prepare(self, block_tables: list[list[int]], starts: list[int], lengths: list[int]):
-        """One entry per sequence: its block table, first new position, number of new tokens."""
+    def prepare(self, block_tables: list[list[int]], starts: list[int], lengths: list[int],
+                kv_tables: list[list[list[int]]] | None = None):
+        """One entry per sequence: its block table, first new position, number of new tokens (and,
+        with KV groups, its tables of groups 1..)."""
+        if self.layout is None:
+            return self._prepare(block_tables, starts, lengths, self._all_windows)
+        self._states = []
+        for g, w in enumerate(self.layout.windows):
+            tables = block_tables if g == 0 else [t[g - 1] for t in kv_tables]
+            pos = self._prepare(tables, starts, lengths, {w})
+            self._states.append((self.slot_mapping, self.groups))
+        return pos
+
+    def _prepare(self, block_tables, starts, lengths, windows: set):
         dev = self.pool.k.device
         bs = self.pool.block_size
         B = len(block_tables)
@@ -82,7 +98,7 @@ class PagedAttention:
             idx = torch.nonzero(sel).flatten()
             if idx.numel():
                 self.groups.append(self._group(bt[idx], starts_t[idx], lens_t[idx], ctx[idx],
-                                               tok_start[idx], dev))
+                                               tok_start[idx], dev, windows))
         return pos
 
     def _prepare_decode(self, block_tables, starts, max_blocks, dev):
@@ -148,7 +164,7 @@ class PagedAttention:
             o = o[g.out_sel]
         out[g.out_rows] = o.to(out.dtype)
 
-    def _group(self, bt, starts, lens, ctx, tok_start, dev) -> _Group:
+    def _group(self, bt, starts, lens, ctx, tok_start, dev, windows: set) -> _Group:
         bs = self.pool.block_size
         B = bt.shape[0]
         K = int(ctx.max())
@@ -162,7 +178,7 @@ class PagedAttention:
         mask = kpos[None, None, :] <= qpos[:, :, None]
         mask &= kpos[None, None, :] < ctx[:, None, None]
         masks = {w: (mask if w is None else mask & (kpos[None, None, :] > qpos[:, :, None] - w)).unsqueeze(1).to(dev)
-                 for w in self._all_windows}
+                 for w in windows}
         flat_valid = q_valid.flatten()
         return _Group(
             q_index=q_index.to(dev),
@@ -174,11 +190,15 @@ class PagedAttention:
             block_tables=bt.contiguous().to(dev) if Q == 1 else None,
             ctx_lens=ctx.contiguous().to(dev) if Q == 1 else None,
             causal=(B == 1 and Q > 1 and int(starts[0]) == 0 and int(lens[0]) == int(ctx[0])
-                    and None in self._all_windows),  # for the layers without a window
+                    and None in windows),  # for the layers without a window
         )
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        kc, vc = self.pool.k[layer], self.pool.v[layer]
+        row = layer
+        if self.layout is not None:  # this layer's group: its pool row and its tables' slots
+            row = self.layout.slot_of[layer]
+            self.slot_mapping, self.groups = self._states[self.layout.group_of[layer]]
+        kc, vc = self.pool.k[row], self.pool.v[row]
         cdt = kc.dtype
         if self.kernel is not None and k.dtype == cdt and v.dtype == cdt:
             self.kernel.write_kv(k, v, self.slot_mapping, kc, vc)

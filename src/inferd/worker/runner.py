@@ -24,6 +24,7 @@ class StepPlan:
     sample_rows: list[int]  # rows of the flat batch whose logits are sampled
     sample_idx: list[int]  # their requests' batch indices
     prompt_spans: dict = field(default_factory=dict)  # batch index -> (first prompt position, row a, row b)
+    kv_tables: list | None = None  # per request, its tables of KV groups 1.. (sliding-window layers)
 
 
 class ModelRunner:
@@ -91,7 +92,7 @@ class ModelRunner:
                 sample_rows.extend(range(row - 1 - len(spec), row))
                 sample_idx.append(i)
         return StepPlan(ids, [r.block_table for r in requests], starts, list(num_new), sample_rows, sample_idx,
-                        prompt_spans)
+                        prompt_spans, [r.kv_tables for r in requests] if self.attn.layout is not None else None)
 
     @torch.inference_mode()
     def execute(self, requests: list, num_new: list[int]):
@@ -108,7 +109,7 @@ class ModelRunner:
     def run(self, plan: StepPlan):
         """The forward of one plan (every rank of a tensor-parallel group runs it; only rank 0 gets
         logits back)."""
-        positions = self.attn.prepare(plan.block_tables, plan.starts, plan.num_new)
+        positions = self.attn.prepare(plan.block_tables, plan.starts, plan.num_new, plan.kv_tables)
         hidden = self.forward(torch.tensor(plan.ids, dtype=torch.long, device=self.device), positions.to(self.device),
                               decode_only=all(n == 1 for n in plan.num_new))
         spans = plan.prompt_spans

@@ -15,17 +15,15 @@ from inferd.worker.attention import PagedAttention
 class SpecPagedAttention(PagedAttention):
     max_rows_per_chunk = 16  # longer chunks (prompts) stay on the batched prefill path
 
-    def prepare(self, block_tables, starts, lengths):
+    def prepare(self, block_tables, starts, lengths, kv_tables=None):
         if self.kernel is None:
-            return super().prepare(block_tables, starts, lengths)
-        bts, sts, lens = [], [], []
-        for bt, s, n in zip(block_tables, starts, lengths):
-            if 1 < n <= self.max_rows_per_chunk:
-                bts.extend([bt] * n)
-                sts.extend(range(s, s + n))
-                lens.extend([1] * n)
-            else:
-                bts.append(bt)
-                sts.append(s)
-                lens.append(n)
-        return super().prepare(bts, sts, lens)
+            return super().prepare(block_tables, starts, lengths, kv_tables)
+        bts, kvts, sts, lens = [], [], [], []
+        for i, (bt, s, n) in enumerate(zip(block_tables, starts, lengths)):
+            rows = n if 1 < n <= self.max_rows_per_chunk else 1
+            bts.extend([bt] * rows)
+            if kv_tables is not None:
+                kvts.extend([kv_tables[i]] * rows)
+            sts.extend(range(s, s + n) if rows > 1 else [s])
+            lens.extend([1] * n if rows > 1 else [n])
+        return super().prepare(bts, sts, lens, kvts if kv_tables is not None else None)

@@ -28,11 +28,12 @@ from inferd.worker.spec_attention import SpecPagedAttention
 
 class DraftSeq:
     """The draft cache's view of one sequence (duck-types the Request fields BlockManager uses)."""
-    __slots__ = ("num_computed", "block_table", "block_hashes", "num_cached_hashed")
+    __slots__ = ("num_computed", "block_table", "kv_tables", "block_hashes", "num_cached_hashed")
 
     def __init__(self):
         self.num_computed = 0
         self.block_table: list[int] = []
+        self.kv_tables: list[list[int]] = []  # one KV group: the draft's pool keeps every layer's blocks
         self.block_hashes: list[int] = []
         self.num_cached_hashed = 0
 
