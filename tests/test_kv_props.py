@@ -3,12 +3,12 @@ finish sequences, with the model replaced by a simulator that applies each step'
 LLMEngine.step does (tokens drawn by hypothesis from a tiny vocabulary, so prefix hits are common).
 
 Besides the BlockManager's own bookkeeping, a shadow KV pool records, for every slot written, the
-token prefix whose K/V it would hold; every step then checks that each scheduled request would
-read exactly its own prefix (no two writers share a slot, cached blocks hold what their key says).
+KV group and token prefix whose K/V it would hold; every step then checks that each scheduled
+request would read exactly its own prefix through each group's table (no two writers share a slot,
+cached blocks hold what their key says, a window group holds every position its window shows).
 """
 from __future__ import annotations
 
-import math
 
 import pytest
 
@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, event, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule  # noqa: E402
 
-from inferd.engine.kv_cache import BlockManager  # noqa: E402
+from inferd.engine.kv_cache import BlockManager, first_visible_block  # noqa: E402
+from inferd.engine.processor import kv_blocks_needed  # noqa: E402
 from inferd.engine.request import Request, SamplingParams, Status  # noqa: E402
 from inferd.engine.scheduler import Scheduler  # noqa: E402
 
@@ -36,13 +37,17 @@ class KVMachine(RuleBasedStateMachine):
         max_seqs=st.integers(1, 8),
         caching=st.booleans(),
         mode=st.sampled_from(["continuous", "static"]),
+        # KV groups beside the full one: none (most models), a window group (Gemma), a full one too
+        groups=st.sampled_from([(), (), (3,), (8,), (5, None), (2, 2)]),
         first=st.lists(st.tuples(st.integers(0, 1000), st.integers(0, MAX_PROMPT), st.lists(tok, max_size=MAX_PROMPT),
                                  st.integers(1, 16)), min_size=1, max_size=6),
     )
-    def setup(self, block_size, pool, budget, max_seqs, caching, mode, first):
-        pool = max(pool, math.ceil(2 / block_size))  # room for at least 1 prompt + 1 output token
+    def setup(self, block_size, pool, budget, max_seqs, caching, mode, groups, first):
+        # room for at least 1 prompt + 1 output token in every group
+        pool = max(pool, kv_blocks_needed(1, 1, 1, block_size, groups, budget))
         self.bs, self.budget, self.max_seqs, self.mode = block_size, budget, max_seqs, mode
-        self.bm = BlockManager(pool, block_size, enable_prefix_caching=caching)
+        self.groups = groups
+        self.bm = BlockManager(pool, block_size, enable_prefix_caching=caching, group_windows=groups)
         self.sched = Scheduler(self.bm, max_seqs, budget, mode)
         self.cap = pool * block_size  # the engine's admission check: ceil((prompt+max)/bs) <= pool
         self.live: list[Request] = []
@@ -107,16 +112,24 @@ class KVMachine(RuleBasedStateMachine):
                     event("static batch re-formed")
             assert {r.request_id for r in s.running} <= cur
 
-        # -- "run the model": write K/V for the new tokens, then every request reads its context
+        # -- "run the model": write K/V for the new tokens into every group's table, then every
+        # request reads its context: all of it through the full groups, its windows through the others
+        for r, n in zip(batch.requests, batch.num_new):
+            assert len(r.kv_tables) == len(self.groups)
+            for g, (table, w) in enumerate(self._tables(r)):
+                # a window group holds nothing before what this step's first query sees
+                first = first_visible_block(r.num_computed, w, bs)
+                assert all(b == bm.NULL for b in table[:first]) and bm.NULL not in table[first:]
+                ids = r.all_ids
+                for p in range(r.num_computed, r.num_computed + n):
+                    self.shadow[(table[p // bs], p % bs)] = (g, tuple(ids[: p + 1]))
         for r, n in zip(batch.requests, batch.num_new):
             ids = r.all_ids
-            for p in range(r.num_computed, r.num_computed + n):
-                self.shadow[(r.block_table[p // bs], p % bs)] = tuple(ids[: p + 1])
-        for r, n in zip(batch.requests, batch.num_new):
-            ids = r.all_ids
-            for p in range(r.num_computed + n):
-                got = self.shadow.get((r.block_table[p // bs], p % bs))
-                assert got == tuple(ids[: p + 1]), f"{r.request_id} reads wrong K/V at position {p}"
+            for g, (table, w) in enumerate(self._tables(r)):
+                lo = 0 if w is None else max(0, r.num_computed - w + 1)
+                for p in range(lo, r.num_computed + n):
+                    got = self.shadow.get((table[p // bs], p % bs))
+                    assert got == (g, tuple(ids[: p + 1])), f"{r.request_id} reads wrong K/V at {p} in group {g}"
 
         # -- apply results as LLMEngine.step does
         self.prefill_sum += batch.num_prefill_tokens
@@ -139,6 +152,9 @@ class KVMachine(RuleBasedStateMachine):
         self.check()
         return bool(batch.requests)
 
+    def _tables(self, r: Request):
+        return [(r.block_table, None)] + list(zip(r.kv_tables, self.groups))
+
     # -- operations -----------------------------------------------------------------------------
     @rule(src=st.integers(0, 1000), keep=st.integers(0, MAX_PROMPT), suffix=st.lists(tok, max_size=MAX_PROMPT),
           max_tokens=st.integers(1, 16))
@@ -147,7 +163,15 @@ class KVMachine(RuleBasedStateMachine):
         base = pool[src % len(pool)][:keep] if pool else []
         prompt = (base + suffix)[: min(MAX_PROMPT, self.cap - 1)] or [suffix[0] if suffix else 0]
         max_tokens = min(max_tokens, self.cap - len(prompt))
-        assert -(-(len(prompt) + max_tokens) // self.bs) <= self.bm.num_blocks
+
+        def need():  # the engine's admission check (inferd.engine.processor.check_request)
+            return kv_blocks_needed(len(prompt), max_tokens, 1, self.bs, self.groups, self.budget)
+
+        while need() > self.bm.num_blocks and max_tokens > 1:
+            max_tokens -= 1
+        while need() > self.bm.num_blocks and len(prompt) > 1:
+            prompt = prompt[:-1]
+        assert need() <= self.bm.num_blocks
         req = Request(f"r{self.n_ids}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0),
                       arrival=float(self.n_ids))
         self.n_ids += 1
@@ -182,18 +206,23 @@ class KVMachine(RuleBasedStateMachine):
         assert bm.num_free + bm.num_used == bm.num_blocks
         assert len(s.running) <= self.max_seqs
         for r in s.waiting:
-            assert not r.block_table and r.num_computed == 0 and r.status == Status.WAITING
+            assert not r.block_table and not r.kv_tables and r.num_computed == 0 and r.status == Status.WAITING
         holders: dict[int, list[tuple[Request, int]]] = {}
         for r in s.running:
             assert r.status == Status.RUNNING
             assert len(r.block_table) * bs >= r.num_computed
             assert r.num_computed < r.num_tokens  # a computed tail always produced a token
             assert len(set(r.block_table)) == len(r.block_table), f"duplicate block in {r.request_id}"
-            for i, b in enumerate(r.block_table):
-                holders.setdefault(b, []).append((r, i))
-                key = bm.key_of[b]
-                if key is not None:  # a cached block holds exactly the tokens its key names
-                    assert list(key[1]) == r.all_ids[i * bs:(i + 1) * bs]
+            for g, (table, _) in enumerate(self._tables(r)):
+                for i, b in enumerate(table):
+                    if b == bm.NULL:
+                        continue
+                    holders.setdefault(b, []).append((r, i))
+                    key = bm.key_of[b]
+                    if key is not None and g == 0:  # a cached block holds exactly the tokens its key names
+                        assert list(key[1]) == r.all_ids[i * bs:(i + 1) * bs]
+                    elif key is not None:  # a window group's block: its group, the full chain's hash
+                        assert key == ("group", g - 1, r.block_hashes[i])
         for b, hs in holders.items():
             if len(hs) > 1:
                 event("shared block")  # only full, hashed prefix-cache blocks are shared
@@ -201,7 +230,7 @@ class KVMachine(RuleBasedStateMachine):
                 assert len({i for _, i in hs}) == 1
                 assert all((i + 1) * bs <= r.num_computed for r, i in hs)
         for r in self.finished + self.aborted:
-            assert not r.block_table
+            assert not r.block_table and not r.kv_tables
 
     def teardown(self):
         if not hasattr(self, "bm"):
