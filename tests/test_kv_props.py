@@ -9,7 +9,6 @@ cached blocks hold what their key says, a window group holds every position its 
 """
 from __future__ import annotations
 
-
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
