@@ -46,7 +46,7 @@ _GEMMA_BLOCK = {
     "post_feedforward_layernorm": "post_ffw_norm",
 }
 # llama.cpp's converter writes Gemma's norm weights as 1 + w (its RMSNorm multiplies by the weight)
-NORM_PLUS_ONE = {"gemma3"}
+NORM_PLUS_ONE = {"gemma2", "gemma3"}
 
 
 def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -116,8 +116,12 @@ def write_gguf(model, path, arch: str, *, qtype=None, rope_freqs: bool = True) -
         w.add_expert_used_count(c.num_experts_per_tok)
         if getattr(c, "moe_intermediate_size", None):
             w.add_expert_feed_forward_length(c.moe_intermediate_size)
-    if getattr(c, "sliding_window", None) and arch in ("gemma3", "phi3"):  # as llama.cpp's converter
+    if getattr(c, "sliding_window", None) and arch in ("gemma2", "gemma3", "phi3"):  # as llama.cpp's converter
         w.add_sliding_window(c.sliding_window)
+    if getattr(c, "attn_logit_softcapping", None):
+        w.add_attn_logit_softcapping(c.attn_logit_softcapping)
+    if getattr(c, "final_logit_softcapping", None):
+        w.add_final_logit_softcapping(c.final_logit_softcapping)
     tensors: dict[str, np.ndarray] = {}
     sd = model.state_dict()
     tied = bool(getattr(c, "tie_word_embeddings", False))

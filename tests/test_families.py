@@ -71,6 +71,12 @@ FAMILIES = {
                   {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True}),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", "olmoe",
               {"num_experts": 8, "num_experts_per_tok": 2, "pad_token_id": 0}),
+    # Gemma 2: every other layer local (window 16); the attention logits capped at 2 (the real models'
+    # 50 would barely bend a tiny model's scores: this cap must show, or a missing one passes), the
+    # final ones at 30; query_pre_attn_scalar = head_dim
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", "gemma2",
+               {"num_hidden_layers": 4, "sliding_window": 16, "query_pre_attn_scalar": 16,
+                "attn_logit_softcapping": 2.0, "final_logit_softcapping": 30.0, "tie_word_embeddings": True}),
     # six layers: llama.cpp's Gemma 3 pattern (five local, then one global); a window of 16 that the
     # 88-token sequence outruns; query_pre_attn_scalar = head_dim, as in every Gemma 3 but 27B (a GGUF
     # has no key for it: llama.cpp derives it, see test_gemma3_query_scale_is_the_configs)
@@ -164,9 +170,10 @@ def test_family_through_the_engine(family, tmp_path):
     # shared prefixes (cache hits), copy-style prompts (n-gram matches), prompts past every window
     reqs = make_requests(seed=1, n=8, vocab=vocab, shared_prefixes=2) + mixed_requests(n=8, vocab=vocab)
     ref = reference_outputs(lm.model, reqs)
-    # Gemma 3's blocks hold one layer of one KV group (six groups; 200 is about half the memory of 64
-    # blocks of six layers), every other family's all its layers
-    got, eng = run_engine(lm, reqs, max_num_batched_tokens=32, num_kv_blocks=200 if family == "gemma3" else 64,
+    # a Gemma block holds the layers of one KV group (Gemma 3 here: six groups of one layer, 200 of them
+    # about half the memory of 64 blocks of six layers; Gemma 2: two groups of two), any other
+    # family's block all its layers
+    got, eng = run_engine(lm, reqs, max_num_batched_tokens=32, num_kv_blocks={"gemma3": 200, "gemma2": 100}.get(family, 64),
                           block_size=8, enable_prefix_caching=True)
     compare(got, ref)
     s = eng.stats

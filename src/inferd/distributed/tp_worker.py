@@ -65,7 +65,8 @@ def serve(spec: dict) -> int:
         pool = KVPool(layout.group_size, setup["num_blocks"] + (layout.num_groups > 1), setup["block_size"],
                       model.layers[0].n_kv, mcfg.head_dim, kv_dtype, model.device)
         attention = SpecPagedAttention if setup["speculative"] else PagedAttention
-        attn = attention(pool, mcfg.head_dim, setup["window"], scale=attention_scale(mcfg), layout=layout)
+        attn = attention(pool, mcfg.head_dim, setup["window"], scale=attention_scale(mcfg), layout=layout,
+                         softcap=mcfg.attn_logit_softcapping)
         runner = ModelRunner(model, attn, enforce_eager=True, comm=comm)
         from inferd.distributed.tp_group import ready_counts
         from inferd.quant.linear import weight_bytes

@@ -110,7 +110,7 @@ class LLMEngine:
                            "kv_dtype": str(kv_dtype).replace("torch.", ""),
                            "speculative": cfg.speculative_method is not None})
         self.runner = ModelRunner(self.model, attention(self.pool, mcfg.head_dim, window, scale=attention_scale(mcfg),
-                                                        layout=layout),
+                                                        layout=layout, softcap=mcfg.attn_logit_softcapping),
                                   cfg.enforce_eager,
                                   comm=self.tp.comm if self.tp is not None else None)
         self.requests: dict[str, Request] = {}

@@ -77,13 +77,13 @@ def kv_counts(m: str) -> dict:
             "cached": m.count(KV_CACHED)}
 
 
-def _listed(reqs, now: float) -> list[dict]:
+def _listed(reqs, now: float, held) -> list[dict]:
     out = []
     for r in list(reqs)[:MAX_LISTED]:
         out.append({"id": shown_id(r),
                     "phase": "prefill" if r.num_computed < r.num_prompt else "decode",
                     "prompt_tokens": r.num_prompt, "output_tokens": len(r.output_ids),
-                    "computed_tokens": r.num_computed, "blocks": len(r.block_table),
+                    "computed_tokens": r.num_computed, "blocks": held(r),
                     "preemptions": r.num_preemptions, "age_ms": round((now - r.timings.arrived) * 1e3, 1)})
     return out
 
@@ -124,7 +124,7 @@ def engine_state(engine, steps: int = STEP_HISTORY) -> dict:
         "step": stats.steps,
         "time": time.time(),
         "num_running": len(sched.running), "num_waiting": engine.num_waiting(),
-        "running": _listed(sched.running, now), "waiting": _listed(waiting, now),
+        "running": _listed(sched.running, now, bm.held_blocks), "waiting": _listed(waiting, now, bm.held_blocks),
         "kv": kv,
         "steps": {"fields": list(History.STEP_FIELDS), "rows": list(hist.steps)[-steps:] if steps > 0 else []},
         "finished": {"fields": list(History.FINISHED_FIELDS), "rows": list(hist.finished)},

@@ -48,16 +48,18 @@ def config_from_metadata(meta: dict[str, Any], rope_freqs: np.ndarray | None = N
                      moe_intermediate_size=int(g("expert_feed_forward_length", g("feed_forward_length"))),
                      # llama.cpp renormalises the top-k weights for Mixtral and Qwen3-MoE, never for OLMoE
                      norm_topk_prob=fam.name != "olmoe")
-    if fam.name == "gemma3":
-        # what llama.cpp assumes for every Gemma 3 file: 5 local layers in every 6, a local RoPE base of
-        # 10,000, the query scale 1/sqrt(head_dim) (27B: 1/sqrt(hidden / heads), its
-        # query_pre_attn_scalar)
-        pattern = int(g("attention.sliding_window_pattern", 6))
+    if fam.name in ("gemma2", "gemma3"):
+        # what llama.cpp assumes for every Gemma 2/3 file: local layers every other layer (Gemma 2,
+        # the first local) or 5 in every 6 (Gemma 3, with a local RoPE base of 10,000); the query scale
+        # 1/sqrt(head_dim), but for the 27B models (46 and 62 layers) 1/sqrt(hidden / heads), their
+        # query_pre_attn_scalar
+        pattern = int(g("attention.sliding_window_pattern", 6 if fam.name == "gemma3" else 2))
         extra = dict(
             layer_types=["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)],
-            rope_local_theta=10000.0,
-            query_scale=(hidden / n_heads if n_layers == 62 else head_dim) ** -0.5,
+            rope_local_theta=10000.0 if fam.name == "gemma3" else None,
+            query_scale=(hidden / n_heads if n_layers in (46, 62) else head_dim) ** -0.5,
             final_logit_softcapping=g("final_logit_softcapping"),
+            attn_logit_softcapping=g("attn_logit_softcapping"),
         )
     return ModelConfig(
         architecture=fam.name,

@@ -32,6 +32,7 @@ class ModelConfig:
     rope_local_theta: float | None = None  # the RoPE base of sliding layers where it differs (Gemma 3)
     query_scale: float | None = None  # attention's softmax scale; None: head_dim ** -0.5
     final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None  # Gemma 2: cap * tanh(scores / cap) before the softmax
     # mixture of experts (model/moe.py): experts, experts a token is routed to, each expert's MLP width
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -58,6 +59,8 @@ def config_from_hf(d: dict) -> ModelConfig:
     if layer_types is None and d.get("sliding_window_pattern"):  # older Gemma 3 configs
         n = int(d["sliding_window_pattern"])
         layer_types = ["sliding_attention" if (i + 1) % n else "full_attention" for i in range(d["num_hidden_layers"])]
+    if layer_types is None and arch == "gemma2":  # configs before transformers 4.53: even layers slide
+        layer_types = ["full_attention" if i % 2 else "sliding_attention" for i in range(d["num_hidden_layers"])]
     scalar = d.get("query_pre_attn_scalar")
     experts = int(d.get("num_local_experts") or d.get("num_experts") or 0)
     if experts and (d.get("mlp_only_layers") or (d.get("decoder_sparse_step") or 1) != 1):
@@ -88,6 +91,7 @@ def config_from_hf(d: dict) -> ModelConfig:
         rope_local_theta=(local or {}).get("rope_theta", d.get("rope_local_base_freq")),
         query_scale=float(scalar) ** -0.5 if scalar else None,
         final_logit_softcapping=d.get("final_logit_softcapping"),
+        attn_logit_softcapping=d.get("attn_logit_softcapping"),
         num_experts=experts,
         num_experts_per_tok=int(d.get("num_experts_per_tok") or 0),
         # Mixtral's experts are intermediate_size wide and always renormalised

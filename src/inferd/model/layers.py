@@ -132,6 +132,34 @@ class Linear(nn.Linear):
         return y if self.bias is None else y + self.bias
 
 
+def norm_qk_heads(qkv: torch.Tensor, nq: int, nk: int, q_norm: nn.Module, k_norm: nn.Module):
+    """Normalise each query and key head of qkv [T, heads, head_dim] in place (Qwen3, Gemma 3): qkv is
+    a step's own projection output, and the v heads stay untouched."""
+    qkv[:, :nq] = q_norm(qkv[:, :nq])
+    qkv[:, nq:nq + nk] = k_norm(qkv[:, nq:nq + nk])
+
+
+def attend(q, k, v, *, scale: float, mask=None, causal: bool = False, softcap: float | None = None):
+    """Attention of q [B, H, Q, D] over k, v [B, Hkv, K, D] (grouped-query), `mask` [.., Q, K] True
+    where a query may attend. `softcap`: Gemma 2's attention-logit soft-capping, cap * tanh(s / cap)
+    on the scaled scores before the mask; SDPA has no hook for it, so those models take the explicit
+    maths here (in fp32)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                              scale=scale, enable_gqa=True)
+    rep = q.shape[-3] // k.shape[-3]
+    kf = k.float().repeat_interleave(rep, dim=-3) if rep > 1 else k.float()
+    vf = v.float().repeat_interleave(rep, dim=-3) if rep > 1 else v.float()
+    s = torch.matmul(q.float(), kf.transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    if mask is None and causal:
+        n_q, n_k = s.shape[-2], s.shape[-1]
+        mask = torch.ones(n_q, n_k, dtype=torch.bool, device=s.device).tril(n_k - n_q)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1), vf).to(q.dtype)
+
+
 class ContiguousKV:
     """One sequence's KV cache as plain [max_len, n_kv, head_dim] tensors per layer.
 
@@ -144,6 +172,7 @@ class ContiguousKV:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.scale = attention_scale(cfg)
+        self.softcap = cfg.attn_logit_softcapping
         w = attention_windows(cfg)
         self.windows = w if isinstance(w, list) else [w] * cfg.num_hidden_layers
         self.positions: torch.Tensor | None = None
@@ -161,12 +190,6 @@ class ContiguousKV:
         mask = j[None, :] <= pos[:, None]
         if self.windows[layer] is not None:
             mask &= j[None, :] > pos[:, None] - self.windows[layer]
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),
-            keys.transpose(0, 1).unsqueeze(0),
-            vals.transpose(0, 1).unsqueeze(0),
-            attn_mask=mask,
-            scale=self.scale,
-            enable_gqa=True,
-        )
+        o = attend(q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
+                   vals.transpose(0, 1).unsqueeze(0), mask=mask, scale=self.scale, softcap=self.softcap)
         return o.squeeze(0).transpose(0, 1).reshape(q.shape[0], -1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from inferd.model.config import ModelConfig
-from inferd.model.layers import RMSNorm
+from inferd.model.layers import RMSNorm, norm_qk_heads
 from inferd.model.llama import DecoderLayer, LlamaModel
 
 
@@ -16,10 +16,7 @@ class Qwen3DecoderLayer(DecoderLayer):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
     def rotate(self, qkv: torch.Tensor, cos, sin, ops) -> torch.Tensor:
-        nq, nk = self.n_heads, self.n_kv
-        # qkv is this step's own projection output: normalised in place, the v heads untouched
-        qkv[:, :nq] = self.q_norm(qkv[:, :nq])
-        qkv[:, nq:nq + nk] = self.k_norm(qkv[:, nq:nq + nk])
+        norm_qk_heads(qkv, self.n_heads, self.n_kv, self.q_norm, self.k_norm)
         return super().rotate(qkv, cos, sin, ops)
 
 

@@ -32,6 +32,11 @@ class Family:
     tested: str = ""  # what the suite holds it to (docs/reference/models.md)
 
 
+# Gemma's four norms a layer: llama.cpp calls the pre-MLP one ffn_norm, as Llama's single one
+_GEMMA_NAMES = (("ffn_norm.weight", "pre_feedforward_layernorm.weight"),
+                ("post_attention_norm.weight", "post_attention_layernorm.weight"),
+                ("post_ffw_norm.weight", "post_feedforward_layernorm.weight"))
+
 FAMILIES: tuple[Family, ...] = (
     Family("llama", "llama", "LlamaModel", ("LlamaForCausalLM",), ("llama",), True,
            tested="HF and GGUF (Llama 3 RoPE from rope_type or rope_freqs); the whole engine suite; TP"),
@@ -53,11 +58,12 @@ FAMILIES: tuple[Family, ...] = (
            tested="HF and GGUF; the engine; int8 experts on the W8A8 kernel; TP=2 (whole experts a rank)"),
     Family("olmoe", "moe", "OlmoeModel", ("OlmoeForCausalLM",), ("olmoe",), False,
            tested="HF and GGUF; the engine; one matmul per active expert"),
+    Family("gemma2", "gemma2", "Gemma2Model", ("Gemma2ForCausalLM",), ("gemma2",), False, sliding_window=True,
+           gguf_names=_GEMMA_NAMES, gguf_norm_offset=1.0,
+           tested="HF and GGUF (attention and final soft-capping, every other layer local, past the window); "
+                  "the engine"),
     Family("gemma3", "gemma3", "Gemma3Model", ("Gemma3ForCausalLM",), ("gemma3",), False, sliding_window=True,
-           gguf_names=(("ffn_norm.weight", "pre_feedforward_layernorm.weight"),
-                       ("post_attention_norm.weight", "post_attention_layernorm.weight"),
-                       ("post_ffw_norm.weight", "post_feedforward_layernorm.weight")),
-           gguf_norm_offset=1.0,
+           gguf_names=_GEMMA_NAMES, gguf_norm_offset=1.0,
            tested="HF and GGUF (local and global layers, past the window); the engine; "
                   "the real Gemma 3 270M Q4_K_M (`--model gemma3-270m`)"),
 )

@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from inferd.model.layers import attend
 from inferd.worker.kv_pool import KVLayout, KVPool
 
 
@@ -38,18 +38,23 @@ class _Group:
 
 class PagedAttention:
     def __init__(self, pool: KVPool, head_dim: int, sliding_window: int | None | list = None,
-                 use_kernel: bool = True, scale: float | None = None, layout: KVLayout | None = None):
+                 use_kernel: bool = True, scale: float | None = None, layout: KVLayout | None = None,
+                 softcap: float | None = None):
         """`sliding_window`: one window for every layer, or a list of one per layer (None where a layer
         sees the whole context: Gemma's global layers); model.config.attention_windows gives it.
         `scale`: the softmax scale (default head_dim ** -0.5; Gemma's query_pre_attn_scalar).
         `layout`: KV groups (inferd.worker.kv_pool): each group's layers live in the pool rows and
-        blocks of that group's own tables (prepare's kv_tables); None: every layer in one table."""
+        blocks of that group's own tables (prepare's kv_tables); None: every layer in one table.
+        `softcap`: Gemma 2's attention-logit soft-capping (model.layers.attend's explicit maths; the
+        compiled kernel has none, so such a model decodes through it too)."""
         self.pool = pool
+        self.softcap = softcap
         self.layout = layout if layout is not None and layout.num_groups > 1 else None
         self._states: list[tuple] = []  # per KV group: (slot_mapping, groups), made by prepare
         self.kernel = None
         # the compiled decode kernel reads fp32 or bf16 caches; any other (fp16) takes the SDPA path
-        if use_kernel and pool.k.device.type == "cpu" and pool.k.dtype in (torch.float32, torch.bfloat16):
+        if (use_kernel and softcap is None and pool.k.device.type == "cpu"
+                and pool.k.dtype in (torch.float32, torch.bfloat16)):
             from inferd.kernels import native
 
             self.kernel = native.ops()
@@ -155,10 +160,9 @@ class PagedAttention:
         kg = kc[g.kv_slots].permute(0, 2, 1, 3)  # [B, Hkv, K, D]
         vg = vc[g.kv_slots].permute(0, 2, 1, 3)
         if g.causal and window is None:
-            o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=self.scale, enable_gqa=True)
+            o = attend(qg, kg, vg, causal=True, scale=self.scale, softcap=self.softcap)
         else:
-            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.masks[window], scale=self.scale,
-                                               enable_gqa=True)
+            o = attend(qg, kg, vg, mask=g.masks[window], scale=self.scale, softcap=self.softcap)
         o = o.permute(0, 2, 1, 3).reshape(B * Q, H * D)
         if g.out_sel is not None:
             o = o[g.out_sel]
@@ -212,9 +216,8 @@ class PagedAttention:
             return self._with_kernel(layer, q, kc, vc, window)
         if len(self.groups) == 1 and self.groups[0].out_sel is None:  # all decodes: rows in order
             g = self.groups[0]
-            o = F.scaled_dot_product_attention(qc.unsqueeze(2), kc[g.kv_slots].transpose(1, 2),
-                                               vc[g.kv_slots].transpose(1, 2), attn_mask=g.masks[window],
-                                               scale=self.scale, enable_gqa=True)
+            o = attend(qc.unsqueeze(2), kc[g.kv_slots].transpose(1, 2), vc[g.kv_slots].transpose(1, 2),
+                       mask=g.masks[window], scale=self.scale, softcap=self.softcap)
             return o.view(T, H * D).to(q.dtype)
         out = torch.empty(T, H * D, dtype=q.dtype, device=q.device)
         for g in self.groups:

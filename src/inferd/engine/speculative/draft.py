@@ -94,7 +94,8 @@ class DraftProposer:
         pool = KVPool(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
                       model.dtype, model.device)
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
-        self.attn = SpecPagedAttention(pool, cfg.head_dim, sliding_window, scale=attention_scale(cfg))
+        self.attn = SpecPagedAttention(pool, cfg.head_dim, sliding_window, scale=attention_scale(cfg),
+                                       softcap=cfg.attn_logit_softcapping)
         self.seqs: dict[str, DraftSeq] = {}
         self.forwards = 0
 
