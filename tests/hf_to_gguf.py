@@ -149,6 +149,13 @@ def write_gguf(model, path, arch: str, *, qtype=None, rope_freqs: bool = True) -
         tensors[g] = a
     if rope_freqs and rp.get("rope_type") == "llama3":
         tensors["rope_freqs.weight"] = llama3_rope_factors(rp, theta, head_dim)
+    if rp.get("rope_type") == "longrope":  # Phi-3: both factor sets as tensors, as llama.cpp's converter
+        tensors["rope_factors_long.weight"] = np.array(rp["long_factor"], dtype=np.float32)
+        tensors["rope_factors_short.weight"] = np.array(rp["short_factor"], dtype=np.float32)
+        orig = rp.get("original_max_position_embeddings") or c.original_max_position_embeddings
+        w.add_rope_scaling_orig_ctx_len(orig)
+        s = c.max_position_embeddings / orig
+        w.add_rope_scaling_attn_factors(rp.get("attention_factor") or math.sqrt(1 + math.log(s) / math.log(orig)))
     # norms and rope_freqs stay F32, as llama.cpp's quantizer leaves one-dimensional tensors
     finish(w, {g: (a, None if a.ndim == 1 else qtype) for g, a in tensors.items()})
     return str(path)

@@ -253,3 +253,27 @@ def test_two_ranks_give_the_reference_tokens(family, tmp_path):
             assert eng.model.layers[0].experts.owned == frozenset({0, 2, 4, 6})
     finally:
         eng.close()
+
+
+def test_phi3_longrope_from_either_form_equals_transformers(tmp_path):
+    """Phi-3's LongRoPE (the 128k models): per-frequency divisors, a long set past the original
+    context (32 here) and a short one before it, and cos/sin scaled by sqrt(1 + ln 16 / ln 32) for
+    a 16x extension; from config.json and from the GGUF's rope_factors_long/short tensors. Over a
+    sequence past the original context (transformers then takes the long set, as inferd does for a
+    model that serves past it), teacher-forced."""
+    long = [1.0 + 0.5 * i for i in range(8)]
+    short = [1.0 + 0.05 * i for i in range(8)]
+    hf = tiny("phi3", rope_parameters={"rope_type": "longrope", "long_factor": long, "short_factor": short,
+                                       "rope_theta": 10000.0}, original_max_position_embeddings=32)
+    hf.save_pretrained(tmp_path / "hf")
+    ids = sequence(hf)
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    for form in (str(tmp_path / "hf"), write_gguf(hf, tmp_path / "m.gguf", "phi3")):
+        lm = load_model(form, dtype="float32", with_tokenizer=False)
+        assert lm.config.rope_scaling["rope_type"] == "longrope"
+        assert_teacher_forced(our_logits(lm, ids), ref, 0)
+    # the factors matter: the plain RoPE is far off past the original context
+    lm.config.rope_scaling = None
+    lm.model.rope.reset("cpu")
+    assert (our_logits(lm, ids)[40:] - ref[40:]).abs().max() > 1e-2

@@ -15,9 +15,10 @@ from inferd.errors import InferdError
 from inferd.gguf_file import unpermute_qk
 
 
-def config_from_metadata(meta: dict[str, Any], rope_freqs: np.ndarray | None = None):
-    """`rope_freqs`: the file's `rope_freqs.weight` tensor where it has one. llama.cpp's converter
-    stores Llama 3.x's RoPE scaling there (one divisor per rotary frequency), not in the metadata."""
+def config_from_metadata(meta: dict[str, Any], rope_tensors: dict[str, np.ndarray] | None = None):
+    """`rope_tensors`: the file's RoPE scaling tensors (`rope_tensors(reader)`). llama.cpp's converter
+    stores Llama 3.x's RoPE scaling there (`rope_freqs`, one divisor per rotary frequency) and
+    Phi-3's LongRoPE factors, not in the metadata."""
     from inferd.model import registry
     from inferd.model.config import ModelConfig
 
@@ -37,8 +38,14 @@ def config_from_metadata(meta: dict[str, Any], rope_freqs: np.ndarray | None = N
     rope_scaling = None
     if g("rope.scaling.type") in ("linear",) and g("rope.scaling.factor"):
         rope_scaling = {"rope_type": "linear", "factor": float(g("rope.scaling.factor"))}
-    if rope_freqs is not None:
-        rope_scaling = {"rope_type": "freq_factors", "factors": [float(f) for f in np.asarray(rope_freqs).reshape(-1)]}
+    rope = rope_tensors or {}
+    if "rope_freqs.weight" in rope:
+        rope_scaling = {"rope_type": "freq_factors", "factors": [float(f) for f in rope["rope_freqs.weight"]]}
+    if "rope_factors_long.weight" in rope:  # Phi-3's LongRoPE, as llama.cpp's converter writes it
+        rope_scaling = {"rope_type": "longrope", "long_factor": [float(f) for f in rope["rope_factors_long.weight"]],
+                        "short_factor": [float(f) for f in rope["rope_factors_short.weight"]],
+                        "original_max_position_embeddings": int(g("rope.scaling.original_context_length")),
+                        "attention_factor": g("rope.scaling.attn_factor")}
     n_layers = int(g("block_count"))
     head_dim = int(g("attention.key_length", hidden // n_heads))
     window = g("attention.sliding_window")
@@ -163,7 +170,7 @@ def load_gguf_state_dict(reader, cfg) -> dict[str, torch.Tensor]:
     for t in reader.tensors:
         ours = gguf_name_to_ours(t.name, names)
         if ours is None:
-            continue  # e.g. rope_freqs: read into the config (rope_freqs_tensor)
+            continue  # e.g. rope_freqs: read into the config (rope_tensors)
         w = torch.from_numpy(dequantize_tensor(t).copy())
         if fam.gguf_norm_offset and ours.endswith("norm.weight"):
             w -= fam.gguf_norm_offset
@@ -177,9 +184,10 @@ def load_gguf_state_dict(reader, cfg) -> dict[str, torch.Tensor]:
     return sd
 
 
-def rope_freqs_tensor(reader) -> np.ndarray | None:
-    """The `rope_freqs.weight` divisors as float32, or None when the file has none."""
-    for t in reader.tensors:
-        if t.name == "rope_freqs.weight":
-            return dequantize_tensor(t).reshape(-1)
-    return None
+ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+
+
+def rope_tensors(reader) -> dict[str, np.ndarray]:
+    """The RoPE scaling tensors the file has (Llama 3.x's `rope_freqs` divisors, Phi-3's long and short
+    LongRoPE factors), as float32 vectors by tensor name."""
+    return {t.name: dequantize_tensor(t).reshape(-1) for t in reader.tensors if t.name in ROPE_TENSORS}

@@ -7,7 +7,7 @@ from typing import Any
 from inferd.errors import InferdError
 
 # what model.layers.rope_inv_freq computes (freq_factors: a GGUF's rope_freqs tensor)
-ROPE_TYPES = (None, "default", "linear", "llama3")
+ROPE_TYPES = (None, "default", "linear", "llama3", "longrope")
 
 
 @dataclass
@@ -67,6 +67,10 @@ def config_from_hf(d: dict) -> ModelConfig:
         raise InferdError("a mixture of experts with dense layers among the sparse ones is not supported")
     rope_scaling = d.get("rope_scaling") or _rope_params_scaling(rp)
     kind = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type"))
+    if kind in ("longrope", "su"):  # Phi-3: its original context may sit beside the scaling
+        orig = rope_scaling.get("original_max_position_embeddings", d.get("original_max_position_embeddings"))
+        rope_scaling = {**rope_scaling, "rope_type": "longrope", "original_max_position_embeddings": int(orig)}
+        kind = "longrope"
     if kind not in ROPE_TYPES:
         raise InferdError(f"RoPE scaling {kind!r} is not supported (supported: {', '.join(ROPE_TYPES[2:])})")
     if float(rp.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))) != 1.0:

@@ -41,9 +41,28 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         if factors.numel() != inv.numel():
             raise ValueError(f"rope_freqs has {factors.numel()} factors, the head needs {inv.numel()}")
         inv = inv / factors
+    elif kind == "longrope":
+        # Phi-3: one divisor per frequency, the long set where the model serves past its original
+        # context (llama.cpp's rule, by the context it serves; transformers picks per forward by the
+        # sequence's length, so the two agree past the original context and differ before it)
+        long = cfg.max_position_embeddings > int(rs["original_max_position_embeddings"])
+        inv = inv / torch.tensor(rs["long_factor" if long else "short_factor"], dtype=torch.float64)
     elif kind not in (None, "default"):
         raise ValueError(f"unsupported rope scaling {kind!r}")
     return inv.float()
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """What LongRoPE multiplies cos and sin by (1 elsewhere): its `attention_factor`, or by default
+    sqrt(1 + ln(s) / ln(original context)) for the extension s = context / original context."""
+    rs = cfg.rope_scaling or {}
+    if rs.get("rope_type") != "longrope":
+        return 1.0
+    if rs.get("attention_factor") is not None:
+        return float(rs["attention_factor"])
+    orig = int(rs["original_max_position_embeddings"])
+    s = float(rs.get("factor") or cfg.max_position_embeddings / orig)
+    return 1.0 if s <= 1.0 else math.sqrt(1 + math.log(s) / math.log(orig))
 
 
 class Rope(nn.Module):
@@ -67,8 +86,9 @@ class Rope(nn.Module):
             n = max(n, 4096)
             t = torch.arange(n, dtype=torch.float32, device=device)
             freqs = torch.outer(t, self.inv_freq.to(device))
-            self.cos = torch.cat([freqs, freqs], dim=-1).cos()
-            self.sin = torch.cat([-freqs, freqs], dim=-1).sin()
+            m = rope_attention_factor(self.cfg)
+            self.cos = torch.cat([freqs, freqs], dim=-1).cos() * m
+            self.sin = torch.cat([-freqs, freqs], dim=-1).sin() * m
         return self.cos, self.sin
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,6 +30,8 @@ class Family:
     gguf_names: tuple[tuple[str, str], ...] = ()
     gguf_norm_offset: float = 0.0
     tested: str = ""  # what the suite holds it to (docs/reference/models.md)
+    # the family's chat format (inferd/model/templates/NAME.jinja) for a file that has no template
+    chat_template: str | None = None
 
 
 # Gemma's four norms a layer: llama.cpp calls the pre-MLP one ffn_norm, as Llama's single one
@@ -49,7 +51,8 @@ FAMILIES: tuple[Family, ...] = (
     # Phi-3 is the Llama layer with q/k/v and gate/up stored fused, as inferd holds them anyway
     Family("phi3", "llama", "LlamaModel", ("Phi3ForCausalLM",), ("phi3",), False, sliding_window=True,
            gguf_names=(("attn_qkv.weight", "qkv_proj.weight"), ("ffn_up.weight", "gate_up_proj.weight")),
-           tested="HF and GGUF (fused q/k/v and gate/up, sliding window); the engine"),
+           tested="HF and GGUF (fused q/k/v and gate/up, sliding window, LongRoPE from config.json or the "
+                  "rope_factors_long/short tensors); the engine"),
     # llama.cpp's converter writes Mixtral as `llama` with an expert count (loading/gguf.py tells them apart)
     Family("mixtral", "moe", "MixtralModel", ("MixtralForCausalLM",), ("mixtral",), True,
            tested="HF and GGUF (as llama.cpp writes it: arch llama with experts); the engine; "
@@ -59,14 +62,25 @@ FAMILIES: tuple[Family, ...] = (
     Family("olmoe", "moe", "OlmoeModel", ("OlmoeForCausalLM",), ("olmoe",), False,
            tested="HF and GGUF; the engine; one matmul per active expert"),
     Family("gemma2", "gemma2", "Gemma2Model", ("Gemma2ForCausalLM",), ("gemma2",), False, sliding_window=True,
-           gguf_names=_GEMMA_NAMES, gguf_norm_offset=1.0,
+           gguf_names=_GEMMA_NAMES, gguf_norm_offset=1.0, chat_template="gemma",
            tested="HF and GGUF (attention and final soft-capping, every other layer local, past the window); "
-                  "the engine"),
+                  "the engine with KV groups (window blocks freed)"),
     Family("gemma3", "gemma3", "Gemma3Model", ("Gemma3ForCausalLM",), ("gemma3",), False, sliding_window=True,
-           gguf_names=_GEMMA_NAMES, gguf_norm_offset=1.0,
-           tested="HF and GGUF (local and global layers, past the window); the engine; "
-                  "the real Gemma 3 270M Q4_K_M (`--model gemma3-270m`)"),
+           gguf_names=_GEMMA_NAMES, gguf_norm_offset=1.0, chat_template="gemma",
+           tested="HF and GGUF (local and global layers, past the window); the engine with KV groups; TP=2; "
+                  "the real Gemma 3 270M Q4_K_M (`--model gemma3-270m`): transformers' tokens and tokenizer, "
+                  "a 4k request holding the windows only, llama.cpp's chat format, structured output"),
 )
+
+
+def default_chat_template(architecture: str) -> str | None:
+    """The family's own chat template, for a model file that carries none (None: the family has none)."""
+    name = by_name(architecture).chat_template
+    if name is None:
+        return None
+    from importlib import resources
+
+    return resources.files("inferd.model").joinpath("templates", f"{name}.jinja").read_text(encoding="utf-8")
 
 
 def supported() -> str:
