@@ -289,7 +289,8 @@ class Tokenizer:
             unk_token_id=tid("unknown_token_id"),
             add_bos=add_bos_default if add_bos is None else bool(add_bos),
             add_eos=bool(add_eos),
-            chat_template=meta.get("tokenizer.chat_template"),
+            chat_template=(meta.get("tokenizer.chat_template")
+                           or _family_template(meta.get("general.architecture"))),
             special_ids=special_ids,
         )
 
@@ -424,6 +425,8 @@ class Tokenizer:
             ct_path = os.path.join(path, "chat_template.json")
             if os.path.isfile(ct_path):
                 template = _pick_template(_read_json(ct_path).get("chat_template"))
+        if template is None and os.path.isfile(os.path.join(path, "config.json")):
+            template = _family_template(_read_json(os.path.join(path, "config.json")).get("model_type"))
 
         tok = cls(
             backend,
@@ -519,6 +522,20 @@ class Tokenizer:
             # The template writes BOS itself when the model wants one.
             return self.encode(text, add_special_tokens=False)
         return text
+
+
+# A model file without a chat template (a base model's) gets its family's own turn format, as llama.cpp
+# falls back on a built-in one: GGUF general.architecture or config.json model_type -> inferd/templates/
+FAMILY_TEMPLATES = {"gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma", "gemma3_text": "gemma"}
+
+
+def _family_template(family: str | None) -> str | None:
+    name = FAMILY_TEMPLATES.get(family or "")
+    if name is None:
+        return None
+    from importlib import resources
+
+    return resources.files("inferd").joinpath("templates", f"{name}.jinja").read_text(encoding="utf-8")
 
 
 def _pick_template(value: Any) -> str | None:

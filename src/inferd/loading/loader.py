@@ -326,10 +326,6 @@ def _load(lc: LoadConfig, shard=None) -> LoadedModel:
             checkpoint = {"parts": take_awq_linears(sd, cfg, awq["group_size"]), "group_size": awq["group_size"]}
         if lc.with_tokenizer and os.path.isfile(os.path.join(src.path, "tokenizer.json")):
             tok = _load_tokenizer(src.path)
-    if tok is not None and tok.chat_template is None:  # a base model's file: its family's own format
-        tok.chat_template = registry.default_chat_template(cfg.architecture)
-        if tok.chat_template:
-            log.info("chat template: none in the model file; %s's own turn format", cfg.architecture)
     name = "awq" if checkpoint else (lc.quantization or "none")
     if method is not None and "gguf" in method.needs and (src.kind != "gguf" or dummy):
         raise InferdError("--quantization gguf needs a .gguf model file")

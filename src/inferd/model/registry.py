@@ -30,8 +30,6 @@ class Family:
     gguf_names: tuple[tuple[str, str], ...] = ()
     gguf_norm_offset: float = 0.0
     tested: str = ""  # what the suite holds it to (docs/reference/models.md)
-    # the family's chat format (inferd/model/templates/NAME.jinja) for a file that has no template
-    chat_template: str | None = None
 
 
 # Gemma's four norms a layer: llama.cpp calls the pre-MLP one ffn_norm, as Llama's single one
@@ -62,25 +60,15 @@ FAMILIES: tuple[Family, ...] = (
     Family("olmoe", "moe", "OlmoeModel", ("OlmoeForCausalLM",), ("olmoe",), False,
            tested="HF and GGUF; the engine; one matmul per active expert"),
     Family("gemma2", "gemma2", "Gemma2Model", ("Gemma2ForCausalLM",), ("gemma2",), False, sliding_window=True,
-           gguf_names=_GEMMA_NAMES, gguf_norm_offset=1.0, chat_template="gemma",
+           gguf_names=_GEMMA_NAMES, gguf_norm_offset=1.0,
            tested="HF and GGUF (attention and final soft-capping, every other layer local, past the window); "
                   "the engine with KV groups (window blocks freed)"),
     Family("gemma3", "gemma3", "Gemma3Model", ("Gemma3ForCausalLM",), ("gemma3",), False, sliding_window=True,
-           gguf_names=_GEMMA_NAMES, gguf_norm_offset=1.0, chat_template="gemma",
+           gguf_names=_GEMMA_NAMES, gguf_norm_offset=1.0,
            tested="HF and GGUF (local and global layers, past the window); the engine with KV groups; TP=2; "
                   "the real Gemma 3 270M Q4_K_M (`--model gemma3-270m`): transformers' tokens and tokenizer, "
                   "a 4k request holding the windows only, llama.cpp's chat format, structured output"),
 )
-
-
-def default_chat_template(architecture: str) -> str | None:
-    """The family's own chat template, for a model file that carries none (None: the family has none)."""
-    name = by_name(architecture).chat_template
-    if name is None:
-        return None
-    from importlib import resources
-
-    return resources.files("inferd.model").joinpath("templates", f"{name}.jinja").read_text(encoding="utf-8")
 
 
 def supported() -> str:
