@@ -410,6 +410,69 @@ def test_sentencepiece_gguf_matches_transformers(wiki_lines):
             assert "".join(deltas) == ours.decode(ids, skip_special_tokens=True), text
 
 
+# ---------------------------------------------------------------------------- Llama 3 and Qwen BPE
+
+# The split regexes Llama 3's and Qwen2's tokenizer.json publish (Split, then ByteLevel without its own
+# regex): digits in runs of up to three for Llama 3, one at a time for Qwen2
+PUBLISHED_SPLITS = {
+    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
+
+
+@pytest.mark.parametrize("pre", list(PUBLISHED_SPLITS))
+def test_llama3_and_qwen_bpe_gguf_match_transformers(pre, wiki_lines, tmp_path):
+    """A byte-level BPE trained here (the `tokenizers` library) with Llama 3's or Qwen2's published
+    pre-tokenizer, saved as a Hugging Face folder (tokenizer.json) and as the GGUF metadata llama.cpp
+    writes for it (tokens, merges, `tokenizer.ggml.pre`): our tokenizer from the GGUF encodes and
+    decodes as transformers does from the folder."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PUBLISHED_SPLITS[pre]), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    hf.decoder = decoders.ByteLevel()
+    hf.train_from_iterator(wiki_lines, trainers.BpeTrainer(
+        vocab_size=3000, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf.save(str(tmp_path / "tokenizer.json"))
+    ref = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+    import json
+
+    model = json.loads(hf.to_str())["model"]
+    vocab = sorted(model["vocab"].items(), key=lambda kv: kv[1])
+    assert [i for _, i in vocab] == list(range(len(vocab)))
+    meta = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": pre,
+        "tokenizer.ggml.tokens": [t for t, _ in vocab],
+        "tokenizer.ggml.token_type": [3 if t in specials else 1 for t, _ in vocab],
+        "tokenizer.ggml.merges": [m if isinstance(m, str) else " ".join(m) for m in model["merges"]],
+        "tokenizer.ggml.bos_token_id": 0,
+        "tokenizer.ggml.eos_token_id": 1,
+        "tokenizer.ggml.add_bos_token": False,
+    }
+    ours = Tokenizer.from_gguf_metadata(meta)
+    digits = "In 2024, 1234567 people paid $3.14159 for 42 items; 007 agents."
+    for text in wiki_lines[:60] + EXTRA_TEXTS + [digits, "<|eot_id|> x <|begin_of_text|>"]:
+        ids = ours.encode(text, add_special_tokens=False)
+        assert ids == ref(text, add_special_tokens=False).input_ids, text
+        for skip in (False, True):
+            assert ours.decode(ids, skip) == ref.decode(ids, skip_special_tokens=skip), text
+    # the two splits differ where they should: Llama 3 cuts digits in threes (merges within them),
+    # Qwen2 one at a time
+    pieces = [ours.decode([i]) for i in ours.encode("1234567", add_special_tokens=False)]
+    cuts = {sum(len(p) for p in pieces[:k]) for k in range(len(pieces) + 1)}
+    if pre == "llama-bpe":
+        assert {3, 6} <= cuts and max(len(p) for p in pieces) > 1
+    else:
+        assert all(len(p) == 1 for p in pieces)
+    assert 2 in ours.eos_token_ids  # <|eot_id|>: the end of a turn stops generation
+
+
 # ---------------------------------------------------------------------------- import hygiene
 
 
