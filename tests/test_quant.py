@@ -135,7 +135,18 @@ def test_quantized_model_is_packed_and_generates(method, tiny_model):
     assert len(out.token_ids) == 8
 
 
-@pytest.mark.parametrize("qt_name", ["Q4_0", "Q4_1"])
+def random_q4k_bytes(rows: int, cols: int, seed: int = 0):
+    """Q4_K blocks as any file may hold them (the `gguf` package has no Q4_K quantizer): random codes,
+    scales and mins, with finite fp16 super-block scales d and dmin."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    blk = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
+    blk[..., 0:4] = rng.uniform(1e-3, 0.05, (rows, cols // 256, 2)).astype(np.float16).view(np.uint8)
+    return blk.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qt_name", ["Q4_0", "Q4_1", "Q4_K"])
 def test_gguf_blocks_roundtrip_bit_exact(tmp_path, qt_name):
     """Our int4 layout of a GGUF block dequantizes to exactly what `gguf` dequantizes (fp32)."""
     import numpy as np
@@ -144,16 +155,17 @@ def test_gguf_blocks_roundtrip_bit_exact(tmp_path, qt_name):
     from inferd.quant.gguf_native import GROUP, int4_blocks
 
     qt = getattr(Q, qt_name)
-    w = np.random.default_rng(0).standard_normal((16, 128)).astype(np.float32)
+    cols = 512
+    w = np.random.default_rng(0).standard_normal((16, cols)).astype(np.float32)
     wr = GGUFWriter(str(tmp_path / "t.gguf"), "llama")
-    wr.add_tensor("x", quants.quantize(w, qt), raw_dtype=qt)
+    wr.add_tensor("x", random_q4k_bytes(16, cols) if qt_name == "Q4_K" else quants.quantize(w, qt), raw_dtype=qt)
     wr.write_header_to_file(); wr.write_kv_data_to_file(); wr.write_tensors_to_file(); wr.close()
     t = GGUFReader(str(tmp_path / "t.gguf")).tensors[0]
     q, s, z = int4_blocks(t)
-    want = torch.from_numpy(np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(16, 128))
+    want = torch.from_numpy(np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(16, cols))
     assert torch.equal(dequantize_int4(q, s, z, GROUP), want)
     lin = Int4Linear(q, s, z, GROUP, None, torch.float32)
-    x = torch.randn(4, 128)
+    x = torch.randn(4, cols)
     torch.testing.assert_close(lin(x), x @ want.t(), atol=1e-4, rtol=1e-4)
 
 

@@ -1,9 +1,12 @@
-"""`--quantization gguf`: serve a GGUF file's own Q4_0 / Q4_1 blocks through the int4 kernel.
+"""`--quantization gguf`: serve a GGUF file's own Q4_0 / Q4_1 / Q4_K blocks through the int4 kernel.
 
 No re-rounding: a block of 32 weights (scale d, plus min m for Q4_1, and 4-bit codes q) becomes one
 group of inferd's int4 form w = q * scale + min with scale = d and min = m (Q4_1) or -8 d (Q4_0):
-the same products and sum gguf's own dequantization computes. Layers stored in other types keep
-their dequantized float weights.
+the same products and sum gguf's own dequantization computes. A Q4_K super-block (256 weights: fp16
+d and dmin, eight 6-bit scales and mins, 4-bit codes) is eight such groups of 32, with
+scale = d * sc and min = -(dmin * m): exact in fp32 (an 11-bit mantissa times a 6-bit integer), and
+again the very products gguf computes. Layers stored in other types keep their dequantized float
+weights.
 """
 from __future__ import annotations
 
@@ -16,12 +19,33 @@ from inferd.gguf_file import unpermute_qk
 GROUP = 32
 
 
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+
+
+def q4k_blocks(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K bytes [N, K / 256 * 144] -> (q int32 [N, K], scale, min fp32 [N, K / 32])."""
+    N = raw.shape[0]
+    blk = raw.reshape(N, -1, 144)
+    d = blk[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)[..., None]  # [N, S, 1]
+    dmin = blk[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)[..., None]
+    sm = blk[..., 4:16].astype(np.uint8)  # eight 6-bit scales and eight 6-bit mins in 12 bytes
+    sc = np.concatenate([sm[..., 0:4] & 63, (sm[..., 8:12] & 0xF) | ((sm[..., 0:4] >> 6) << 4)], axis=-1)
+    mn = np.concatenate([sm[..., 4:8] & 63, (sm[..., 8:12] >> 4) | ((sm[..., 4:8] >> 6) << 4)], axis=-1)
+    qs = blk[..., 16:].reshape(N, -1, 4, 32)  # four runs of 32 bytes: low nibbles one group, high the next
+    q = np.stack([qs & 0xF, qs >> 4], axis=-2).reshape(N, -1).astype(np.int32)
+    scale = (d * sc.astype(np.float32)).reshape(N, -1)
+    minus = -(dmin * mn.astype(np.float32)).reshape(N, -1)
+    return q, scale, minus
+
+
 def int4_blocks(t) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A Q4_0/Q4_1 ReaderTensor -> (q int32 [N, K] in 0..15, scale [N, K/32], min [N, K/32]) fp32."""
+    """A Q4_0/Q4_1/Q4_K ReaderTensor -> (q int32 [N, K] in 0..15, scale [N, K/32], min [N, K/32]) fp32."""
     from gguf import GGMLQuantizationType as Q
 
     raw = np.asarray(t.data)
     N = raw.shape[0]
+    if t.tensor_type == Q.Q4_K:
+        return tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in q4k_blocks(raw))
     size = {Q.Q4_0: 18, Q.Q4_1: 20}[t.tensor_type]
     blk = raw.reshape(N, -1, size)
     d = blk[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
@@ -36,9 +60,7 @@ def int4_blocks(t) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def apply_gguf_int4(model, reader, cfg, dense: bool = False) -> int:
-    """Replace every linear whose GGUF parts are all Q4_0/Q4_1 by an Int4Linear; returns how many."""
-    from gguf import GGMLQuantizationType as Q
-
+    """Replace every linear whose GGUF parts are all Q4_0/Q4_1/Q4_K by an Int4Linear; returns how many."""
     from inferd.quant.linear import Int4Linear
 
     tensors = {t.name: t for t in reader.tensors}
@@ -52,7 +74,7 @@ def apply_gguf_int4(model, reader, cfg, dense: bool = False) -> int:
     for i, layer in enumerate(model.layers):
         for ours, parts in plan.items():
             ts = [tensors.get(f"blk.{i}.{p}.weight") for p in parts]
-            if any(t is None or t.tensor_type not in (Q.Q4_0, Q.Q4_1) for t in ts):
+            if any(t is None or t.tensor_type.name not in INT4_TYPES for t in ts):
                 continue
             qs, ss, zs = [], [], []
             for p, t in zip(parts, ts):
@@ -65,7 +87,7 @@ def apply_gguf_int4(model, reader, cfg, dense: bool = False) -> int:
                                             model.dtype, dense))
             n += 1
     if n == 0:
-        raise InferdError("--quantization gguf needs Q4_0 or Q4_1 weights in the GGUF file")
+        raise InferdError("--quantization gguf needs Q4_0, Q4_1 or Q4_K weights in the GGUF file")
     return n
 
 

@@ -170,18 +170,24 @@ class PagedAttention:
 
     def _group(self, bt, starts, lens, ctx, tok_start, dev, windows: set) -> _Group:
         bs = self.pool.block_size
-        B = bt.shape[0]
-        K = int(ctx.max())
         Q = int(lens.max())
-        kpos = torch.arange(K)
-        slots = (bt[:, :, None] * bs + torch.arange(bs)).reshape(B, -1)[:, :K]
+        # keys from the first one this chunk's first query sees: with one window for every layer of
+        # the call (a KV group, or a model with one window) that skips what no query here can see
+        # (a window group's released blocks among it), a 4k-token prompt's window layers gather
+        # window + chunk keys, not 4k
+        (w_only,) = windows if len(windows) == 1 else (None,)
+        lo = (starts - w_only + 1).clamp(min=0) if w_only is not None else torch.zeros_like(starts)
+        K = int((ctx - lo).max())
+        kpos = lo[:, None] + torch.arange(K)[None, :]  # [B, K] positions
+        kidx = torch.minimum(kpos, (ctx - 1)[:, None])  # padding reads a real slot; the mask drops it
+        slots = bt.gather(1, kidx // bs) * bs + kidx % bs
         qoff = torch.arange(Q)
         q_valid = qoff[None, :] < lens[:, None]  # [B, Q]
         q_index = tok_start[:, None] + torch.minimum(qoff[None, :], (lens - 1)[:, None])
         qpos = starts[:, None] + qoff[None, :]  # [B, Q]
-        mask = kpos[None, None, :] <= qpos[:, :, None]
-        mask &= kpos[None, None, :] < ctx[:, None, None]
-        masks = {w: (mask if w is None else mask & (kpos[None, None, :] > qpos[:, :, None] - w)).unsqueeze(1).to(dev)
+        mask = kpos[:, None, :] <= qpos[:, :, None]
+        mask &= kpos[:, None, :] < ctx[:, None, None]
+        masks = {w: (mask if w is None else mask & (kpos[:, None, :] > qpos[:, :, None] - w)).unsqueeze(1).to(dev)
                  for w in windows}
         flat_valid = q_valid.flatten()
         return _Group(
@@ -193,7 +199,7 @@ class PagedAttention:
             out_sel=None if Q == 1 else torch.nonzero(flat_valid).flatten().to(dev),
             block_tables=bt.contiguous().to(dev) if Q == 1 else None,
             ctx_lens=ctx.contiguous().to(dev) if Q == 1 else None,
-            causal=(B == 1 and Q > 1 and int(starts[0]) == 0 and int(lens[0]) == int(ctx[0])
+            causal=(bt.shape[0] == 1 and Q > 1 and int(starts[0]) == 0 and int(lens[0]) == int(ctx[0])
                     and None in windows),  # for the layers without a window
         )
 
