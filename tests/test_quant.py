@@ -198,3 +198,44 @@ def test_auto_dtype_with_packed_weights_is_bf16_on_cpu():
     assert lm.model.dtype == torch.bfloat16
     lm = load_model("smollm2-135m", load_format="dummy", with_tokenizer=False, quantization="int8", dtype="float32")
     assert lm.model.dtype == torch.float32
+
+
+def test_q8_0_blocks_serve_as_int8_and_w8a8(tmp_path):
+    """A GGUF written all in Q8_0 (tiny Llama weights): `--quantization gguf` keeps every Linear in
+    the file's own codes and fp16 block scales (int8; W8A8 with --quantize-activations), which
+    dequantize bit-exactly to what `gguf` dequantizes; the logits stay the dense model's."""
+    import numpy as np
+    import transformers
+    from gguf import GGMLQuantizationType as Q, GGUFReader, quants
+    from hf_to_gguf import write_gguf
+
+    from inferd.loading.loader import load_model
+    from inferd.model.layers import ContiguousKV
+    from inferd.quant.gguf_native import q8_blocks
+    from inferd.quant.linear import Int8Linear, dequantize_int8
+    from inferd.quant.w4a8 import W8A8Linear
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    path = write_gguf(transformers.LlamaForCausalLM(cfg), tmp_path / "q8.gguf", "llama", qtype=Q.Q8_0)
+    t = next(t for t in GGUFReader(path).tensors if t.name == "blk.0.ffn_down.weight")
+    q, s = q8_blocks(t)
+    want = np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(q.shape)
+    assert torch.equal(dequantize_int8(q, s), torch.from_numpy(want))
+    ref = load_model(path, dtype="float32", with_tokenizer=False)
+    ids = torch.arange(12) * 7
+    pos = torch.arange(12)
+
+    def logits(lm):
+        c = ContiguousKV(lm.config, 16, torch.float32, torch.device("cpu"))
+        c.set_positions(pos)
+        with torch.no_grad():
+            return lm.model.compute_logits(lm.model(ids, pos, c))
+
+    want = logits(ref)
+    for acts, kind in ((False, Int8Linear), (True, W8A8Linear)):
+        lm = load_model(path, dtype="float32", with_tokenizer=False, quantization="gguf", quantize_activations=acts)
+        assert all(isinstance(getattr(x, n), kind) for x in lm.model.layers
+                   for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+        torch.testing.assert_close(logits(lm), want, atol=2e-2 if acts else 1e-4, rtol=0)

@@ -30,7 +30,7 @@ def test_quantized_serve_logs_packed_weights_and_matches_offline(qserver, defaul
 
     url, log = qserver
     text = log.read_text()
-    assert "gguf-native int4: 120 linears" in text and "lm_head int8" in text, text[-2000:]
+    assert "gguf-native: int4 120 linears" in text and "lm_head int8" in text, text[-2000:]
     prompt = "The capital of France is"
     r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 16, "temperature": 0},
                    timeout=120)

@@ -1,4 +1,5 @@
-"""`--quantization gguf`: serve a GGUF file's own Q4_0 / Q4_1 / Q4_K blocks through the int4 kernel.
+"""`--quantization gguf`: serve a GGUF file's own Q4_0 / Q4_1 / Q4_K blocks through the int4 kernel,
+and its Q8_0 blocks through the int8 one (their codes and fp16 block scales are Int8Linear's form).
 
 No re-rounding: a block of 32 weights (scale d, plus min m for Q4_1, and 4-bit codes q) becomes one
 group of inferd's int4 form w = q * scale + min with scale = d and min = m (Q4_1) or -8 d (Q4_0):
@@ -59,9 +60,28 @@ def int4_blocks(t) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m)
 
 
-def apply_gguf_int4(model, reader, cfg, dense: bool = False) -> int:
-    """Replace every linear whose GGUF parts are all Q4_0/Q4_1/Q4_K by an Int4Linear; returns how many."""
-    from inferd.quant.linear import Int4Linear
+def q8_blocks(t) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q8_0 ReaderTensor (blocks of fp16 d and 32 int8 codes) -> (q int8 [N, K], scale fp32 [N, K/32])."""
+    raw = np.asarray(t.data)
+    blk = raw.reshape(raw.shape[0], -1, 34)
+    d = blk[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = blk[..., 2:].copy().view(np.int8).reshape(raw.shape[0], -1)
+    return torch.from_numpy(q), torch.from_numpy(d)
+
+
+def _kind(ts) -> str | None:
+    """How a fused layer's GGUF parts run from their blocks: "int4", "int8" (Q8_0), or None (dense)."""
+    if any(t is None for t in ts):
+        return None
+    names = {t.tensor_type.name for t in ts}
+    return "int4" if names <= set(INT4_TYPES) else "int8" if names == {"Q8_0"} else None
+
+
+def apply_gguf_blocks(model, reader, cfg, dense: bool = False) -> dict[str, int]:
+    """Replace every linear whose GGUF parts are all Q4_0/Q4_1/Q4_K by an Int4Linear, and every one
+    whose parts are all Q8_0 by an Int8Linear of the file's codes and block scales (the same blocks,
+    inferd's int8 kernels; W8A8 with --quantize-activations); returns how many of each kind."""
+    from inferd.quant.linear import Int4Linear, Int8Linear
 
     tensors = {t.name: t for t in reader.tensors}
     from inferd.model import registry
@@ -70,24 +90,26 @@ def apply_gguf_int4(model, reader, cfg, dense: bool = False) -> int:
     plan = {"qkv_proj": ["attn_q", "attn_k", "attn_v"], "o_proj": ["attn_output"],
             "gate_up_proj": ["ffn_gate", "ffn_up"], "down_proj": ["ffn_down"]}
     heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
-    n = 0
+    n = {"int4": 0, "int8": 0}
     for i, layer in enumerate(model.layers):
         for ours, parts in plan.items():
             ts = [tensors.get(f"blk.{i}.{p}.weight") for p in parts]
-            if any(t is None or t.tensor_type.name not in INT4_TYPES for t in ts):
+            kind = _kind(ts)
+            if kind is None:
                 continue
-            qs, ss, zs = [], [], []
+            cols = []
             for p, t in zip(parts, ts):
-                q, s, z = int4_blocks(t)
+                codes = int4_blocks(t) if kind == "int4" else q8_blocks(t)
                 if permute and p in heads:  # same row order as the float weights
-                    q, s, z = (unpermute_qk(x, heads[p]) for x in (q, s, z))
-                qs.append(q), ss.append(s), zs.append(z)
+                    codes = tuple(unpermute_qk(x, heads[p]) for x in codes)
+                cols.append(codes)
             lin = getattr(layer, ours)
-            setattr(layer, ours, Int4Linear(torch.cat(qs), torch.cat(ss), torch.cat(zs), GROUP, lin.bias,
-                                            model.dtype, dense))
-            n += 1
-    if n == 0:
-        raise InferdError("--quantization gguf needs Q4_0, Q4_1 or Q4_K weights in the GGUF file")
+            cat = [torch.cat(c) for c in zip(*cols)]
+            setattr(layer, ours, Int4Linear(*cat, GROUP, lin.bias, model.dtype, dense) if kind == "int4"
+                    else Int8Linear(*cat, lin.bias, model.dtype, dense))
+            n[kind] += 1
+    if not any(n.values()):
+        raise InferdError("--quantization gguf needs Q4_0, Q4_1, Q4_K or Q8_0 weights in the GGUF file")
     return n
 
 
@@ -99,8 +121,9 @@ def apply(model, ctx) -> str:
     if ctx.reader is None:
         raise InferdError("--quantization gguf needs a .gguf model file")
     before = weight_bytes(model)
-    n = apply_gguf_int4(model, ctx.reader, ctx.config, ctx.dense)
+    n = apply_gguf_blocks(model, ctx.reader, ctx.config, ctx.dense)
     if ctx.lm_head:
         quantize_lm_head_int8(model, ctx.dense)
-    return (f"gguf-native int4: {n} linears from the file's own blocks{', lm_head int8' if ctx.lm_head else ''}; "
+    kinds = " + ".join(f"{k} {v}" for k, v in n.items() if v)
+    return (f"gguf-native: {kinds} linears from the file's own blocks{', lm_head int8' if ctx.lm_head else ''}; "
             f"weights {before / 2**20:.1f} MiB -> {weight_bytes(model) / 2**20:.1f} MiB")
