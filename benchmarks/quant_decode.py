@@ -33,7 +33,7 @@ gives the setup and, per contender, the paths that ran (kernel variant, weight f
 and KV dtypes, fused decode steps; llama.cpp's build ISA and AMX state), and each row label is
 checked against them. --json F writes {"cpu", "setup", "rows", "paths", ...}.
 
-Usage: .venv/bin/python benchmarks/quant_decode.py [--tokens 128] [--rounds 3] [--json F]
+Usage: .venv/bin/python benchmarks/quant_decode.py [--model F.gguf] [--tokens 128] [--rounds 3] [--json F]
        [--only SUBSTRING] [--isa-sweep] [--tiny]
 """
 from __future__ import annotations
@@ -162,6 +162,8 @@ def llamacpp_rows(a, path: str, prompt: list[int], runners: dict, rates: dict, b
     from llamacpp import TileFault, faulted, llama_bench, run_llamacpp
 
     note = ""
+    # llama.cpp's rows name the file they ran (the default: its Q4_1)
+    ftype = "Q4_1" if a.model is None else os.path.splitext(os.path.basename(a.model))[0]
     if not a.skip_llamacpp:
         # its own process: whichever library loads libgomp first fixes the OpenMP wait policy for the
         # whole process (benchmarks/llamacpp_decode.py). Both policies run, and llama.cpp is compared at
@@ -182,14 +184,14 @@ def llamacpp_rows(a, path: str, prompt: list[int], runners: dict, rates: dict, b
         try:
             run_llamacpp(lambda: llamacpp_round("passive"))  # builds/installs on first use
             for policy in ("passive", "active"):
-                runners[f"llama.cpp Q4_1 (OMP {policy})"] = lambda p=policy: run_llamacpp(lambda: llamacpp_round(p))
+                runners[f"llama.cpp {ftype} (OMP {policy})"] = lambda p=policy: run_llamacpp(lambda: llamacpp_round(p))
         except Exception as e:  # optional competitor: say why it is missing, keep the rest
             note = f"llama.cpp skipped: {type(e).__name__}: {e}"
     if not a.skip_llama_bench:
         def llama_bench_round() -> float:
             # the policy llama.cpp's in-process rows found faster so far this run (active on a quiet box)
-            done = {p: statistics.median(rates[f"llama.cpp Q4_1 (OMP {p})"]) for p in ("passive", "active")
-                    if rates.get(f"llama.cpp Q4_1 (OMP {p})")}
+            done = {p: statistics.median(rates[f"llama.cpp {ftype} (OMP {p})"]) for p in ("passive", "active")
+                    if rates.get(f"llama.cpp {ftype} (OMP {p})")}
             policy = max(done, key=done.get) if done else "active"
             r = run_llamacpp(lambda: llama_bench(path, threads=a.threads,
                                                  env=dict(os.environ, OMP_WAIT_POLICY=policy)))
@@ -206,6 +208,7 @@ def llamacpp_rows(a, path: str, prompt: list[int], runners: dict, rates: dict, b
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None, help="a .gguf file (default: the embedded default, Q4_1)")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; every row is their median")
     ap.add_argument("--threads", type=int, default=2)
@@ -226,7 +229,7 @@ def main():
         a.tokens, a.rounds, a.batches, a.only = 8, 1, "", a.only or "gguf +lm_head W4A8"
         a.skip_hf = a.skip_llamacpp = a.skip_llama_bench = a.skip_prefill = a.skip_batch32 = True
     torch.set_num_threads(a.threads)
-    path = default_model_path()
+    path = a.model or default_model_path()
     always = ("inferd fp32",) if a.tiny else ("inferd bf16", "inferd fp32")  # the dense baselines
     models = {label: load_model(path, dtype=dt, quantization=q, quant_group_size=g, quantize_lm_head=lm,
                                 quantize_activations=a8)
