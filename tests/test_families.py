@@ -223,7 +223,7 @@ def test_quantized_experts_run_the_dense_layers_kernels(tmp_path):
     compare(got, reference_outputs(lm.model, reqs))
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "gemma2", "gemma3"])
 def test_two_ranks_give_the_reference_tokens(family, tmp_path):
     """Tensor parallelism over 2 ranks: a dense family cut by heads and MLP columns, a mixture of
     experts by whole experts (4 of 8 a rank); the reference loop's greedy tokens, near ties allowed."""
@@ -277,3 +277,37 @@ def test_phi3_longrope_from_either_form_equals_transformers(tmp_path):
     lm.config.rope_scaling = None
     lm.model.rope.reset("cpu")
     assert (our_logits(lm, ids)[40:] - ref[40:]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "mixtral"])
+def test_structured_output_through_each_kind_of_family(family, tmp_path):
+    """Constrained decoding is the engine's, not the family's, but it runs through each kind of layer
+    stack (per-head norms, soft-capped windowed attention in KV groups, routed experts): tiny random
+    weights with SmolLM2's vocabulary and tokenizer, a JSON schema and a regex in one batch with an
+    unconstrained request; every constrained output is valid (jsonschema)."""
+    import json
+    import re
+
+    import jsonschema
+    from json_schemas import SCHEMAS
+
+    from inferd.engine.llm import LLM
+    from inferd.engine.request import SamplingParams, StructuredOutputs
+    from inferd.gguf_file import default_model_path
+    from inferd.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(default_model_path())
+    hf = tiny(family, vocab_size=tok.vocab_size)
+    hf.save_pretrained(tmp_path)
+    lm = load_model(str(tmp_path), dtype="float32", with_tokenizer=False)
+    lm.tokenizer = tok
+    schema = SCHEMAS[6][1]  # an enum and a bounded integer
+    prompt = tok.encode("Give the weather.")
+    params = [SamplingParams(max_tokens=40, temperature=0, structured_outputs=StructuredOutputs(json=schema)),
+              SamplingParams(max_tokens=8, temperature=0, structured_outputs=StructuredOutputs(regex=r"[a-c]{3}-[0-9]{2}")),
+              SamplingParams(max_tokens=8, temperature=0)]
+    with LLM(loaded=lm, dtype="float32") as llm:
+        out = llm.generate([prompt] * 3, params)
+        assert llm.engine.stats.max_batch_seqs == 3
+    jsonschema.validate(json.loads(out[0].text), schema)
+    assert re.fullmatch(r"[a-c]{3}-[0-9]{2}", out[1].text)

@@ -45,7 +45,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen2", "llama", "LlamaModel", ("Qwen2ForCausalLM",), ("qwen2",), False, attention_bias=True,
            tested="HF and GGUF (q/k/v biases); the engine"),
     Family("qwen3", "qwen3", "Qwen3Model", ("Qwen3ForCausalLM",), ("qwen3",), False,
-           tested="HF and GGUF; the engine; TP=2"),
+           tested="HF and GGUF; the engine; TP=2; structured output"),
     # Phi-3 is the Llama layer with q/k/v and gate/up stored fused, as inferd holds them anyway
     Family("phi3", "llama", "LlamaModel", ("Phi3ForCausalLM",), ("phi3",), False, sliding_window=True,
            gguf_names=(("attn_qkv.weight", "qkv_proj.weight"), ("ffn_up.weight", "gate_up_proj.weight")),
@@ -54,7 +54,7 @@ FAMILIES: tuple[Family, ...] = (
     # llama.cpp's converter writes Mixtral as `llama` with an expert count (loading/gguf.py tells them apart)
     Family("mixtral", "moe", "MixtralModel", ("MixtralForCausalLM",), ("mixtral",), True,
            tested="HF and GGUF (as llama.cpp writes it: arch llama with experts); the engine; "
-                  "one matmul per active expert"),
+                  "one matmul per active expert; structured output"),
     Family("qwen3_moe", "moe", "Qwen3MoeModel", ("Qwen3MoeForCausalLM",), ("qwen3moe",), False,
            tested="HF and GGUF; the engine; int8 experts on the W8A8 kernel; TP=2 (whole experts a rank)"),
     Family("olmoe", "moe", "OlmoeModel", ("OlmoeForCausalLM",), ("olmoe",), False,
@@ -62,7 +62,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("gemma2", "gemma2", "Gemma2Model", ("Gemma2ForCausalLM",), ("gemma2",), False, sliding_window=True,
            gguf_names=_GEMMA_NAMES, gguf_norm_offset=1.0,
            tested="HF and GGUF (attention and final soft-capping, every other layer local, past the window); "
-                  "the engine with KV groups (window blocks freed)"),
+                  "the engine with KV groups (window blocks freed); TP=2; structured output"),
     Family("gemma3", "gemma3", "Gemma3Model", ("Gemma3ForCausalLM",), ("gemma3",), False, sliding_window=True,
            gguf_names=_GEMMA_NAMES, gguf_norm_offset=1.0,
            tested="HF and GGUF (local and global layers, past the window); the engine with KV groups; TP=2; "
