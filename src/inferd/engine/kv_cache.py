@@ -107,9 +107,13 @@ class BlockManager:
             req.kv_tables = [[] for _ in self.group_windows]
         for table, w in zip(req.kv_tables, self.group_windows):
             first = min(first_visible_block(req.num_computed, w, self.block_size), len(table))
-            gone = [b for b in table[:first] if b != self.NULL]
-            if gone:
-                table[:first] = [self.NULL] * first
+            # the released entries are a prefix of NULLs: walk back only over the newly unseen blocks
+            i = first
+            while i > 0 and table[i - 1] != self.NULL:
+                i -= 1
+            if i < first:
+                gone = table[i:first]
+                table[i:first] = [self.NULL] * (first - i)
                 self._release(gone)
 
     def release_blocks(self, blocks: list[int]):
