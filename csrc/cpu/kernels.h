@@ -13,6 +13,41 @@ namespace inferd {
 
 using bf16 = c10::BFloat16;
 
+// GGUF's block types beyond Q4_0/Q4_1/Q8_0, each kept in its own bits (gguf_blocks_impl.h), in the
+// order inferd.quant.gguf_blocks numbers them. A weight w = s * (q - off) [- m] with q the code
+// (4 low bits + `high` bit planes, or an index into IQ4's table), s per `sub` weights: d * sc with
+// an int8 sub-scale sc and an fp16 d per 256-weight super-block (`ks`), else an fp16 d per 32-block;
+// mins: none (0), dmin * mn per sub (1: K-quants), an fp16 m per 32-block (2: Q5_1).
+struct BlockFormat {
+  int high, sub;
+  bool ks;
+  int mink, off;
+  bool lut;
+};
+enum BlockType { BT_Q4_K, BT_Q5_K, BT_Q6_K, BT_Q3_K, BT_Q2_K, BT_Q5_0, BT_Q5_1, BT_IQ4_NL, BT_IQ4_XS, BT_COUNT };
+constexpr BlockFormat kBlockFormats[BT_COUNT] = {
+    {0, 32, true, 1, 0, false},   // Q4_K
+    {1, 32, true, 1, 0, false},   // Q5_K
+    {2, 16, true, 0, 32, false},  // Q6_K
+    {0, 16, true, 0, 4, false},   // Q3_K: 3-bit codes in the 4-bit plane
+    {0, 16, true, 1, 0, false},   // Q2_K: 2-bit codes in the 4-bit plane
+    {1, 32, false, 0, 16, false}, // Q5_0
+    {1, 32, false, 2, 0, false},  // Q5_1
+    {0, 32, false, 0, 0, true},   // IQ4_NL
+    {0, 32, true, 0, 0, true},    // IQ4_XS
+};
+// Per pair of 16-column groups and super-block (8 blocks of 32 with `ks`, else one): a header (d
+// [32] fp16, then dmin or m [32] fp16 when mink, then sc [blocks][32 / sub][32] int8 when ks, then
+// mn likewise when mink == 1), then per block both groups' 256 nibble bytes, then each bit plane's
+// 64 bytes per group.
+constexpr int64_t block_super(const BlockFormat& f) { return f.ks ? 8 : 1; }
+constexpr int64_t block_bytes(const BlockFormat& f) { return 512 + 128 * f.high; }
+constexpr int64_t block_header(const BlockFormat& f) {
+  const int64_t subs = block_super(f) * (32 / f.sub) * 32;
+  return 64 + (f.mink ? 64 : 0) + (f.ks ? subs : 0) + (f.mink == 1 ? subs : 0);
+}
+constexpr int64_t block_record(const BlockFormat& f) { return block_header(f) + block_super(f) * block_bytes(f); }
+
 struct Kernels {
   const char* name;
   // x += d (when d is not null, rounded to x's type), then out = rms_norm(x) * w with torch's roundings
@@ -42,6 +77,10 @@ struct Kernels {
   // y [M, N] = rounded x times int8 codes packed likewise, one scale per (column, 32-block)
   void (*w8a8_gemm)(const uint8_t* w, bool half, const int8_t* xq, const float* dx, const float* xs, const int32_t* xi,
                     int64_t M, int64_t K, int64_t N, float* y);
+  // y [M, N] = rounded x times a GGUF block type's records (BlockType; xi16: sum(xq) per 16, for the
+  // types with 16-weight scales)
+  void (*blocks_gemm)(int type, const uint8_t* w, const int8_t* xq, const float* dx, const float* xs,
+                      const int32_t* xi, const int32_t* xi16, int64_t M, int64_t K, int64_t N, float* y);
 };
 
 // One per variant; null where the variant was not built (a non-x86 machine).

@@ -137,6 +137,18 @@ Rounded round_input(const Tensor& x, int64_t M, int64_t K) {
   return {xq.data(), dxs.data(), dxs.data() + M * nb, xi.data()};
 }
 
+// sum(xq) per 16 (the GGUF types with 16-weight scales), from the rounded rows
+const int32_t* sums16(const int8_t* xq, int64_t M, int64_t K) {
+  thread_local std::vector<int32_t> xi16;
+  xi16.resize(M * K / 16);
+  for (int64_t i = 0; i < M * K / 16; ++i) {
+    int32_t s = 0;
+    for (int k = 0; k < 16; ++k) s += xq[i * 16 + k];
+    xi16[i] = s;
+  }
+  return xi16.data();
+}
+
 // What a test or a benchmark asks to prove the integer GEMMs ran: calls and rows since load.
 std::atomic<int64_t> gemm_calls{0}, gemm_rows{0};
 
@@ -188,6 +200,24 @@ Tensor w8a8_linear(Tensor x, Tensor w, int64_t N) {
   const Rounded r = round_input(x, M, K);
   auto y = at::empty({M, N}, at::kFloat);
   active().w8a8_gemm(w.data_ptr<uint8_t>(), half, r.xq, r.dx, r.xs, r.xi, M, K, N, y.data_ptr<float>());
+  return finish(x, y, M);
+}
+
+// x [M, K] times a GGUF block type's records (inferd.quant.gguf_blocks.pack; `type` a BlockType)
+Tensor blocks_linear(Tensor x, Tensor w, int64_t N, int64_t type) {
+  TORCH_CHECK(type >= 0 && type < BT_COUNT, "unknown GGUF block type ", type);
+  const BlockFormat& f = kBlockFormats[type];
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % (32 * block_super(f)) == 0,
+              "x must be [M, K] with K a multiple of ", 32 * block_super(f));
+  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t cells = (N + 31) / 32 * (K / (32 * block_super(f)));
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == cells * block_record(f),
+              "packed weights do not match x, N and the block type (repack with inferd.quant.gguf_blocks)");
+  const Rounded r = round_input(x, M, K);
+  const int32_t* xi16 = f.sub == 16 ? sums16(r.xq, M, K) : nullptr;
+  auto y = at::empty({M, N}, at::kFloat);
+  active().blocks_gemm(static_cast<int>(type), w.data_ptr<uint8_t>(), r.xq, r.dx, r.xs, r.xi, xi16, M, K, N,
+                       y.data_ptr<float>());
   return finish(x, y, M);
 }
 
@@ -292,6 +322,7 @@ TORCH_LIBRARY(inferd, m) {
         "float scale, int window) -> Tensor", &paged_decode);
   m.def("w4a8_linear(Tensor x, Tensor w, int N) -> Tensor", &w4a8_linear);
   m.def("w8a8_linear(Tensor x, Tensor w, int N) -> Tensor", &w8a8_linear);
+  m.def("blocks_linear(Tensor x, Tensor w, int N, int type) -> Tensor", &blocks_linear);
   m.def("w8_linear(Tensor x, Tensor q, Tensor s) -> Tensor", &w8_linear);
   m.def("gemm_counters() -> int[]", &op_gemm_counters);
   m.def("fake_quant(Tensor x) -> Tensor", &fake_quant);

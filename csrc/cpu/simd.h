@@ -40,6 +40,20 @@ static inline VI vabs8(VI w) { return _mm512_abs_epi8(w); }
 static inline VI vsign8(VI x, VI w) {
   return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
 }
+// the GGUF block kernels (gguf_blocks_impl.h): bit planes, a 16-entry table, int8 sub-scales
+static inline VI vor(VI a, VI b) { return _mm512_or_si512(a, b); }
+template <int S>
+static inline VI vshift16(VI a) {  // left by S (right by -S) within 16-bit lanes
+  if constexpr (S > 0) return _mm512_slli_epi16(a, S);
+  else if constexpr (S < 0) return _mm512_srli_epi16(a, -S);
+  else return a;
+}
+static inline VI vtable(const int8_t* t) { return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t))); }
+static inline VI vlookup(VI table, VI idx) { return _mm512_shuffle_epi8(table, idx); }
+static inline VF fload(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+static inline VF fnmadd(VF a, VF b, VF c) { return _mm512_fnmadd_ps(a, b, c); }
 #elif INFERD_ISA_LEVEL == 1
 using VF = __m256;
 using VI = __m256i;
@@ -84,5 +98,18 @@ static inline void fstore(float* p, VF v, int64_t n) {
 }
 static inline VI vabs8(VI w) { return _mm256_sign_epi8(w, w); }
 static inline VI vsign8(VI x, VI w) { return _mm256_sign_epi8(x, w); }
+static inline VI vor(VI a, VI b) { return _mm256_or_si256(a, b); }
+template <int S>
+static inline VI vshift16(VI a) {
+  if constexpr (S > 0) return _mm256_slli_epi16(a, S);
+  else if constexpr (S < 0) return _mm256_srli_epi16(a, -S);
+  else return a;
+}
+static inline VI vtable(const int8_t* t) { return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t))); }
+static inline VI vlookup(VI table, VI idx) { return _mm256_shuffle_epi8(table, idx); }
+static inline VF fload(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+static inline VF fnmadd(VF a, VF b, VF c) { return _mm256_fnmadd_ps(a, b, c); }
 #endif
 #endif
