@@ -53,6 +53,7 @@ sys.path.insert(0, HERE)
 from common import (bytes_per_decode_token, check_rows, fmt_spread, hf_decode_rate as hf_rate, hf_paths,  # noqa: E402
                     int8_peak_gops, interleaved, merge_paths, read_bandwidth_gbs, report_header, spread, write_json)
 from inferd.engine.rate import decode_rate, prefill_rate  # noqa: E402
+from inferd.engine.paths import weight_formats  # noqa: E402
 from inferd.quant import weight_bytes  # noqa: E402
 from inferd.loading.loader import default_model_path, load_model  # noqa: E402
 
@@ -234,6 +235,10 @@ def main():
     models = {label: load_model(path, dtype=dt, quantization=q, quant_group_size=g, quantize_lm_head=lm,
                                 quantize_activations=a8)
               for label, q, g, lm, dt, a8 in CONFIGS if label in always or not a.only or a.only in label}
+    a8 = "inferd gguf +lm_head W4A8/W8A8"
+    if a8 in models and weight_formats(models[a8].model).get("BlocksLinear"):
+        # a K-quant (or Q5_x, IQ4) file: its layers run on the GGUF block kernel, not W4A8
+        models["inferd gguf +lm_head GGUF-A8/W8A8"] = models.pop(a8)
     tok = models["inferd fp32"].tokenizer
     prompt = tok.encode("The history of the printing press begins in the fifteenth century, when " * 8)[:64]
     paths: dict = {}  # contender -> the record of what ran, over every run of it in this script
@@ -277,7 +282,7 @@ def main():
 
     batches = [int(b) for b in a.batches.split(",") if b]
     dense_keys = [k for k in ("inferd bf16", "inferd fp32") if k in models]
-    quant_keys = [k for k in models if "W4A8" in k]
+    quant_keys = [k for k in models if "A8" in k]
     batch_runs = interleaved({(k, bsz): (lambda k=k, b=bsz: engine_rate(models[k], prompt, 64, b, paths, k))
                               for bsz in batches for k in dense_keys + quant_keys}, a.rounds, log=False)
     bmed = {k: statistics.median(v) for k, v in batch_runs.items()}
@@ -299,7 +304,8 @@ def main():
     b32 = {}
     if not a.skip_batch32 and not batches:
         for k in ("inferd bf16", "inferd fp32", "inferd gguf (Q4_1 blocks)", "inferd gguf +lm_head int8",
-                  "inferd gguf +lm_head W4A8/W8A8", "inferd int4 g32 +lm_head W4A8"):
+                  "inferd gguf +lm_head W4A8/W8A8", "inferd gguf +lm_head GGUF-A8/W8A8",
+                  "inferd int4 g32 +lm_head W4A8"):
             if k not in models:
                 continue
             b32[k] = engine_rate(models[k], prompt, 64, 32, paths, k)

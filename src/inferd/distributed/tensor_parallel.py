@@ -121,6 +121,8 @@ def _put(d: dict, name: str, old, new: torch.Tensor):
 def take_rows(m: nn.Module, rows: torch.Tensor) -> nn.Module:
     """The layer computing only output features `rows` (column parallelism): every tensor indexed by
     output feature keeps those rows; the codes' layout within a row is untouched."""
+    if hasattr(m, "take_rows"):  # a layer of parts (quant.gguf_native.FusedParts) cuts each part
+        return m.take_rows(rows, take_rows)
     n = m.out_features
     out = copy.copy(m)
     out._parameters, out._buffers = dict(m._parameters), dict(m._buffers)
@@ -135,6 +137,8 @@ def take_cols(m: nn.Module, a: int, b: int) -> nn.Module:
     """The layer reading only input features [a, b) (row parallelism). Per-row tensors with a second
     axis proportional to the input (weights, packed codes, group scales) are cut in proportion; a
     cut inside a quantization group (or a 32-code nibble block) is an error."""
+    if hasattr(m, "take_cols"):
+        return m.take_cols(a, b, take_cols)
     n, k = m.out_features, m.in_features
     if hasattr(m, "qweight") and (a % 32 or b % 32):
         raise InferdError(f"tensor parallelism would cut the int4 layer [{n}, {k}] at column {a if a % 32 else b}, "

@@ -15,7 +15,7 @@ import re
 import sys
 
 # Layer classes that take int8 activations (inferd.quant.w4a8), and the formats each label word claims.
-INT8_ACTIVATION_LAYERS = ("W4A8Linear", "W8A8Linear")
+INT8_ACTIVATION_LAYERS = {"W4A8Linear": "W4A8", "W8A8Linear": "W8A8", "BlocksLinear": "GGUF-A8"}
 INT4_LAYERS = ("Int4Linear", "W4A8Linear")
 INT8_LAYERS = ("Int8Linear", "W8A8Linear")
 DENSE_LAYERS = ("Linear",)
@@ -33,8 +33,9 @@ def weight_formats(model) -> dict[str, int]:
 
 
 def activation_quant(formats: dict[str, int]) -> str | None:
-    """"W4A8", "W8A8" or "W4A8/W8A8" where layers take int8 activations; None where none do."""
-    kinds = [k[:4] for k in INT8_ACTIVATION_LAYERS if formats.get(k)]
+    """"W4A8", "W8A8", "GGUF-A8" (a GGUF's other block types) or several joined by "/" where layers
+    take int8 activations; None where none do."""
+    kinds = [v for k, v in INT8_ACTIVATION_LAYERS.items() if formats.get(k)]
     return "/".join(kinds) or None
 
 
@@ -131,6 +132,8 @@ def label_problems(label: str, paths: dict) -> list[str]:
     formats = paths.get("weight_formats")
     if "w4a8" in words:
         need(_has(paths, ("W4A8Linear",)), "W4A8", f"weight formats {formats}")
+    if "gguf-a8" in low:
+        need(_has(paths, ("BlocksLinear",)), "GGUF-A8", f"weight formats {formats}")
     if "w8a8" in words:
         need(_has(paths, ("W8A8Linear",)), "W8A8", f"weight formats {formats}")
     if "int4" in words:

@@ -114,10 +114,13 @@ def apply(model, ctx: QuantContext, shard=None) -> list[str]:
     lines = [] if m is None else [m.apply(model, ctx)]
     if shard is not None and not first:
         shard(model)
+    from inferd.quant.gguf_blocks import pack_all
+
+    blocks = pack_all(model)  # GGUF block layers: final now, into the kernel's records
     if not ctx.activations:
         hand_over(model)  # int4 codes to PyTorch's kernel now: final weights from the start
         return lines
-    n = w4a8.quantize_activations(model)
+    n = w4a8.quantize_activations(model, blocks)
     lines.append(f"W4A8/W8A8: {n} packed linears take int8 activations (per 32-block); {str(model.dtype)[6:]} glue; "
                  f"weights {weight_bytes(model) / 2**20:.1f} MiB")
     return lines

@@ -296,3 +296,14 @@ class BlocksLinear(nn.Module):
 
 def slice_rows(c: Codes, a: int, b: int) -> Codes:
     return replace(c, **{k: v[a:b] for k, v in c.tensors().items()})
+
+
+def pack_all(model: nn.Module) -> int:
+    """Pack every BlocksLinear of the model (once it is final: after tensor parallelism's cut);
+    returns how many."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, BlocksLinear) and m.packed is None:
+            m.pack_()
+            n += 1
+    return n

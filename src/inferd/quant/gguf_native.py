@@ -1,5 +1,6 @@
-"""`--quantization gguf`: serve a GGUF file's own Q4_0 / Q4_1 / Q4_K blocks through the int4 kernel,
-and its Q8_0 blocks through the int8 one (their codes and fp16 block scales are Int8Linear's form).
+"""`--quantization gguf`: serve a GGUF file's own blocks. Q4_0 / Q4_1 go through the int4 kernel and
+Q8_0 through the int8 one (their codes and fp16 block scales are Int8Linear's form); the K-quants,
+Q5_0/Q5_1 and IQ4 through quant.gguf_blocks' kernel, in their own bits.
 
 No re-rounding: a block of 32 weights (scale d, plus min m for Q4_1, and 4-bit codes q) becomes one
 group of inferd's int4 form w = q * scale + min with scale = d and min = m (Q4_1) or -8 d (Q4_0):
@@ -20,7 +21,7 @@ from inferd.gguf_file import unpermute_qk
 GROUP = 32
 
 
-INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+INT4_TYPES = ("Q4_0", "Q4_1")
 
 
 def q4k_blocks(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -69,53 +70,118 @@ def q8_blocks(t) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(q), torch.from_numpy(d)
 
 
-def _kind(ts) -> str | None:
-    """How a fused layer's GGUF parts run from their blocks: "int4", "int8" (Q8_0), or None (dense)."""
-    if any(t is None for t in ts):
-        return None
-    names = {t.tensor_type.name for t in ts}
-    return "int4" if names <= set(INT4_TYPES) else "int8" if names == {"Q8_0"} else None
+def _kind(t) -> str | None:
+    """How one GGUF tensor runs from its blocks: "int4" (Q4_0/Q4_1), "int8" (Q8_0), "blocks" (the
+    other types quant.gguf_blocks serves), or None (dense: F32/F16/BF16, or a type without a kernel)."""
+    from inferd.quant.gguf_blocks import FORMATS
+
+    name = t.tensor_type.name
+    return "int4" if name in INT4_TYPES else "int8" if name == "Q8_0" else "blocks" if name in FORMATS else None
+
+
+def _layer(kind: str, codes: list, bias, dtype, dense: bool, type_name: str):
+    """One linear of `kind` from its parts' codes, stacked along the output rows."""
+    from inferd.quant.gguf_blocks import BlocksLinear, Codes
+    from inferd.quant.linear import Int4Linear, Int8Linear
+
+    if kind == "blocks":
+        return BlocksLinear(Codes(type_name, **{k: torch.cat([c.tensors()[k] for c in codes])
+                                              for k in codes[0].tensors()}), bias, dtype)
+    cat = [torch.cat(c) for c in zip(*codes)]
+    return Int4Linear(*cat, GROUP, bias, dtype, dense) if kind == "int4" else Int8Linear(*cat, bias, dtype, dense)
+
+
+class FusedParts(torch.nn.Module):
+    """A fused layer whose GGUF parts are of different types (Q4_K_M's attn_v is often Q8_0 beside a
+    Q5_0 attn_q): each part through its own kernel, outputs side by side."""
+
+    def __init__(self, parts: list[torch.nn.Module]):
+        super().__init__()
+        self.parts = torch.nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self.bias = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+    def take_rows(self, rows: torch.Tensor, take) -> "FusedParts":
+        """Tensor parallelism's column cut: each part keeps its own rows among `rows`."""
+        out, a = [], 0
+        for p in self.parts:
+            mine = rows[(rows >= a) & (rows < a + p.out_features)] - a
+            if mine.numel():
+                out.append(take(p, mine))
+            a += p.out_features
+        return FusedParts(out)
+
+    def take_cols(self, a: int, b: int, take) -> "FusedParts":
+        return FusedParts([take(p, a, b) for p in self.parts])
 
 
 def apply_gguf_blocks(model, reader, cfg, dense: bool = False) -> dict[str, int]:
-    """Replace every linear whose GGUF parts are all Q4_0/Q4_1/Q4_K by an Int4Linear, and every one
-    whose parts are all Q8_0 by an Int8Linear of the file's codes and block scales (the same blocks,
-    inferd's int8 kernels; W8A8 with --quantize-activations); returns how many of each kind."""
-    from inferd.quant.linear import Int4Linear, Int8Linear
-
+    """Replace every linear whose GGUF parts have kernels by layers that keep the file's blocks: Q4_0 /
+    Q4_1 as Int4Linear, Q8_0 as Int8Linear (W4A8/W8A8 with --quantize-activations), the K-quants,
+    Q5_0/Q5_1 and IQ4 as BlocksLinear (always int8 activations); a layer whose parts differ in type
+    runs each part through its own. Returns how many layers of each kind. `dense` (fp32-activation
+    evaluation) keeps the block types' exact dequantized weights."""
     tensors = {t.name: t for t in reader.tensors}
     from inferd.model import registry
+    from inferd.quant.gguf_blocks import decode
 
     permute = registry.by_name(cfg.architecture).gguf_interleaved_qk
     plan = {"qkv_proj": ["attn_q", "attn_k", "attn_v"], "o_proj": ["attn_output"],
             "gate_up_proj": ["ffn_gate", "ffn_up"], "down_proj": ["ffn_down"]}
     heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
-    n = {"int4": 0, "int8": 0}
+    n = {"int4": 0, "int8": 0, "blocks": 0, "mixed": 0}
     for i, layer in enumerate(model.layers):
         for ours, parts in plan.items():
             ts = [tensors.get(f"blk.{i}.{p}.weight") for p in parts]
-            kind = _kind(ts)
-            if kind is None:
+            if any(t is None for t in ts):
                 continue
-            cols = []
-            for p, t in zip(parts, ts):
-                codes = int4_blocks(t) if kind == "int4" else q8_blocks(t)
-                if permute and p in heads:  # same row order as the float weights
-                    codes = tuple(unpermute_qk(x, heads[p]) for x in codes)
-                cols.append(codes)
+            kinds = [_kind(t) for t in ts]
+            if None in kinds or (dense and "blocks" in kinds):
+                continue
+            groups = []  # runs of parts of one type: (kind, type name, [codes])
+            for p, t, kind in zip(parts, ts, kinds):
+                raw = np.asarray(t.data)
+                if kind == "blocks":
+                    codes = decode(t.tensor_type.name, raw)
+                    if permute and p in heads:
+                        codes = type(codes)(codes.type, **{k: unpermute_qk(v, heads[p]) for k, v in codes.tensors().items()})
+                else:
+                    codes = int4_blocks(t) if kind == "int4" else q8_blocks(t)
+                    if permute and p in heads:  # same row order as the float weights
+                        codes = tuple(unpermute_qk(x, heads[p]) for x in codes)
+                if kind == "int4":  # Q4_0 and Q4_1 share the int4 form
+                    key = "int4"
+                else:
+                    key = t.tensor_type.name
+                if groups and groups[-1][1] == key:
+                    groups[-1][2].append(codes)
+                else:
+                    groups.append((kind, key, [codes]))
             lin = getattr(layer, ours)
-            cat = [torch.cat(c) for c in zip(*cols)]
-            setattr(layer, ours, Int4Linear(*cat, GROUP, lin.bias, model.dtype, dense) if kind == "int4"
-                    else Int8Linear(*cat, lin.bias, model.dtype, dense))
-            n[kind] += 1
+            mods = [_layer(kind, codes, None, model.dtype, dense, key) for kind, key, codes in groups]
+            if len(mods) == 1:
+                mods[0].bias = None if lin.bias is None else lin.bias.detach().to(model.dtype)
+                setattr(layer, ours, mods[0])
+                n[groups[0][0]] += 1
+            else:
+                if lin.bias is not None:
+                    raise InferdError(f"layer {i} {ours}: a biased layer whose GGUF parts differ in type is not supported")
+                setattr(layer, ours, FusedParts(mods))
+                n["mixed"] += 1
     if not any(n.values()):
-        raise InferdError("--quantization gguf needs Q4_0, Q4_1, Q4_K or Q8_0 weights in the GGUF file")
+        raise InferdError("--quantization gguf needs weights of a type with a kernel in the GGUF file (Q4_0, Q4_1, "
+                          "Q8_0, Q4_K, Q5_K, Q6_K, Q3_K, Q2_K, Q5_0, Q5_1, IQ4_NL or IQ4_XS)")
     return n
 
 
 def apply(model, ctx) -> str:
     """The registry's entry for `gguf` (`--quantize-lm-head`: the Q8_0 output layer to int8 with its own block scales)."""
     from inferd.quant.linear import weight_bytes
+    from inferd.quant.linear import Int8Linear
     from inferd.quant.rtn import quantize_lm_head_int8
 
     if ctx.reader is None:
@@ -123,7 +189,15 @@ def apply(model, ctx) -> str:
     before = weight_bytes(model)
     n = apply_gguf_blocks(model, ctx.reader, ctx.config, ctx.dense)
     if ctx.lm_head:
-        quantize_lm_head_int8(model, ctx.dense)
+        head = {t.name: t for t in ctx.reader.tensors if t.name in ("output.weight", "token_embd.weight")}
+        t = head.get("output.weight", head.get("token_embd.weight"))
+        lin = model.lm_head
+        if t is not None and t.tensor_type.name == "Q8_0" and tuple(lin.weight.shape) == tuple(reversed(t.shape)):
+            # the file's own Q8_0 codes and block scales (what re-rounding the dequantized head gives
+            # back, without the search over 262k rows)
+            model.lm_head = Int8Linear(*q8_blocks(t), lin.bias, model.dtype, ctx.dense)
+        else:
+            quantize_lm_head_int8(model, ctx.dense)
     kinds = " + ".join(f"{k} {v}" for k, v in n.items() if v)
     return (f"gguf-native: {kinds} linears from the file's own blocks{', lm_head int8' if ctx.lm_head else ''}; "
             f"weights {before / 2**20:.1f} MiB -> {weight_bytes(model) / 2**20:.1f} MiB")

@@ -263,24 +263,35 @@ def tie_embedding(model: nn.Module) -> bool:
         return False
     if emb.weight.shape != (head.out_features, head.in_features) or emb.weight.dtype != torch.float32:
         return False
+    from inferd.quant.linear import dequantize_int8
+
     packed = PackedEmbedding(head, emb.weight.dtype)
-    ids = torch.arange(head.out_features)
+    q, s = head.codes()
     for i in range(0, head.out_features, 8192):  # the whole table, in slices: exact or nothing
-        if not torch.equal(packed(ids[i:i + 8192]), emb.weight[i:i + 8192]):
+        if not torch.equal(dequantize_int8(q[i:i + 8192], s[i:i + 8192]), emb.weight[i:i + 8192]):
             return False
+    # and the lookup's own byte offsets read those codes: every row of the first and last records
+    # (each lane and group position) and a spread of rows between
+    n = head.out_features
+    ids = torch.unique(torch.cat([torch.arange(min(n, 2 * PAIR)), torch.arange(max(0, n - 2 * PAIR), n),
+                                  torch.linspace(0, n - 1, min(n, 4096)).long()]))
+    if not torch.equal(packed(ids), emb.weight[ids]):
+        return False
     model.embed_tokens = packed
     return True
 
 
-def quantize_activations(model: nn.Module) -> int:
+def quantize_activations(model: nn.Module, already: int = 0) -> int:
     """Rewrite every packed linear of the model to take int8 activations: int4 ones into W4A8, and
     int8 ones (the gguf path's lm_head, the int8 methods) into W8A8, same weights (the engine then
-    runs decode-only steps as one C++ call where it can: inferd.model.fused_decode). Returns how many linears were rewritten; a model without packed layers is a clear error."""
+    runs decode-only steps as one C++ call where it can: inferd.model.fused_decode). Returns how many
+    linears take int8 activations (`already`: the GGUF block layers, which always do); a model
+    without packed layers is a clear error."""
     from inferd.quant.linear import Int4Linear, Int8Linear
 
     if load() is None:
         raise InferdError("--quantize-activations needs the W4A8 C++ kernel, which did not build (no compiler?)")
-    n = 0
+    n = already
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, Int4Linear):
