@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/inferd serve $(ARGS)
+	$(VENV)/bin/inferd serve --quantization auto $(ARGS)
 
 # headless Chromium renders a bench HTML report in a test; without apt (or root) that test skips.
 chromium:

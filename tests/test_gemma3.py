@@ -234,28 +234,3 @@ def test_structured_output_on_gemmas_vocabulary(gemma_llm):
         assert o.finish_reason == "stop", o.text
         jsonschema.validate(json.loads(o.text), schema)
     assert re.fullmatch(r"[0-9]{5}", outs[-1].text)
-
-
-def test_its_q4_k_tensors_run_from_their_own_blocks(gemma_llm):
-    """`--quantization gguf` on the Q4_K_M file: every Linear stored as Q4_K (all attention outputs,
-    half the MLP down projections) becomes an int4 layer of the file's own blocks (eight groups of
-    32 a super-block), the rest keep their dequantized weights; the logits stay the dense model's."""
-    from inferd.loading.loader import load_model
-    from inferd.model.layers import ContiguousKV
-    from inferd.quant.linear import Int4Linear
-
-    g = load_model("gemma3-270m", dtype="float32", with_tokenizer=False, quantization="gguf")
-    layers = g.model.layers
-    assert all(isinstance(x.o_proj, Int4Linear) for x in layers)
-    assert sum(isinstance(x.down_proj, Int4Linear) for x in layers) == 9
-    assert not any(isinstance(x.qkv_proj, Int4Linear) for x in layers)  # Q5_0 and Q8_0: dense here
-    ids = torch.tensor(gemma_llm.engine.tokenizer.encode(PROMPTS[0]))
-    pos = torch.arange(len(ids))
-    outs = []
-    for model in (gemma_llm.engine.model, g.model):
-        c = ContiguousKV(model.cfg, 16, torch.float32, torch.device("cpu"))
-        c.set_positions(pos)
-        with torch.no_grad():
-            outs.append(model.compute_logits(model(ids, pos, c)))
-    torch.testing.assert_close(outs[1], outs[0], atol=1e-3, rtol=1e-4)
-    assert torch.equal(outs[0].argmax(-1), outs[1].argmax(-1))

@@ -31,7 +31,9 @@ def add_model_args(p: argparse.ArgumentParser):
     g.add_argument("--quantization", default="none", choices=list(METHODS),
                    help="weight-only quantization of the linear layers (CPU packed kernels); *-gptq: the same "
                         "formats with GPTQ rounding (a calibration pass on WikiText-2 at load); awq: an AWQ "
-                        "checkpoint folder (picked automatically for one)")
+                        "checkpoint folder (picked automatically for one); gguf: the file's own blocks (Q4_0/1, "
+                        "Q5_0/1, Q8_0, Q2_K..Q6_K, IQ4_NL/XS); auto: gguf with int8 activations and the file's "
+                        "own output layer for a .gguf (the fast path, as llama.cpp serves it), none otherwise")
     g.add_argument("--quant-group-size", type=int, default=32, help="int4 group size (must divide the input size)")
     g.add_argument("--quantize-lm-head", action="store_true", help="quantize the output layer too")
     g.add_argument("--quantize-activations", action="store_true",

@@ -291,9 +291,11 @@ def _load(lc: LoadConfig, shard=None) -> LoadedModel:
 
     if lc.load_format not in ("auto", "gguf", "safetensors", "dummy"):
         raise InferdError(f"unknown load format {lc.load_format!r} (choose auto, gguf, safetensors, dummy)")
-    method = quant.method(lc.quantization)
     dev = resolve_device(lc.device)
     src = resolve_model(lc.model, lc.load_format)
+    if lc.quantization == "auto" and src.kind != "gguf":
+        lc = dataclasses.replace(lc, quantization="none")  # an AWQ folder still serves as awq (below)
+    method = quant.method(lc.quantization)
     dummy = lc.load_format == "dummy"
     tok = reader = None
     checkpoint = {}
@@ -308,6 +310,9 @@ def _load(lc: LoadConfig, shard=None) -> LoadedModel:
 
         check_gguf(src.path)  # before the gguf reader trusts a count or an offset
         reader = open_gguf(src.path)
+        if lc.quantization == "auto":
+            lc = auto_quantization(lc, reader, dev, dummy)
+            method = quant.method(lc.quantization)
         meta = read_metadata(reader)
         cfg = _checked(lambda: G.config_from_metadata(meta, G.rope_tensors(reader)), src.path)
         sd = None if dummy else G.load_gguf_state_dict(reader, cfg)
@@ -358,6 +363,20 @@ def _load(lc: LoadConfig, shard=None) -> LoadedModel:
     for line in quant.apply(net, ctx, shard):
         log.info("%s", line)
     return LoadedModel(net, cfg, tok, src)
+
+
+def auto_quantization(lc: LoadConfig, reader, dev, dummy: bool = False) -> LoadConfig:
+    """`--quantization auto` for a GGUF file: served from its own blocks, as llama.cpp serves it, with
+    activations rounded to int8 (W4A8 / W8A8 / the block kernel) and the output layer from its own
+    Q8_0 or block codes; `none` (the dequantized weights) where that cannot run: no native kernels,
+    not the CPU, random weights, fp32-activation evaluation, or no layer of a type with a kernel."""
+    from inferd.kernels import native
+    from inferd.quant.gguf_native import head_has_kernel, layers_with_kernels
+
+    if dummy or dev.type != "cpu" or lc.dense_quant or native.ops() is None or not layers_with_kernels(reader):
+        return dataclasses.replace(lc, quantization="none")
+    return dataclasses.replace(lc, quantization="gguf", quantize_activations=True,
+                               quantize_lm_head=lc.quantize_lm_head or head_has_kernel(reader))
 
 
 def _load_tokenizer(path: str):

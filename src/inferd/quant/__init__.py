@@ -46,6 +46,7 @@ class Method:
 # by name, not by import: the CLI reads the names without loading torch
 METHODS: dict[str, Method | None] = {
     "none": None,
+    "auto": None,  # resolved by the loader from the model (inferd.loading.loader.auto_quantization)
     "int8": Method("inferd.quant.rtn", local=True),
     "int4": Method("inferd.quant.rtn", local=True),
     "int8-gptq": Method("inferd.quant.gptq", ("calibration",)),

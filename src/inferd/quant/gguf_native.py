@@ -79,6 +79,24 @@ def _kind(t) -> str | None:
     return "int4" if name in INT4_TYPES else "int8" if name == "Q8_0" else "blocks" if name in FORMATS else None
 
 
+def layers_with_kernels(reader) -> int:
+    """How many of the file's projection tensors have a kernel for their type."""
+    names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    return sum(1 for t in reader.tensors if t.name.startswith("blk.") and t.name.split(".")[2] in names
+               and _kind(t) is not None)
+
+
+def _head(reader):
+    """The output layer's tensor (the tied embedding where the file has no output.weight)."""
+    ts = {t.name: t for t in reader.tensors if t.name in ("output.weight", "token_embd.weight")}
+    return ts.get("output.weight", ts.get("token_embd.weight"))
+
+
+def head_has_kernel(reader) -> bool:
+    t = _head(reader)
+    return t is not None and _kind(t) in ("int8", "blocks")
+
+
 def _layer(kind: str, codes: list, bias, dtype, dense: bool, type_name: str):
     """One linear of `kind` from its parts' codes, stacked along the output rows."""
     from inferd.quant.gguf_blocks import BlocksLinear, Codes
@@ -181,6 +199,7 @@ def apply_gguf_blocks(model, reader, cfg, dense: bool = False) -> dict[str, int]
 def apply(model, ctx) -> str:
     """The registry's entry for `gguf` (`--quantize-lm-head`: the Q8_0 output layer to int8 with its own block scales)."""
     from inferd.quant.linear import weight_bytes
+    from inferd.quant.gguf_blocks import BlocksLinear, decode
     from inferd.quant.linear import Int8Linear
     from inferd.quant.rtn import quantize_lm_head_int8
 
@@ -189,13 +208,14 @@ def apply(model, ctx) -> str:
     before = weight_bytes(model)
     n = apply_gguf_blocks(model, ctx.reader, ctx.config, ctx.dense)
     if ctx.lm_head:
-        head = {t.name: t for t in ctx.reader.tensors if t.name in ("output.weight", "token_embd.weight")}
-        t = head.get("output.weight", head.get("token_embd.weight"))
-        lin = model.lm_head
-        if t is not None and t.tensor_type.name == "Q8_0" and tuple(lin.weight.shape) == tuple(reversed(t.shape)):
+        t, lin = _head(ctx.reader), model.lm_head
+        own = t is not None and tuple(lin.weight.shape) == tuple(reversed([int(x) for x in t.shape]))
+        if own and _kind(t) == "int8":
             # the file's own Q8_0 codes and block scales (what re-rounding the dequantized head gives
             # back, without the search over 262k rows)
             model.lm_head = Int8Linear(*q8_blocks(t), lin.bias, model.dtype, ctx.dense)
+        elif own and _kind(t) == "blocks" and not ctx.dense:
+            model.lm_head = BlocksLinear(decode(t.tensor_type.name, np.asarray(t.data)), lin.bias, model.dtype)
         else:
             quantize_lm_head_int8(model, ctx.dense)
     kinds = " + ".join(f"{k} {v}" for k, v in n.items() if v)
