@@ -170,3 +170,15 @@ def running_server(args: list[str], log_path=None, timeout: float = 240):
         yield srv.wait_ready().base
     finally:
         srv.stop()
+
+
+@pytest.fixture(scope="session")
+def gemma_path():
+    """The second embedded model's GGUF (Gemma 3 270M Q4_K_M), assembled from its PyPI chunks; skip without it."""
+    from inferd.errors import InferdError
+    from inferd.loading import embedded
+
+    try:
+        return embedded.gemma3_270m_path()
+    except InferdError as e:
+        pytest.skip(str(e))

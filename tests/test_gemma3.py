@@ -37,16 +37,6 @@ TOKENIZER_TEXTS = PROMPTS + ["  leading spaces", "naïve café — ünïcödé �
 
 
 @pytest.fixture(scope="session")
-def gemma_path():
-    from inferd.loading import embedded
-
-    try:
-        return embedded.gemma3_270m_path()
-    except InferdError as e:
-        pytest.skip(str(e))
-
-
-@pytest.fixture(scope="session")
 def hf_gemma(gemma_path):
     """transformers' tokenizer, and its greedy tokens and step logits for every prompt."""
     import os

@@ -47,29 +47,18 @@ def test_each_type_decodes_to_ggufs_own_dequantization(type_name):
     assert torch.equal(GB.dequantize(GB.decode(type_name, raw)), gguf_dequantized(type_name, raw))
 
 
-def test_the_real_files_tensors_decode_exactly(gemma_path_or_skip):
+def test_the_real_files_tensors_decode_exactly(gemma_path):
     """Gemma 3 270M's Q4_K_M file: its Q5_0, Q4_K and Q6_K tensors as llama-quantize wrote them."""
     from inferd.gguf_file import open_gguf
 
     seen = set()
-    for t in open_gguf(gemma_path_or_skip).tensors:
+    for t in open_gguf(gemma_path).tensors:
         name = t.tensor_type.name
         if name in GB.FORMATS and name not in seen:
             seen.add(name)
             raw = np.asarray(t.data)
             assert torch.equal(GB.dequantize(GB.decode(name, raw)), gguf_dequantized(name, raw)), t.name
     assert seen == {"Q5_0", "Q4_K", "Q6_K"}
-
-
-@pytest.fixture(scope="module")
-def gemma_path_or_skip():
-    from inferd.errors import InferdError
-    from inferd.loading import embedded
-
-    try:
-        return embedded.gemma3_270m_path()
-    except InferdError as e:
-        pytest.skip(str(e))
 
 
 @pytest.mark.parametrize("type_name", GB.TYPES)
@@ -116,14 +105,14 @@ def test_bad_shapes_are_one_line_errors():
 
 
 @pytest.fixture(scope="module")
-def gemma_blocks(gemma_path_or_skip):
+def gemma_blocks(gemma_path):
     from inferd.loading.loader import load_model
 
-    return load_model(gemma_path_or_skip, quantization="gguf", quantize_activations=True, quantize_lm_head=True,
+    return load_model(gemma_path, quantization="gguf", quantize_activations=True, quantize_lm_head=True,
                       dtype="float32")
 
 
-def test_a_k_quant_file_serves_from_its_blocks_in_its_own_bytes(gemma_path_or_skip, gemma_blocks):
+def test_a_k_quant_file_serves_from_its_blocks_in_its_own_bytes(gemma_path, gemma_blocks):
     """Gemma 3 270M Q4_K_M through `--quantization gguf --quantize-lm-head --quantize-activations`:
     every projection keeps the file's blocks (Q4_K, Q6_K and Q5_0 through the block kernel, the
     Q8_0 value projections and head through W8A8; a layer whose parts differ runs each part), the
@@ -147,12 +136,12 @@ def test_a_k_quant_file_serves_from_its_blocks_in_its_own_bytes(gemma_path_or_sk
     assert isinstance(g.model.embed_tokens, PackedEmbedding)
     from inferd.gguf_file import open_gguf
 
-    file_bytes = sum(int(t.n_bytes) for t in open_gguf(gemma_path_or_skip).tensors)
+    file_bytes = sum(int(t.n_bytes) for t in open_gguf(gemma_path).tensors)
     held = weight_bytes(g.model)
     print(f"weights held {held / 2**20:.1f} MiB for {file_bytes / 2**20:.1f} MiB of tensors in the file "
           f"({held / file_bytes:.3f}x)")
     assert held <= 1.1 * file_bytes
-    ref = load_model(gemma_path_or_skip, dtype="float32", with_tokenizer=False)
+    ref = load_model(gemma_path, dtype="float32", with_tokenizer=False)
     ids = torch.tensor([2, 818, 5279, 529, 7001, 563])  # "The capital of France is"
     pos = torch.arange(len(ids))
     outs = []
