@@ -182,3 +182,11 @@ def gemma_path():
         return embedded.gemma3_270m_path()
     except InferdError as e:
         pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def gemma_llm(gemma_path):
+    """Gemma 3 270M dense in fp32 (the dequantized file), one engine for the session."""
+    from inferd.engine.llm import LLM
+
+    return LLM(model="gemma3-270m", dtype="float32")

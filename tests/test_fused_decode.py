@@ -23,6 +23,40 @@ def _tiny_a8(method="int4", **over):
     return lm
 
 
+def _tiny_blocks(**over):
+    """A tiny model (hidden 256, so the K-quants fit) whose linears are GGUF block layers of random
+    blocks: Q6_K / IQ4_XS / Q4_K / Q5_K layers, and q/k/v as parts of two kinds side by side (Q5_0
+    q and k, Q8_0-like W8A8 v), as a Q4_K_M file's attention often is."""
+    import numpy as np
+    from conftest import make_tiny_model
+    from test_gguf_blocks import random_blocks
+
+    from inferd.quant.gguf_blocks import BlocksLinear, decode, pack_all
+    from inferd.quant.gguf_native import FusedParts
+
+    lm = make_tiny_model(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=64, **over)
+    rng = np.random.default_rng(0)
+
+    def blocks(t, lin, seed, rows=None):
+        n = rows or lin.out_features
+        b = None if lin.bias is None or rows else lin.bias
+        return BlocksLinear(decode(t, random_blocks(t, n, lin.in_features, seed)), b, torch.float32)
+
+    for i, layer in enumerate(lm.model.layers):
+        q = layer.qkv_proj
+        nq, nkv = 4 * 64, 2 * 64
+        v = w4a8.W8A8Linear(torch.from_numpy(rng.integers(-127, 128, (nkv, 256), dtype=np.int8)),
+                            torch.rand(nkv, 256 // 32, generator=torch.Generator().manual_seed(i)) * 0.01 + 1e-3,
+                            None, torch.float32)
+        layer.qkv_proj = FusedParts([blocks("Q5_0", q, 10 * i, nq + nkv), v])
+        layer.o_proj = blocks("Q6_K" if i % 2 else "IQ4_XS", layer.o_proj, 10 * i + 1)
+        layer.gate_up_proj = blocks("Q4_K", layer.gate_up_proj, 10 * i + 2)
+        layer.down_proj = blocks("Q5_K", layer.down_proj, 10 * i + 3)
+    pack_all(lm.model)
+    return lm
+
+
 def _step(lm, pool, tables, ctx, ids, fused=None):
     """One decode step (one new token per sequence at position ctx-1) on a copy of the pool, through
     the fused step where given, else the eager forward."""
@@ -47,9 +81,12 @@ def _step(lm, pool, tables, ctx, ids, fused=None):
     # a bf16 cache: K/V rounded once on their way in, as the eager forward rounds them, attention in fp32
     ("int4", 7, {}, torch.bfloat16),
     ("int8", 6, {"attention_bias": True, "architecture": "qwen2"}, torch.bfloat16),
+    # GGUF block layers of several types, and a layer of two kinds of parts
+    ("gguf-blocks", 1, {}, torch.float32),
+    ("gguf-blocks", 7, {}, torch.float32),
 ])
 def test_fused_step_equals_eager_bit_for_bit(method, n_seq, over, kv):
-    lm = _tiny_a8(method, **over)
+    lm = _tiny_blocks(**over) if method == "gguf-blocks" else _tiny_a8(method, **over)
     fused = fused_decode.build(lm.model)
     assert fused is not None
     cfg = lm.config

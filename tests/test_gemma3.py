@@ -79,13 +79,6 @@ def test_the_tokenizer_equals_transformers_on_the_file(hf_gemma, gemma_path):
             tok(text).input_ids, skip_special_tokens=True), text
 
 
-@pytest.fixture(scope="session")
-def gemma_llm():
-    from inferd.engine.llm import LLM
-
-    return LLM(model="gemma3-270m", dtype="float32")
-
-
 def test_generate_and_serve_give_transformers_greedy_tokens(hf_gemma, gemma_llm, tmp_path):
     """The engine (all 8 prompts in one batch, by name `gemma3-270m`) and `inferd serve` through the
     official openai client, streamed and not: transformers' greedy tokens on the same GGUF."""

@@ -112,14 +112,13 @@ def gemma_blocks(gemma_path):
                       dtype="float32")
 
 
-def test_a_k_quant_file_serves_from_its_blocks_in_its_own_bytes(gemma_path, gemma_blocks):
+def test_a_k_quant_file_serves_from_its_blocks_in_its_own_bytes(gemma_path, gemma_blocks, gemma_llm):
     """Gemma 3 270M Q4_K_M through `--quantization gguf --quantize-lm-head --quantize-activations`:
     every projection keeps the file's blocks (Q4_K, Q6_K and Q5_0 through the block kernel, the
     Q8_0 value projections and head through W8A8; a layer whose parts differ runs each part), the
     embedding is read from the head's codes, and the weights held are within 1.1x of the file's
     tensor bytes; its greedy step equals the dequantized model's."""
     from inferd.engine.paths import weight_formats
-    from inferd.loading.loader import load_model
     from inferd.model.layers import ContiguousKV
     from inferd.quant.gguf_native import FusedParts
     from inferd.quant.linear import weight_bytes
@@ -141,11 +140,10 @@ def test_a_k_quant_file_serves_from_its_blocks_in_its_own_bytes(gemma_path, gemm
     print(f"weights held {held / 2**20:.1f} MiB for {file_bytes / 2**20:.1f} MiB of tensors in the file "
           f"({held / file_bytes:.3f}x)")
     assert held <= 1.1 * file_bytes
-    ref = load_model(gemma_path, dtype="float32", with_tokenizer=False)
     ids = torch.tensor([2, 818, 5279, 529, 7001, 563])  # "The capital of France is"
     pos = torch.arange(len(ids))
     outs = []
-    for model in (ref.model, g.model):
+    for model in (gemma_llm.engine.model, g.model):
         c = ContiguousKV(model.cfg, 16, torch.float32, torch.device("cpu"))
         c.set_positions(pos)
         with torch.no_grad():

@@ -1,4 +1,4 @@
-// The decode step of a W4A8/W8A8 model as one C++ call: the layer loop without Python between kernels.
+// The decode step of a W4A8/W8A8 (or GGUF block) model as one C++ call: the layer loop without Python between kernels.
 //
 // Why: with int4 weights and int8 activations a batch-1 token reads ~110 MB of weights, ~6 ms on the
 // 2-core AVX2 machine, and the eager forward spent another ~2.5 ms on the ~13 Python-level calls per
@@ -19,27 +19,36 @@ static c10::TypedOperatorHandle<Sig> op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
 }
 
-struct Lin { Tensor w, bias; int64_t n; bool w8; };  // packed records (W4A8 or W8A8), n output features
+// One part of a linear: packed records, their kind (W4A8, W8A8, or a GGUF BlockType >= 0), n outputs.
+// A linear is one part, or several whose outputs sit side by side (a GGUF layer whose parts differ
+// in type: inferd.quant.gguf_native.FusedParts).
+static constexpr int64_t KIND_W4A8 = -2, KIND_W8A8 = -1;
+struct Part { Tensor w; int64_t kind, n; };
+struct Lin { std::vector<Part> parts; Tensor bias; };
 
 class DecodeStack {
  public:
-  // flat: per layer input_norm, post_norm, then (packed weights, bias) for qkv, o, gate_up, down, with
-  // an empty tensor for an absent bias; last the final norm's weight. outs: the four linears' output
-  // features per layer; w8: which of them are W8A8 (the rest W4A8).
-  DecodeStack(std::vector<Tensor> flat, std::vector<int64_t> outs, std::vector<bool> w8, int64_t layers,
+  // norms: per layer input_norm, post_norm, then the final norm's weight. weights / kinds / outs: every
+  // linear's parts in order (qkv, o, gate_up, down per layer), parts[i] of them for linear i; biases:
+  // one per linear, an empty tensor for none.
+  DecodeStack(std::vector<Tensor> norms, std::vector<Tensor> weights, std::vector<int64_t> kinds,
+              std::vector<int64_t> outs, std::vector<int64_t> parts, std::vector<Tensor> biases, int64_t layers,
               int64_t heads, int64_t kv_heads, int64_t head_dim, double eps)
-      : L_(layers), nq_(heads), nk_(kv_heads), D_(head_dim), eps_(eps) {
-    TORCH_CHECK(static_cast<int64_t>(flat.size()) == layers * 10 + 1, "DecodeStack: wrong number of tensors");
-    TORCH_CHECK(static_cast<int64_t>(outs.size()) == layers * 4 && w8.size() == outs.size(),
-                "DecodeStack: wrong number of output sizes");
-    auto opt = [](const Tensor& t) { return t.numel() ? t : Tensor(); };
-    for (int64_t l = 0; l < layers; ++l) {
-      const Tensor* f = flat.data() + l * 10;
-      norms_.push_back(f[0]);
-      norms_.push_back(f[1]);
-      for (int i = 0; i < 4; ++i) lins_.push_back({f[2 + 2 * i], opt(f[3 + 2 * i]), outs[l * 4 + i], w8[l * 4 + i]});
+      : L_(layers), nq_(heads), nk_(kv_heads), D_(head_dim), eps_(eps), norms_(std::move(norms)) {
+    TORCH_CHECK(static_cast<int64_t>(norms_.size()) == layers * 2 + 1, "DecodeStack: wrong number of norms");
+    TORCH_CHECK(static_cast<int64_t>(parts.size()) == layers * 4 && biases.size() == parts.size(),
+                "DecodeStack: wrong number of linears");
+    TORCH_CHECK(weights.size() == kinds.size() && kinds.size() == outs.size(), "DecodeStack: parts disagree");
+    size_t at = 0;
+    for (size_t i = 0; i < parts.size(); ++i) {
+      Lin l{{}, biases[i].numel() ? biases[i] : Tensor()};
+      for (int64_t j = 0; j < parts[i]; ++j, ++at) {
+        TORCH_CHECK(at < weights.size(), "DecodeStack: fewer parts than the linears name");
+        l.parts.push_back({weights[at], kinds[at], outs[at]});
+      }
+      lins_.push_back(std::move(l));
     }
-    norms_.push_back(flat.back());
+    TORCH_CHECK(at == weights.size(), "DecodeStack: more parts than the linears name");
   }
 
   // x [M, hidden] float32 embeddings (updated in place: the residual stream); cos/sin [M, head_dim];
@@ -73,8 +82,21 @@ class DecodeStack {
   }
 
  private:
+  Tensor part(const Part& p, const Tensor& x) {
+    if (p.kind == KIND_W4A8) return w4a8_.call(x, p.w, p.n);
+    if (p.kind == KIND_W8A8) return w8a8_.call(x, p.w, p.n);
+    return blocks_.call(x, p.w, p.n, p.kind);
+  }
+
   Tensor lin(const Lin& l, const Tensor& x) {
-    Tensor y = l.w8 ? w8a8_.call(x, l.w, l.n) : w4a8_.call(x, l.w, l.n);
+    Tensor y;
+    if (l.parts.size() == 1) {
+      y = part(l.parts[0], x);
+    } else {
+      std::vector<Tensor> ys;
+      for (const Part& p : l.parts) ys.push_back(part(p, x));
+      y = at::cat(ys, 1);
+    }
     if (l.bias.defined()) y.add_(l.bias);
     return y;
   }
@@ -97,12 +119,14 @@ class DecodeStack {
       op<Tensor(Tensor, Tensor, int64_t)>("inferd::w4a8_linear");
   c10::TypedOperatorHandle<Tensor(Tensor, Tensor, int64_t)> w8a8_ =
       op<Tensor(Tensor, Tensor, int64_t)>("inferd::w8a8_linear");
+  c10::TypedOperatorHandle<Tensor(Tensor, Tensor, int64_t, int64_t)> blocks_ =
+      op<Tensor(Tensor, Tensor, int64_t, int64_t)>("inferd::blocks_linear");
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the step runs without the GIL: a server's event loop keeps answering while the model computes
   pybind11::class_<DecodeStack>(m, "DecodeStack")
-      .def(pybind11::init<std::vector<Tensor>, std::vector<int64_t>, std::vector<bool>, int64_t, int64_t, int64_t, int64_t,
-                          double>())
+      .def(pybind11::init<std::vector<Tensor>, std::vector<Tensor>, std::vector<int64_t>, std::vector<int64_t>,
+                          std::vector<int64_t>, std::vector<Tensor>, int64_t, int64_t, int64_t, int64_t, double>())
       .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

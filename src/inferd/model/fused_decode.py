@@ -6,8 +6,8 @@ Why: with int4 weights and int8 activations a batch-1 token reads ~110 MB of wei
 layer around those matmuls. The C++ loop calls the same ops as the eager forward
 (torch.ops.inferd.*) in the same order, so its hidden states equal the eager model's bit for bit.
 
-`build(model)` says whether a model qualifies (CPU, float32, every layer linear W4A8 or W8A8, the
-native kernels built) and returns the step; `FusedDecode.unusable_with(attn)` says why it could
+`build(model)` says whether a model qualifies (CPU, float32, every layer linear W4A8, W8A8 or a GGUF
+block layer (or parts of those side by side), the native kernels built) and returns the step; `FusedDecode.unusable_with(attn)` says why it could
 never run with an attention (no paged decode kernel, a KV cache neither float32 nor bfloat16). The
 engine's ModelRunner owns the decision to use it (never with `--enforce-eager`, never under tensor
 parallelism) and calls it each step, where it runs only if every sequence decodes through the paged
@@ -63,6 +63,26 @@ class FusedDecode:
         return h
 
 
+KIND_W4A8, KIND_W8A8 = -2, -1  # csrc/cpu/fused_decode.cpp; a GGUF block type is its id (>= 0)
+
+
+def _parts(lin) -> list[tuple[torch.Tensor, int, int]] | None:
+    """(packed records, kind, outputs) for each part of a linear the C++ step can run, or None:
+    W4A8Linear / W8A8Linear (inferd.quant.w4a8), BlocksLinear (inferd.quant.gguf_blocks), and a
+    FusedParts of those (its parts' outputs side by side)."""
+    from inferd.quant.gguf_blocks import FORMATS, BlocksLinear
+
+    if hasattr(lin, "parts") and getattr(lin, "bias", None) is None:
+        out = [_parts(p) for p in lin.parts]
+        return None if any(p is None or len(p) != 1 for p in out) else [p[0] for p in out]
+    if isinstance(lin, BlocksLinear) and lin.packed is not None:
+        return [(lin.packed, FORMATS[lin.type].id, lin.out_features)]
+    w8 = getattr(lin, "w8", None)
+    if w8 is None:
+        return None
+    return [(lin.packed, KIND_W8A8 if w8 else KIND_W4A8, lin.out_features)]
+
+
 def build(model) -> FusedDecode | None:
     """The fused decode step for this model, or None where it does not qualify."""
     from inferd.kernels import native
@@ -75,22 +95,24 @@ def build(model) -> FusedDecode | None:
     if not len(model.layers):
         return None
     none = torch.empty(0)
-    flat, outs, w8 = [], [], []
+    norms, weights, kinds, outs, parts, biases = [], [], [], [], [], []
     for layer in model.layers:
-        flat += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
+        norms += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
         for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
-            # W4A8Linear / W8A8Linear (inferd.quant.w4a8) hold packed records the kernel reads; anything
-            # else has no C++ path
-            if getattr(lin, "w8", None) is None:
+            got = _parts(lin)
+            if got is None:  # no C++ path for this layer
                 return None
-            flat += [lin.packed, none if lin.bias is None else lin.bias]
-            outs.append(lin.out_features)
-            w8.append(lin.w8)
-    flat.append(model.norm.weight.detach())
+            for packed, kind, n in got:
+                weights.append(packed)
+                kinds.append(kind)
+                outs.append(n)
+            parts.append(len(got))
+            biases.append(none if getattr(lin, "bias", None) is None else lin.bias)
+    norms.append(model.norm.weight.detach())
     mod = native.load()
     if mod is None:
         return None
     cfg = model.cfg
-    stack = mod.DecodeStack(flat, outs, w8, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
-                            cfg.head_dim, float(cfg.rms_norm_eps))
+    stack = mod.DecodeStack(norms, weights, kinds, outs, parts, biases, cfg.num_hidden_layers, cfg.num_attention_heads,
+                            cfg.num_key_value_heads, cfg.head_dim, float(cfg.rms_norm_eps))
     return FusedDecode(model, stack)
