@@ -109,7 +109,7 @@ def gemma_blocks(gemma_path):
     from inferd.loading.loader import load_model
 
     return load_model(gemma_path, quantization="gguf", quantize_activations=True, quantize_lm_head=True,
-                      dtype="float32")
+                      dtype="float32", with_tokenizer=False)
 
 
 def test_a_k_quant_file_serves_from_its_blocks_in_its_own_bytes(gemma_path, gemma_blocks, gemma_llm):
@@ -154,7 +154,7 @@ def test_a_k_quant_file_serves_from_its_blocks_in_its_own_bytes(gemma_path, gemm
     assert float(kl) < 0.02, float(kl)  # int8 activations: lossy, judged by inferd eval; this is a wiring check
 
 
-def test_the_engine_batches_block_layers_to_the_reference_loops_tokens(gemma_blocks):
+def test_the_engine_batches_block_layers_to_the_reference_loops_tokens(gemma_blocks, gemma_llm):
     """Continuous batching over block layers: each request's greedy tokens are the reference loop's on
     the same model, and the engine did batch them. The kernel's rows do not depend on the batch, but
     paged and contiguous attention sum in different orders and a last-bit difference can flip one
@@ -165,7 +165,7 @@ def test_the_engine_batches_block_layers_to_the_reference_loops_tokens(gemma_blo
     from inferd import LLM, SamplingParams
     from inferd.engine.reference import reference_generate
 
-    tok = gemma_blocks.tokenizer
+    tok = gemma_llm.tokenizer
     prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of",
                "The history of the printing press begins in the fifteenth century, when " * 3]
     ids = [tok.encode(p) for p in prompts]
