@@ -116,12 +116,15 @@ static void btile(const BlockOperands& o, int64_t i0, int64_t u0) {
       dv[v] = fload(B::d(sup[v], col[v]));
       if constexpr (F.mink != 0) mv[v] = fload(B::dm(sup[v], col[v]));
     }
-    if (i0 == 0 && u0 % PAIR_UNITS == 0 && s + 1 < nsup) {  // the pair's next super-block, as W4A8 prefetches
-      const char* p = reinterpret_cast<const char*>(B::super(o, pair[0], s + 1));
-      for (int64_t off = 0; off < B::RECORD; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
-    }
     for (int bi = 0; bi < SB; ++bi) {
       const int64_t b = s * SB + bi;
+      if (i0 == 0 && u0 % PAIR_UNITS == 0) {
+        // a pair's records are one stream: a block's share of it, PREFETCH_BLOCKS blocks ahead, as W4A8
+        // does (a whole super-block at once, one ahead, left the stream at 60-80 % of DRAM speed)
+        constexpr int64_t SHARE = B::RECORD / SB;
+        const char* p = reinterpret_cast<const char*>(B::super(o, pair[0], s)) + (bi + PREFETCH_BLOCKS) * SHARE;
+        for (int64_t off = 0; off < SHARE; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+      }
       VI sum[MR][NV][NSUB];
       for (int r = 0; r < MR; ++r)
         for (int v = 0; v < NV; ++v)
