@@ -70,13 +70,12 @@ def _parts(lin) -> list[tuple[torch.Tensor, int, int]] | None:
     """(packed records, kind, outputs) for each part of a linear the C++ step can run, or None:
     W4A8Linear / W8A8Linear (inferd.quant.w4a8), BlocksLinear (inferd.quant.gguf_blocks), and a
     FusedParts of those (its parts' outputs side by side)."""
-    from inferd.quant.gguf_blocks import FORMATS, BlocksLinear
-
     if hasattr(lin, "parts") and getattr(lin, "bias", None) is None:
         out = [_parts(p) for p in lin.parts]
         return None if any(p is None or len(p) != 1 for p in out) else [p[0] for p in out]
-    if isinstance(lin, BlocksLinear) and lin.packed is not None:
-        return [(lin.packed, FORMATS[lin.type].id, lin.out_features)]
+    kind = getattr(lin, "block_type", None)  # a BlocksLinear (read by name: the model layer imports no quant)
+    if kind is not None:
+        return None if lin.packed is None else [(lin.packed, kind, lin.out_features)]
     w8 = getattr(lin, "w8", None)
     if w8 is None:
         return None

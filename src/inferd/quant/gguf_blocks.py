@@ -249,6 +249,7 @@ class BlocksLinear(nn.Module):
     def __init__(self, codes: Codes, bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__()
         self.type = codes.type
+        self.block_type = FORMATS[self.type].id  # the kernel's BlockType (the fused decode step reads it)
         self.out_features, self.in_features = codes.q.shape
         f = FORMATS[self.type]
         if self.in_features % (32 * f.super_blocks):
