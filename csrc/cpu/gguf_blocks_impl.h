@@ -243,25 +243,14 @@ static void btile(const BlockOperands& o, int64_t i0, int64_t g0) {
 
 #endif
 
-template <int T, int MR, int NV>
-static void bacross(const BlockOperands& o, int64_t i0, int64_t u, int64_t u1) {
-  for (; u + NV <= u1; u += NV) btile<T, MR, NV>(o, i0, u);
-  if constexpr (NV > 1) bacross<T, MR, NV / 2>(o, i0, u, u1);
-}
-
-template <int T, int MR>
-static void bdown(const BlockOperands& o, int64_t M, int64_t i, int64_t g0, int64_t g1) {
-  for (; i + MR <= M; i += MR) bacross<T, MR, units_per_tile<MR>()>(o, i, g0 * HALVES, g1 * HALVES);
-  if constexpr (MR > 1) bdown<T, MR / 2>(o, M, i, g0, g1);
-}
+template <int T>
+struct BTile {
+  template <int MR, int NV>
+  static void run(const BlockOperands& o, int64_t i0, int64_t u) { btile<T, MR, NV>(o, i0, u); }
+};
 
 template <int T>
-static void bgemm(const BlockOperands& o, int64_t M) {
-  const int64_t G = (o.N + GW - 1) / GW;
-  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t p = g0; p < g1; p += PANEL) bdown<T, TILE>(o, M, 0, p, std::min(g1, p + PANEL));
-  });
-}
+static void bgemm(const BlockOperands& o, int64_t M) { all_panels<BTile<T>>(o, M); }
 
 static void blocks_gemm(int type, const uint8_t* w, const int8_t* xq, const float* dx, const float* xs,
                         const int32_t* xi, const int32_t* xi16, int64_t M, int64_t K, int64_t N, float* y) {

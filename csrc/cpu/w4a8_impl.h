@@ -325,26 +325,46 @@ static void tile8(const Operands& o, int64_t i0, int64_t g0) {
 }
 #endif
 
+// The walk every integer GEMM here shares (W4A8, W8A8, the GGUF block types: gguf_blocks_impl.h).
+// `Tile::run<MR, NV>(o, i0, u)` computes rows i0..i0+MR times units u..u+NV over all of K.
 // Units u..u1 for rows i0..i0+MR: tiles of NV units while they fit, then narrower ones.
-template <bool W8, typename S, int MR, int NV>
-static void across(const Operands& o, int64_t i0, int64_t u, int64_t u1) {
-  for (; u + NV <= u1; u += NV) {
-    if constexpr (W8) tile8<S, MR, NV>(o, i0, u);
-    else tile4<S, MR, NV>(o, i0, u);
-  }
-  if constexpr (NV > 1) across<W8, S, MR, NV / 2>(o, i0, u, u1);
+template <class Tile, int MR, int NV, class O>
+static void across(const O& o, int64_t i0, int64_t u, int64_t u1) {
+  for (; u + NV <= u1; u += NV) Tile::template run<MR, NV>(o, i0, u);
+  if constexpr (NV > 1) across<Tile, MR, NV / 2>(o, i0, u, u1);
 }
 
 // Rows i..M over groups g0..g1: tiles of MR rows while they fit, then fewer rows.
-template <bool W8, typename S, int MR>
-static void down(const Operands& o, int64_t M, int64_t i, int64_t g0, int64_t g1) {
-  for (; i + MR <= M; i += MR) across<W8, S, MR, units_per_tile<MR>()>(o, i, g0 * HALVES, g1 * HALVES);
-  if constexpr (MR > 1) down<W8, S, MR / 2>(o, M, i, g0, g1);
+template <class Tile, int MR, class O>
+static void down(const O& o, int64_t M, int64_t i, int64_t g0, int64_t g1) {
+  for (; i + MR <= M; i += MR) across<Tile, MR, units_per_tile<MR>()>(o, i, g0 * HALVES, g1 * HALVES);
+  if constexpr (MR > 1) down<Tile, MR / 2>(o, M, i, g0, g1);
 }
+
+template <bool W8, typename S>
+struct WTile {
+  template <int MR, int NV>
+  static void run(const Operands& o, int64_t i0, int64_t u) {
+    if constexpr (W8) tile8<S, MR, NV>(o, i0, u);
+    else tile4<S, MR, NV>(o, i0, u);
+  }
+};
 
 // Groups per panel: a panel's weights (8 x 16 columns x K bytes or half that) stay in L2 while every
 // row tile passes over them, so a step reads each weight from DRAM once whatever M is.
 static constexpr int64_t PANEL = 8;
+
+// Rows i..M over groups g0..g1, a panel of groups at a time
+template <class Tile, class O>
+static void panels(const O& o, int64_t M, int64_t i, int64_t g0, int64_t g1) {
+  for (int64_t p = g0; p < g1; p += PANEL) down<Tile, TILE>(o, M, i, p, std::min(g1, p + PANEL));
+}
+
+// Every row over every group, the groups shared among the threads
+template <class Tile, class O>
+static void all_panels(const O& o, int64_t M) {
+  at::parallel_for(0, (o.N + GW - 1) / GW, 1, [&](int64_t g0, int64_t g1) { panels<Tile>(o, M, 0, g0, g1); });
+}
 
 #if INFERD_ISA_LEVEL >= 4
 // AMX, for W8: 16 rows x one group (16 columns) a tile pass. Per 32-block one tdpbssd computes the
@@ -418,8 +438,8 @@ static void amx_tile(const Operands& o, int64_t i0, int64_t g, int32_t* c) {
 
 template <bool W8, typename S>
 static void gemm(const Operands& o, int64_t M) {
-  const int64_t G = (o.N + GW - 1) / GW;
 #if INFERD_ISA_LEVEL >= 4
+  const int64_t G = (o.N + GW - 1) / GW;
   // W8: whole 16-row tiles through AMX, the rest (and a step of fewer rows) as on avx512_vnni: both
   // give the same floats, so a row's result still does not depend on where the cut falls
   if constexpr (W8) {
@@ -431,16 +451,13 @@ static void gemm(const Operands& o, int64_t M) {
         for (int64_t g = g0; g < g1; ++g)
           for (int64_t i = 0; i < M16; i += AMX_ROWS) amx_tile<S>(o, i, g, c);
         _tile_release();
-        if (M16 < M)
-          for (int64_t p = g0; p < g1; p += PANEL) down<W8, S, TILE>(o, M, M16, p, std::min(g1, p + PANEL));
+        if (M16 < M) panels<WTile<W8, S>>(o, M, M16, g0, g1);
       });
       return;
     }
   }
 #endif
-  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t p = g0; p < g1; p += PANEL) down<W8, S, TILE>(o, M, 0, p, std::min(g1, p + PANEL));
-  });
+  all_panels<WTile<W8, S>>(o, M);
 }
 
 static void w4a8_gemm(const uint8_t* w, bool half, const int8_t* xq, const float* dx, const float* xs,

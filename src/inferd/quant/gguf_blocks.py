@@ -14,7 +14,7 @@ only the packed records.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
@@ -293,10 +293,6 @@ class BlocksLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.type}, in={self.in_features}, out={self.out_features}"
-
-
-def slice_rows(c: Codes, a: int, b: int) -> Codes:
-    return replace(c, **{k: v[a:b] for k, v in c.tensors().items()})
 
 
 def pack_all(model: nn.Module) -> int:
