@@ -28,12 +28,14 @@ def add_model_args(p: argparse.ArgumentParser):
     g.add_argument("--device", default="cpu", help="cpu | cuda")
     g.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
     g.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
-    g.add_argument("--quantization", default="none", choices=list(METHODS),
-                   help="weight-only quantization of the linear layers (CPU packed kernels); *-gptq: the same "
-                        "formats with GPTQ rounding (a calibration pass on WikiText-2 at load); awq: an AWQ "
-                        "checkpoint folder (picked automatically for one); gguf: the file's own blocks (Q4_0/1, "
-                        "Q5_0/1, Q8_0, Q2_K..Q6_K, IQ4_NL/XS); auto: gguf with int8 activations and the file's "
-                        "own output layer for a .gguf (the fast path, as llama.cpp serves it), none otherwise")
+    g.add_argument("--quantization", default="auto", choices=list(METHODS),
+                   help="auto (default): a .gguf is served from its own blocks with int8 activations and the "
+                        "file's own output layer (as --quantization gguf --quantize-activations "
+                        "--quantize-lm-head; the fast path, as llama.cpp serves a GGUF), anything else as "
+                        "none; none: the dequantized model; the others: weight-only quantization of the linear "
+                        "layers (CPU packed kernels); *-gptq: the same formats with GPTQ rounding (a calibration "
+                        "pass on WikiText-2 at load); awq: an AWQ checkpoint folder (picked automatically for "
+                        "one); gguf: the file's own blocks (Q4_0/1, Q5_0/1, Q8_0, Q2_K..Q6_K, IQ4_NL/XS)")
     g.add_argument("--quant-group-size", type=int, default=32, help="int4 group size (must divide the input size)")
     g.add_argument("--quantize-lm-head", action="store_true", help="quantize the output layer too")
     g.add_argument("--quantize-activations", action="store_true",
@@ -181,7 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--model", default=None, help="the unaltered model: .gguf, Hugging Face folder "
                     "(default: the embedded default, whose weights are already Q4_1)")
     ev.add_argument("--quantization", default="none,int8,int4",
-                    help="comma-separated configurations to compare with the fp32 reference")
+                    help="comma-separated configurations to compare with the fp32 reference: a --quantization "
+                         "method, +a8 for int8 activations (int4+a8), or auto (what `inferd serve` runs by "
+                         "default)")
     ev.add_argument("--quant-group-size", type=int, default=32, help="input channels per scale of int4/awq")
     ev.add_argument("--awq-path", default=None,
                     help="awq config: this AWQ folder (from inferd quantize); default: calibrate in memory "

@@ -21,8 +21,8 @@ def run(args) -> int:
         if base not in METHODS:
             raise InferdError(f"unknown quantization {c!r} (choose {', '.join(METHODS)}; each but none also "
                               "as +a8: int8 activations, the W4A8/W8A8 kernels)")
-        if a8 and base == "none":
-            raise InferdError(f"{c}: +a8 applies to quantized weights (int4, int4-gptq, gguf, awq; int8, int8-gptq)")
+        if a8 and base in ("none", "auto"):
+            raise InferdError(f"{c}: +a8 applies to quantized weights (auto picks its own; int4, int4-gptq, gguf, awq; int8, int8-gptq)")
     if args.ctx < 2 or args.windows < 1:
         raise InferdError("--ctx must be >= 2 and --windows >= 1")
     if args.plot and not args.speed:

@@ -123,7 +123,10 @@ def run_eval(model: str | None, configs: list[str], group_size: int = 32, ctx: i
     for c in configs:
         base, a8 = split_config(c)
         labels[c] = base + (f" g{group_size}" if base in ("int4", "int4-gptq") else "")
-        if base == "awq":
+        if base == "auto":  # what `inferd serve` runs by default, as it would load it
+            loaded[c] = load_model(model, dtype=dtype, quantization="auto")
+            labels[c] = auto_label(loaded[c].model)
+        elif base == "awq":
             # W4A8's fast path takes fp32 glue (resolve_dtype); weight-only AWQ runs on bf16 activations
             awq_dtype = "float32" if a8 and dtype == "auto" else dtype
             loaded[c], labels[c] = _awq_config(model, awq_path, group_size, awq_dtype, ref)
@@ -160,10 +163,10 @@ def run_eval(model: str | None, configs: list[str], group_size: int = 32, ctx: i
         lm = loaded[c]
         packed = lm
         base, a8 = split_config(c)
-        if fp32 and base not in ("none", "awq") and not a8:  # dense weights: time the packed form
+        if fp32 and base not in ("none", "awq", "auto") and not a8:  # dense weights: time the packed form
             packed = load_model(model, dtype=speed_dtype, quantization=c, quant_group_size=group_size,
                                 quantize_lm_head=quantize_lm_head, with_tokenizer=c.endswith("-gptq"))
-        label = labels[c] + (" +lm_head" if quantize_lm_head and base not in ("none", "awq") else "")
+        label = labels[c] + (" +lm_head" if quantize_lm_head and base not in ("none", "awq", "auto") else "")
         row = {"config": f"{label} {str(lm.model.dtype)[6:]} act",
                **acc[c].summary(), "weight_mib": weight_bytes(packed.model) / 2**20,
                "activation_dtype": str(lm.model.dtype)[6:], "speed_dtype": str(packed.model.dtype)[6:]}
@@ -180,6 +183,16 @@ def run_eval(model: str | None, configs: list[str], group_size: int = 32, ctx: i
             "note": "the reference is the model as its file holds it, in fp32 (a GGUF's quantized weights "
                     "dequantized: the embedded models are Q4_1 and Q4_K_M to begin with)",
             "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def auto_label(model) -> str:
+    """'auto (gguf W4A8, lm_head W8A8Linear)': what --quantization auto resolved to for this model."""
+    from inferd.engine.paths import module_paths
+
+    p = module_paths(model)
+    if not p["activation_quant"]:
+        return "auto (none)"
+    return f"auto (gguf {p['activation_quant']}, lm_head {p['lm_head']})"
 
 
 def _awq_config(model, awq_path, group_size, dtype, ref):
