@@ -154,7 +154,7 @@ def test_dp2_greedy_fp32_equals_the_reference_loop():
     from inferd.engine.reference import reference_generate
     from inferd.loading.loader import load_model
 
-    srv = ServerProc(["--dtype", "float32", "--data-parallel-size", "2", "--kv-cache-memory", "64MiB"])
+    srv = ServerProc(["--quantization", "none", "--dtype", "float32", "--data-parallel-size", "2", "--kv-cache-memory", "64MiB"])
     try:
         loaded = load_model(None, dtype="float32")
         tok = loaded.tokenizer

@@ -151,7 +151,7 @@ def test_1p1d_equals_colocated_on_the_default_model_through_router_and_openai(de
     """32 concurrent mixed requests, fp32, the shared-memory connector; 0 recomputes, 1 prompt
     token computed per request on the decode worker, 46,080 B per pulled token, every lease
     confirmed and freed."""
-    args = ["--model", default_gguf_path, "--dtype", "float32", "--threads", "1", "--max-num-seqs", "32",
+    args = ["--model", default_gguf_path, "--quantization", "none", "--dtype", "float32", "--threads", "1", "--max-num-seqs", "32",
             "--num-kv-blocks", "640", "--served-model-name", "m"]
     p, d, r = cluster(args, ["--max-num-batched-tokens", "128"])
     try:

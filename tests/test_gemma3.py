@@ -92,7 +92,7 @@ def test_generate_and_serve_give_transformers_greedy_tokens(hf_gemma, gemma_llm,
     ties = sum(same_or_near_tie(o.token_ids, want, logits) for o, (_, want, logits) in zip(outs, refs))
     assert ties <= 1
     assert llm.engine.stats.max_batch_seqs == len(PROMPTS)
-    with running_server(["--model", "gemma3-270m", "--dtype", "float32", "--served-model-name", "gemma"]) as base:
+    with running_server(["--model", "gemma3-270m", "--quantization", "none", "--dtype", "float32", "--served-model-name", "gemma"]) as base:
         client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=120)
         for i, (ids, want, logits) in enumerate(refs[:2]):
             r = client.completions.create(model="gemma", prompt=ids, max_tokens=N_NEW, temperature=0,

@@ -1,9 +1,11 @@
-"""A quantized model behind `inferd serve`, measured by `inferd bench` (issue #8, must-show 4).
+"""The default `inferd serve` is the quantized fast path, measured by `inferd bench` (issue #8
+must-show 4, issue #43 must-show 4).
 
-The server runs the default GGUF with `--quantization gguf --quantize-lm-head` (the file's own Q4_1
-blocks through the int4 kernel, the output layer in int8) in bf16. Proof that the quantized path
-served, not a float fallback: the server logs the packed weight memory, and its greedy text equals
-the offline engine's on the same quantized model.
+The server runs the default model with no quantization flag, as `make run` does: `--quantization
+auto` serves the GGUF from its own Q4_1 blocks with int8 activations (W4A8) and the file's Q8_0
+output layer (W8A8). Proof that the fast path served, not a dense copy: the engine's state names
+the layer classes (no dense linear), the fused decode step ran, and its greedy text equals the
+offline engine's on the same configuration.
 """
 import json
 import subprocess
@@ -14,30 +16,31 @@ import pytest
 
 
 @pytest.fixture(scope="module")
-def qserver(default_gguf_path, tmp_path_factory):
+def qserver(tmp_path_factory):
     from conftest import running_server
 
     log = tmp_path_factory.mktemp("qserve") / "serve.log"
-    with running_server(["--model", default_gguf_path, "--quantization", "gguf", "--quantize-lm-head",
-                         "--dtype", "bfloat16", "--max-num-seqs", "8", "--kv-cache-memory", "128MiB"], log) as url:
+    with running_server(["--max-num-seqs", "8", "--kv-cache-memory", "128MiB"], log) as url:
         yield url, log
 
 
-def test_quantized_serve_logs_packed_weights_and_matches_offline(qserver, default_gguf_path):
+def test_default_serve_runs_the_files_blocks_and_matches_offline(qserver):
     from inferd.engine.llm import LLM
     from inferd.engine.request import SamplingParams
-    from inferd.loading.loader import load_model
 
     url, log = qserver
-    text = log.read_text()
-    assert "gguf-native: int4 120 linears" in text and "lm_head int8" in text, text[-2000:]
     prompt = "The capital of France is"
     r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 16, "temperature": 0},
                    timeout=120)
     assert r.status_code == 200, r.text
     served = r.json()["choices"][0]["text"]
-    lm = load_model(default_gguf_path, dtype="bfloat16", quantization="gguf", quantize_lm_head=True)
-    llm = LLM(loaded=lm, kv_cache_memory="64MiB")
+    paths = httpx.get(url + "/v1/engine/state", timeout=10).json()["engines"][0]["paths"]
+    # every linear is a packed integer kernel over the file's codes: 120 W4A8 (Q4_1) and the head (Q8_0)
+    assert paths["weight_formats"] == {"W4A8Linear": 120, "W8A8Linear": 1}, paths
+    assert paths["lm_head"] == "W8A8Linear" and paths["activations"] == "int8" and paths["dtype"] == "float32"
+    assert paths["fused_built"] and paths["fused_steps"] > 0 and paths["eager_decode_steps"] == 0, paths
+    assert "gguf-native" in log.read_text()
+    llm = LLM(quantization="auto", kv_cache_memory="64MiB")
     offline = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0))[0]
     assert served == offline.text
 

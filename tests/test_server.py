@@ -45,7 +45,7 @@ assert len(set(CONC_PROMPTS)) == 32
 # -- server processes ---------------------------------------------------------------------------
 def ServerProc(*extra: str, api_key: str | None = None):
     """conftest's ServerProc with this module's model and flags."""
-    return conftest.ServerProc(["--model", MODEL, "--dtype", "float32", "--host", "127.0.0.1", "--kv-cache-memory",
+    return conftest.ServerProc(["--model", MODEL, "--quantization", "none", "--dtype", "float32", "--host", "127.0.0.1", "--kv-cache-memory",
                                 "256MiB", *extra], api_key=api_key, timeout=READY_TIMEOUT)
 
 

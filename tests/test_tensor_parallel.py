@@ -458,7 +458,7 @@ def test_served_with_the_openai_client_then_a_rank_killed_under_a_stream(one_ran
     from conftest import ServerProc
     from test_engine_process import core_pid
 
-    srv = ServerProc(["--dtype", "float32", "--tensor-parallel-size", "2", "--kv-cache-memory", SMALL_KV,
+    srv = ServerProc(["--quantization", "none", "--dtype", "float32", "--tensor-parallel-size", "2", "--kv-cache-memory", SMALL_KV,
                       "--max-num-seqs", "16"], log_path=tmp_path / "serve.log")
     try:
         tok = one_rank["tok"]
