@@ -16,10 +16,11 @@ llama-server: built from the llama.cpp sources vendored in the llama-cpp-python 
 benchmarks/llamacpp.py), 2 threads, 32 slots (-np 32), prompt caching off (--no-cache-prompt,
 --cache-ram 0), OMP_WAIT_POLICY passive on a busy machine and active on a quiet one unless set (see
 llamacpp.omp_env: the wrong one costs llama.cpp 3-8x). inferd serve: 2 threads, --max-num-seqs 32, prefix caching off to match, once per --config
-LABEL=FLAGS given (any `inferd serve` flags), else once per --quantization given (default: `gguf`, the file's own Q4_1 blocks, and `none`, dequantized
-weights in the default dtype), since neither wins at every batch size.
+LABEL=FLAGS given (any `inferd serve` flags), else once per --quantization given (default: `auto`,
+what a bare `inferd serve` runs: the file's own blocks with int8 activations; `none` adds the
+dequantized weights).
 
-Usage: nice -n 10 .venv/bin/python benchmarks/llamacpp_server_bench.py [--quantization gguf,none]
+Usage: nice -n 10 .venv/bin/python benchmarks/llamacpp_server_bench.py [--quantization auto,none]
        [--config 'w4a8=--quantization gguf --quantize-lm-head --quantize-activations' --config ...]
        [--levels 1:8,8:32,32:64] [--rounds 3] [--json F]
 An optional benchmark (not part of CI): ~10-15 minutes a round on a 2-core machine, plus a one-time
@@ -94,7 +95,7 @@ def main() -> None:
                     help="CONCURRENCY:NUM_REQUESTS,... (e.g. 32:64 = 64 requests, at most 32 in flight)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="interleaved runs (llama-server, then each inferd config, again); every cell is their median")
-    ap.add_argument("--quantization", default="gguf,none",
+    ap.add_argument("--quantization", default="auto",
                     help="inferd configs to run, comma-separated (ignored where --config is given)")
     ap.add_argument("--config", action="append", default=[], metavar="LABEL=FLAGS",
                     help="an inferd server with these `inferd serve` flags (repeatable), e.g. "

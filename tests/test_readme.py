@@ -123,8 +123,10 @@ def test_the_readme_eval_command(tmp_path, wikitext_file):
     assert "reference" in r.stdout
     res = json.loads(out.read_text())
     by = {c["config"].split()[0]: c for c in res["configs"]}
-    assert set(by) == {"int8", "int4"}
+    assert set(by) == {"auto", "int4"}
     assert all(0 <= c["mean_kl"] < 0.5 and c["top1_agreement"] > 0.8 for c in by.values()), by
-    assert by["int8"]["mean_kl"] > 0  # int4 at group 32 lands back on the file's Q4_1 grid: its KL can be 0
-    assert by["int4"]["weight_mib"] < by["int8"]["weight_mib"]
+    # the default configuration: the file's blocks with int8 activations (lossy: KL > 0), the head in Q8_0;
+    # int4 at group 32 lands back on the file's Q4_1 grid: its KL can be 0
+    assert "W4A8" in by["auto"]["config"] and "W8A8Linear" in by["auto"]["config"] and by["auto"]["mean_kl"] > 0
+    assert by["auto"]["weight_mib"] < res["reference"]["weight_mib"] / 4
     assert "Q4_1" in res["note"]  # the reference itself is 4-bit, and the report says so

@@ -118,12 +118,16 @@ static void btile(const BlockOperands& o, int64_t i0, int64_t u0) {
     }
     for (int bi = 0; bi < SB; ++bi) {
       const int64_t b = s * SB + bi;
-      if (i0 == 0 && u0 % PAIR_UNITS == 0) {
-        // a pair's records are one stream: a block's share of it, PREFETCH_BLOCKS blocks ahead, as W4A8
-        // does (a whole super-block at once, one ahead, left the stream at 60-80 % of DRAM speed)
+      if (i0 == 0) {
+        // each pair's records are one stream: a block's share of every pair the tile starts, PREFETCH_BLOCKS
+        // blocks ahead, as W4A8 does (a whole super-block at once, one ahead, left the stream at 60-80 %
+        // of DRAM speed)
         constexpr int64_t SHARE = B::RECORD / SB;
-        const char* p = reinterpret_cast<const char*>(B::super(o, pair[0], s)) + (bi + PREFETCH_BLOCKS) * SHARE;
-        for (int64_t off = 0; off < SHARE; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+        for (int v = 0; v < NV; ++v) {
+          if ((u0 + v) % PAIR_UNITS != 0) continue;
+          const char* p = reinterpret_cast<const char*>(B::super(o, pair[v], s)) + (bi + PREFETCH_BLOCKS) * SHARE;
+          for (int64_t off = 0; off < SHARE; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+        }
       }
       VI sum[MR][NV][NSUB];
       for (int r = 0; r < MR; ++r)

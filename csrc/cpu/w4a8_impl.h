@@ -177,11 +177,14 @@ static constexpr int HALVES = 1;
 static constexpr int64_t PREFETCH_BLOCKS = 4;
 // Issued by the first tile of a pair (its first unit) on the first rows: later row tiles find the
 // panel in L2. Past the last record it asks for nothing that exists, which a prefetch may.
-template <bool W8, typename S>
+template <bool W8, typename S, int NV>
 static inline void prefetch_record(const Operands& o, int64_t i0, int64_t u0, int64_t b) {
-  if (i0 != 0 || u0 % (2 * HALVES) != 0) return;
-  const char* p = reinterpret_cast<const char*>(Layout<W8, S>::codes(o, u0 / HALVES, b + PREFETCH_BLOCKS));
-  for (int64_t off = 0; off < Layout<W8, S>::RECORD; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+  if (i0 != 0) return;
+  for (int v = 0; v < NV; ++v) {  // every pair the tile starts: each is a stream of its own
+    if ((u0 + v) % (2 * HALVES) != 0) continue;
+    const char* p = reinterpret_cast<const char*>(Layout<W8, S>::codes(o, (u0 + v) / HALVES, b + PREFETCH_BLOCKS));
+    for (int64_t off = 0; off < Layout<W8, S>::RECORD; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+  }
 }
 
 // MR rows i0.. times NV units u0.. of W4: every output of the tile, over all of K.
@@ -192,7 +195,7 @@ static void tile4(const Operands& o, int64_t i0, int64_t u0) {
     for (int v = 0; v < NV; ++v) acc[r][v] = fzero();
   const VI low = vbyte(0x0F);
   for (int64_t b = 0; b < o.nb; ++b) {
-    prefetch_record<false, S>(o, i0, u0, b);
+    prefetch_record<false, S, NV>(o, i0, u0, b);
     VI sum[MR][NV];  // int16 pairs below VNNI (at most 8 x 2 x 15 x 127 = 30480: no overflow), int32 with it
     for (int r = 0; r < MR; ++r)
       for (int v = 0; v < NV; ++v) sum[r][v] = vzero();
@@ -243,7 +246,7 @@ static void tile8(const Operands& o, int64_t i0, int64_t u0) {
   for (int r = 0; r < MR; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = fzero();
   for (int64_t b = 0; b < o.nb; ++b) {
-    prefetch_record<true, S>(o, i0, u0, b);
+    prefetch_record<true, S, NV>(o, i0, u0, b);
     VI sum[MR][NV];
     for (int r = 0; r < MR; ++r)
       for (int v = 0; v < NV; ++v) sum[r][v] = vzero();
