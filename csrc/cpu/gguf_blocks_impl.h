@@ -125,7 +125,7 @@ static void btile(const BlockOperands& o, int64_t i0, int64_t u0) {
         constexpr int64_t SHARE = B::RECORD / SB;
         for (int v = 0; v < NV; ++v) {
           if ((u0 + v) % PAIR_UNITS != 0) continue;
-          const char* p = reinterpret_cast<const char*>(B::super(o, pair[v], s)) + (bi + PREFETCH_BLOCKS) * SHARE;
+          const char* p = reinterpret_cast<const char*>(o.w) + prefetch_block<NV>(pair[v], b, o.nb) * SHARE;
           for (int64_t off = 0; off < SHARE; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
         }
       }
@@ -249,6 +249,9 @@ static void btile(const BlockOperands& o, int64_t i0, int64_t g0) {
 
 template <int T>
 struct BTile {
+  // one row: 4 units, not 8 (8 accumulators, 8 sums, scales and mins overflow the 32 registers)
+  template <int MR>
+  static constexpr int units() { return MR == 1 && INFERD_ISA_LEVEL >= 2 ? 4 : units_per_tile<MR>(); }
   template <int MR, int NV>
   static void run(const BlockOperands& o, int64_t i0, int64_t u) { btile<T, MR, NV>(o, i0, u); }
 };

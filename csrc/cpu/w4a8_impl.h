@@ -177,12 +177,25 @@ static constexpr int HALVES = 1;
 static constexpr int64_t PREFETCH_BLOCKS = 4;
 // Issued by the first tile of a pair (its first unit) on the first rows: later row tiles find the
 // panel in L2. Past the last record it asks for nothing that exists, which a prefetch may.
+//
+// Block b + PREFETCH_BLOCKS of pair p's stream of nb blocks, as an index into every pair's blocks in
+// order; past the stream's end, the same place in the pair npairs on, which the next tile starts
+// (pairs' records are contiguous, so running on would land in the pair beside, already streaming).
+// Short rows need it: K = 576 is 18 blocks, and each tile would start on blocks nobody asked for.
+template <int NV>
+static inline int64_t prefetch_block(int64_t p, int64_t b, int64_t nb) {
+  constexpr int64_t NPAIRS = NV >= 2 * HALVES ? NV / (2 * HALVES) : 1;  // pairs a tile starts
+  const int64_t a = b + PREFETCH_BLOCKS;
+  return a < nb ? p * nb + a : (p + NPAIRS) * nb + (a - nb);
+}
+
 template <bool W8, typename S, int NV>
 static inline void prefetch_record(const Operands& o, int64_t i0, int64_t u0, int64_t b) {
   if (i0 != 0) return;
   for (int v = 0; v < NV; ++v) {  // every pair the tile starts: each is a stream of its own
     if ((u0 + v) % (2 * HALVES) != 0) continue;
-    const char* p = reinterpret_cast<const char*>(Layout<W8, S>::codes(o, (u0 + v) / HALVES, b + PREFETCH_BLOCKS));
+    const char* p = reinterpret_cast<const char*>(o.w) +
+                    prefetch_block<NV>((u0 + v) / (2 * HALVES), b, o.nb) * Layout<W8, S>::RECORD;
     for (int64_t off = 0; off < Layout<W8, S>::RECORD; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
   }
 }
@@ -340,12 +353,14 @@ static void across(const O& o, int64_t i0, int64_t u, int64_t u1) {
 // Rows i..M over groups g0..g1: tiles of MR rows while they fit, then fewer rows.
 template <class Tile, int MR, class O>
 static void down(const O& o, int64_t M, int64_t i, int64_t g0, int64_t g1) {
-  for (; i + MR <= M; i += MR) across<Tile, MR, units_per_tile<MR>()>(o, i, g0 * HALVES, g1 * HALVES);
+  for (; i + MR <= M; i += MR) across<Tile, MR, Tile::template units<MR>()>(o, i, g0 * HALVES, g1 * HALVES);
   if constexpr (MR > 1) down<Tile, MR / 2>(o, M, i, g0, g1);
 }
 
 template <bool W8, typename S>
 struct WTile {
+  template <int MR>
+  static constexpr int units() { return units_per_tile<MR>(); }
   template <int MR, int NV>
   static void run(const Operands& o, int64_t i0, int64_t u) {
     if constexpr (W8) tile8<S, MR, NV>(o, i0, u);
