@@ -118,17 +118,9 @@ static void btile(const BlockOperands& o, int64_t i0, int64_t u0) {
     }
     for (int bi = 0; bi < SB; ++bi) {
       const int64_t b = s * SB + bi;
-      if (i0 == 0) {
-        // each pair's records are one stream: a block's share of every pair the tile starts, PREFETCH_BLOCKS
-        // blocks ahead, as W4A8 does (a whole super-block at once, one ahead, left the stream at 60-80 %
-        // of DRAM speed)
-        constexpr int64_t SHARE = B::RECORD / SB;
-        for (int v = 0; v < NV; ++v) {
-          if ((u0 + v) % PAIR_UNITS != 0) continue;
-          const char* p = reinterpret_cast<const char*>(o.w) + prefetch_block<NV>(pair[v], b, o.nb) * SHARE;
-          for (int64_t off = 0; off < SHARE; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
-        }
-      }
+      // a block's share of each pair's records, as W4A8 prefetches (a whole super-block at once, one
+      // ahead, left the stream at 60-80 % of DRAM speed)
+      prefetch_tile<NV>(o.w, i0, u0, b, o.nb, B::RECORD / SB);
       VI sum[MR][NV][NSUB];
       for (int r = 0; r < MR; ++r)
         for (int v = 0; v < NV; ++v)

@@ -175,8 +175,8 @@ static constexpr int HALVES = 1;
 // the hardware prefetcher should see the stream; measured on a 2-core AMD EPYC VM it does not keep a
 // decode step (one row: little work per byte) at DRAM speed without this.
 static constexpr int64_t PREFETCH_BLOCKS = 4;
-// Issued by the first tile of a pair (its first unit) on the first rows: later row tiles find the
-// panel in L2. Past the last record it asks for nothing that exists, which a prefetch may.
+// Issued on the first rows only: later row tiles find the panel in L2. Past the last record it asks
+// for nothing that exists, which a prefetch may.
 //
 // Block b + PREFETCH_BLOCKS of pair p's stream of nb blocks, as an index into every pair's blocks in
 // order; past the stream's end, the same place in the pair npairs on, which the next tile starts
@@ -189,14 +189,15 @@ static inline int64_t prefetch_block(int64_t p, int64_t b, int64_t nb) {
   return a < nb ? p * nb + a : (p + NPAIRS) * nb + (a - nb);
 }
 
-template <bool W8, typename S, int NV>
-static inline void prefetch_record(const Operands& o, int64_t i0, int64_t u0, int64_t b) {
+// For the tile of units u0.. at block b: every pair the tile starts is a stream of its own, `bytes` a
+// block (W4A8/W8A8: a record; the GGUF block types: a super-block record's share per block).
+template <int NV>
+static inline void prefetch_tile(const uint8_t* w, int64_t i0, int64_t u0, int64_t b, int64_t nb, int64_t bytes) {
   if (i0 != 0) return;
-  for (int v = 0; v < NV; ++v) {  // every pair the tile starts: each is a stream of its own
+  for (int v = 0; v < NV; ++v) {
     if ((u0 + v) % (2 * HALVES) != 0) continue;
-    const char* p = reinterpret_cast<const char*>(o.w) +
-                    prefetch_block<NV>((u0 + v) / (2 * HALVES), b, o.nb) * Layout<W8, S>::RECORD;
-    for (int64_t off = 0; off < Layout<W8, S>::RECORD; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+    const char* p = reinterpret_cast<const char*>(w) + prefetch_block<NV>((u0 + v) / (2 * HALVES), b, nb) * bytes;
+    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
   }
 }
 
@@ -208,7 +209,7 @@ static void tile4(const Operands& o, int64_t i0, int64_t u0) {
     for (int v = 0; v < NV; ++v) acc[r][v] = fzero();
   const VI low = vbyte(0x0F);
   for (int64_t b = 0; b < o.nb; ++b) {
-    prefetch_record<false, S, NV>(o, i0, u0, b);
+    prefetch_tile<NV>(o.w, i0, u0, b, o.nb, Layout<false, S>::RECORD);
     VI sum[MR][NV];  // int16 pairs below VNNI (at most 8 x 2 x 15 x 127 = 30480: no overflow), int32 with it
     for (int r = 0; r < MR; ++r)
       for (int v = 0; v < NV; ++v) sum[r][v] = vzero();
@@ -259,7 +260,7 @@ static void tile8(const Operands& o, int64_t i0, int64_t u0) {
   for (int r = 0; r < MR; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = fzero();
   for (int64_t b = 0; b < o.nb; ++b) {
-    prefetch_record<true, S, NV>(o, i0, u0, b);
+    prefetch_tile<NV>(o.w, i0, u0, b, o.nb, Layout<true, S>::RECORD);
     VI sum[MR][NV];
     for (int r = 0; r < MR; ++r)
       for (int v = 0; v < NV; ++v) sum[r][v] = vzero();
