@@ -202,9 +202,10 @@ def build_hf_awq_checkpoint(folder, group=32, seed=0):
     return want, sd
 
 
-def write_tiny_chat_gguf(path, n_layers=2, hidden=64, seed=0):
+def write_tiny_chat_gguf(path, n_layers=2, hidden=64, seed=0, qtype=None):
     """A tiny random Llama GGUF (2 layers, hidden 64) with SmolLM2's tokenizer and chat template
-    copied from the embedded default: a served model whose requests finish in milliseconds."""
+    copied from the embedded default: a served model whose requests finish in milliseconds.
+    `qtype`: the matrices' GGUF type (default Q8_0)."""
     import numpy as np
     from gguf import GGMLQuantizationType as Q, GGUFReader, GGUFValueType, GGUFWriter, quants
 
@@ -233,7 +234,7 @@ def write_tiny_chat_gguf(path, n_layers=2, hidden=64, seed=0):
             w.add_key_value(key, field.contents(), field.types[0])
     rng = np.random.default_rng(seed)
 
-    def add(name, shape, qt=Q.Q8_0, norm=False):
+    def add(name, shape, qt=qtype if qtype is not None else Q.Q8_0, norm=False):
         arr = (1 + 0.1 * rng.standard_normal(shape)) if norm else 0.5 * rng.standard_normal(shape)
         arr = arr.astype(np.float32)
         if qt == Q.F32:

@@ -19,10 +19,11 @@ static c10::TypedOperatorHandle<Sig> op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
 }
 
-// One part of a linear: packed records, their kind (W4A8, W8A8, or a GGUF BlockType >= 0), n outputs.
+// One part of a linear: packed records, their kind (W4A8, W8A8, 16-bit float weights, or a GGUF
+// BlockType >= 0), n outputs.
 // A linear is one part, or several whose outputs sit side by side (a GGUF layer whose parts differ
 // in type: inferd.quant.gguf_native.FusedParts).
-static constexpr int64_t KIND_W4A8 = -2, KIND_W8A8 = -1;
+static constexpr int64_t KIND_HALF = -3, KIND_W4A8 = -2, KIND_W8A8 = -1;
 struct Part { Tensor w; int64_t kind, n; };
 struct Lin { std::vector<Part> parts; Tensor bias; };
 
@@ -85,6 +86,7 @@ class DecodeStack {
   Tensor part(const Part& p, const Tensor& x) {
     if (p.kind == KIND_W4A8) return w4a8_.call(x, p.w, p.n);
     if (p.kind == KIND_W8A8) return w8a8_.call(x, p.w, p.n);
+    if (p.kind == KIND_HALF) return half_.call(x, p.w);
     return blocks_.call(x, p.w, p.n, p.kind);
   }
 
@@ -119,6 +121,7 @@ class DecodeStack {
       op<Tensor(Tensor, Tensor, int64_t)>("inferd::w4a8_linear");
   c10::TypedOperatorHandle<Tensor(Tensor, Tensor, int64_t)> w8a8_ =
       op<Tensor(Tensor, Tensor, int64_t)>("inferd::w8a8_linear");
+  c10::TypedOperatorHandle<Tensor(Tensor, Tensor)> half_ = op<Tensor(Tensor, Tensor)>("inferd::half_linear");
   c10::TypedOperatorHandle<Tensor(Tensor, Tensor, int64_t, int64_t)> blocks_ =
       op<Tensor(Tensor, Tensor, int64_t, int64_t)>("inferd::blocks_linear");
 };

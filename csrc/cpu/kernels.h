@@ -81,6 +81,8 @@ struct Kernels {
   // types with 16-weight scales)
   void (*blocks_gemm)(int type, const uint8_t* w, const int8_t* xq, const float* dx, const float* xs,
                       const int32_t* xi, const int32_t* xi16, int64_t M, int64_t K, int64_t N, float* y);
+  // y [M, N] = x [M, K] (float32) times w [N, K]^T kept as fp16 (or bf16) bits, in fp32 (half_gemm_impl.h)
+  void (*half_gemm)(const uint16_t* w, bool bf16, const float* x, int64_t M, int64_t K, int64_t N, float* y);
 };
 
 // One per variant; null where the variant was not built (a non-x86 machine).

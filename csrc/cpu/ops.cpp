@@ -221,6 +221,21 @@ Tensor blocks_linear(Tensor x, Tensor w, int64_t N, int64_t type) {
   return finish(x, y, M);
 }
 
+// x [M, K] float32/bfloat16 times w [N, K] float16 or bfloat16 (a GGUF F16/BF16 tensor, kept in its
+// 16 bits) -> [M, N] in x's dtype, computed in fp32: each weight widened exactly, no float32 copy
+Tensor half_linear(Tensor x, Tensor w) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "half_linear: x [M, K] and w [N, K] disagree");
+  TORCH_CHECK((w.scalar_type() == at::kHalf || w.scalar_type() == at::kBFloat16) && w.is_contiguous(),
+              "half_linear: w must be contiguous float16 or bfloat16");
+  TORCH_CHECK(x.size(1) % 16 == 0, "half_linear: the input size must be a multiple of 16");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  auto xf = x.scalar_type() == at::kFloat && x.is_contiguous() ? x : x.to(at::kFloat).contiguous();
+  auto y = at::empty({M, N}, at::kFloat);
+  active().half_gemm(reinterpret_cast<const uint16_t*>(w.data_ptr()), w.scalar_type() == at::kBFloat16,
+                     xf.data_ptr<float>(), M, K, N, y.data_ptr<float>());
+  return finish(x, y, M);
+}
+
 // Weight-only int8 with one scale per (row, 32-block), Q8_0's form: x [M, K] float32/bfloat16 times
 // q [N, K] int8, s [N, K/32] float16 -> [M, N] in x's dtype. Each thread dequantizes a panel of 64 weight
 // rows into a buffer of its own (~150 KB at K = 576: L2) and multiplies every row of x by it in one
@@ -323,6 +338,7 @@ TORCH_LIBRARY(inferd, m) {
   m.def("w4a8_linear(Tensor x, Tensor w, int N) -> Tensor", &w4a8_linear);
   m.def("w8a8_linear(Tensor x, Tensor w, int N) -> Tensor", &w8a8_linear);
   m.def("blocks_linear(Tensor x, Tensor w, int N, int type) -> Tensor", &blocks_linear);
+  m.def("half_linear(Tensor x, Tensor w) -> Tensor", &half_linear);
   m.def("w8_linear(Tensor x, Tensor q, Tensor s) -> Tensor", &w8_linear);
   m.def("gemm_counters() -> int[]", &op_gemm_counters);
   m.def("fake_quant(Tensor x) -> Tensor", &fake_quant);

@@ -15,6 +15,7 @@ namespace INFERD_VARIANT {
 #include "paged_attention_impl.h"
 #include "w4a8_impl.h"
 #include "gguf_blocks_impl.h"
+#include "half_gemm_impl.h"
 
 #define INFERD_STR2(x) #x
 #define INFERD_STR(x) INFERD_STR2(x)
@@ -25,7 +26,7 @@ static const Kernels table = {
     rope_rows<float>, rope_rows<bf16>,
     silu_mul_rows<float>, silu_mul_rows<bf16>,
     decode_attention<float>, decode_attention<bf16>,
-    quantize_rows, w4a8_gemm, w8a8_gemm, blocks_gemm,
+    quantize_rows, w4a8_gemm, w8a8_gemm, blocks_gemm, half_gemm,
 };
 
 }  // namespace INFERD_VARIANT

@@ -63,16 +63,19 @@ class FusedDecode:
         return h
 
 
-KIND_W4A8, KIND_W8A8 = -2, -1  # csrc/cpu/fused_decode.cpp; a GGUF block type is its id (>= 0)
+KIND_HALF, KIND_W4A8, KIND_W8A8 = -3, -2, -1  # csrc/cpu/fused_decode.cpp; a GGUF block type is its id (>= 0)
 
 
 def _parts(lin) -> list[tuple[torch.Tensor, int, int]] | None:
     """(packed records, kind, outputs) for each part of a linear the C++ step can run, or None:
-    W4A8Linear / W8A8Linear (inferd.quant.w4a8), BlocksLinear (inferd.quant.gguf_blocks), and a
+    W4A8Linear / W8A8Linear (inferd.quant.w4a8), BlocksLinear (inferd.quant.gguf_blocks), HalfLinear
+    (inferd.quant.half), and a
     FusedParts of those (its parts' outputs side by side)."""
     if hasattr(lin, "parts") and getattr(lin, "bias", None) is None:
         out = [_parts(p) for p in lin.parts]
         return None if any(p is None or len(p) != 1 for p in out) else [p[0] for p in out]
+    if getattr(lin, "float16_weights", False):  # a HalfLinear: F16/BF16 weights in their 16 bits
+        return [(lin.weight, KIND_HALF, lin.out_features)]
     kind = getattr(lin, "block_type", None)  # a BlocksLinear (read by name: the model layer imports no quant)
     if kind is not None:
         return None if lin.packed is None else [(lin.packed, kind, lin.out_features)]

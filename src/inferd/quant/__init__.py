@@ -121,7 +121,11 @@ def apply(model, ctx: QuantContext, shard=None) -> list[str]:
     if not ctx.activations:
         hand_over(model)  # int4 codes to PyTorch's kernel now: final weights from the start
         return lines
-    n = w4a8.quantize_activations(model, blocks)
-    lines.append(f"W4A8/W8A8: {n} packed linears take int8 activations (per 32-block); {str(model.dtype)[6:]} glue; "
+    from inferd.quant.half import HalfLinear
+
+    halves = sum(isinstance(x, HalfLinear) for x in model.modules())
+    n = w4a8.quantize_activations(model, blocks, halves)
+    lines.append(f"W4A8/W8A8: {n} packed linears take int8 activations (per 32-block)"
+                 f"{f', {halves} F16/BF16 ones float32' if halves else ''}; {str(model.dtype)[6:]} glue; "
                  f"weights {weight_bytes(model) / 2**20:.1f} MiB")
     return lines

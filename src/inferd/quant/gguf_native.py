@@ -72,10 +72,14 @@ def q8_blocks(t) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _kind(t) -> str | None:
     """How one GGUF tensor runs from its blocks: "int4" (Q4_0/Q4_1), "int8" (Q8_0), "blocks" (the
-    other types quant.gguf_blocks serves), or None (dense: F32/F16/BF16, or a type without a kernel)."""
+    other types quant.gguf_blocks serves), "half" (F16/BF16 in their 16 bits: quant.half), or None
+    (dense: F32, or a type or shape without a kernel)."""
+    from inferd.quant import half
     from inferd.quant.gguf_blocks import FORMATS
 
     name = t.tensor_type.name
+    if half.servable(t):
+        return "half"
     return "int4" if name in INT4_TYPES else "int8" if name == "Q8_0" else "blocks" if name in FORMATS else None
 
 
@@ -94,14 +98,17 @@ def _head(reader):
 
 def head_has_kernel(reader) -> bool:
     t = _head(reader)
-    return t is not None and _kind(t) in ("int8", "blocks")
+    return t is not None and _kind(t) in ("int8", "blocks", "half")
 
 
 def _layer(kind: str, codes: list, bias, dtype, dense: bool, type_name: str):
     """One linear of `kind` from its parts' codes, stacked along the output rows."""
     from inferd.quant.gguf_blocks import BlocksLinear, Codes
+    from inferd.quant.half import HalfLinear
     from inferd.quant.linear import Int4Linear, Int8Linear
 
+    if kind == "half":
+        return HalfLinear(torch.cat(codes), bias, dtype)
     if kind == "blocks":
         return BlocksLinear(Codes(type_name, **{k: torch.cat([c.tensors()[k] for c in codes])
                                               for k in codes[0].tensors()}), bias, dtype)
@@ -146,24 +153,29 @@ def apply_gguf_blocks(model, reader, cfg, dense: bool = False) -> dict[str, int]
     tensors = {t.name: t for t in reader.tensors}
     from inferd.model import registry
     from inferd.quant.gguf_blocks import decode
+    from inferd.quant.half import weights as half_weights
 
     permute = registry.by_name(cfg.architecture).gguf_interleaved_qk
     plan = {"qkv_proj": ["attn_q", "attn_k", "attn_v"], "o_proj": ["attn_output"],
             "gate_up_proj": ["ffn_gate", "ffn_up"], "down_proj": ["ffn_down"]}
     heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
-    n = {"int4": 0, "int8": 0, "blocks": 0, "mixed": 0}
+    n = {"int4": 0, "int8": 0, "blocks": 0, "half": 0, "mixed": 0}
     for i, layer in enumerate(model.layers):
         for ours, parts in plan.items():
             ts = [tensors.get(f"blk.{i}.{p}.weight") for p in parts]
             if any(t is None for t in ts):
                 continue
             kinds = [_kind(t) for t in ts]
-            if None in kinds or (dense and "blocks" in kinds):
+            if None in kinds or (dense and ("blocks" in kinds or "half" in kinds)):
                 continue
             groups = []  # runs of parts of one type: (kind, type name, [codes])
             for p, t, kind in zip(parts, ts, kinds):
                 raw = np.asarray(t.data)
-                if kind == "blocks":
+                if kind == "half":
+                    codes = half_weights(t)
+                    if permute and p in heads:
+                        codes = unpermute_qk(codes, heads[p])
+                elif kind == "blocks":
                     codes = decode(t.tensor_type.name, raw)
                     if permute and p in heads:
                         codes = type(codes)(codes.type, **{k: unpermute_qk(v, heads[p]) for k, v in codes.tensors().items()})
@@ -173,6 +185,8 @@ def apply_gguf_blocks(model, reader, cfg, dense: bool = False) -> dict[str, int]
                         codes = tuple(unpermute_qk(x, heads[p]) for x in codes)
                 if kind == "int4":  # Q4_0 and Q4_1 share the int4 form
                     key = "int4"
+                elif kind == "half":  # F16 and BF16 stay apart: one dtype a layer
+                    key = t.tensor_type.name
                 else:
                     key = t.tensor_type.name
                 if groups and groups[-1][1] == key:
@@ -200,6 +214,8 @@ def apply(model, ctx) -> str:
     """The registry's entry for `gguf` (`--quantize-lm-head`: the Q8_0 output layer to int8 with its own block scales)."""
     from inferd.quant.linear import weight_bytes
     from inferd.quant.gguf_blocks import BlocksLinear, decode
+    from inferd.quant.half import HalfLinear, tie_embedding
+    from inferd.quant.half import weights as half_weights
     from inferd.quant.linear import Int8Linear
     from inferd.quant.rtn import quantize_lm_head_int8
 
@@ -216,8 +232,13 @@ def apply(model, ctx) -> str:
             model.lm_head = Int8Linear(*q8_blocks(t), lin.bias, model.dtype, ctx.dense)
         elif own and _kind(t) == "blocks" and not ctx.dense:
             model.lm_head = BlocksLinear(decode(t.tensor_type.name, np.asarray(t.data)), lin.bias, model.dtype)
+        elif own and _kind(t) == "half" and not ctx.dense:
+            model.lm_head = HalfLinear(half_weights(t), lin.bias, model.dtype)
         else:
             quantize_lm_head_int8(model, ctx.dense)
+    emb = next((t for t in ctx.reader.tensors if t.name == "token_embd.weight"), None)
+    if emb is not None and _kind(emb) == "half" and not ctx.dense:
+        tie_embedding(model, half_weights(emb))
     kinds = " + ".join(f"{k} {v}" for k, v in n.items() if v)
     return (f"gguf-native: {kinds} linears from the file's own blocks{', lm_head int8' if ctx.lm_head else ''}; "
             f"weights {before / 2**20:.1f} MiB -> {weight_bytes(model) / 2**20:.1f} MiB")

@@ -281,12 +281,13 @@ def tie_embedding(model: nn.Module) -> bool:
     return True
 
 
-def quantize_activations(model: nn.Module, already: int = 0) -> int:
+def quantize_activations(model: nn.Module, already: int = 0, float_layers: int = 0) -> int:
     """Rewrite every packed linear of the model to take int8 activations: int4 ones into W4A8, and
     int8 ones (the gguf path's lm_head, the int8 methods) into W8A8, same weights (the engine then
     runs decode-only steps as one C++ call where it can: inferd.model.fused_decode). Returns how many
     linears take int8 activations (`already`: the GGUF block layers, which always do); a model
-    without packed layers is a clear error."""
+    without packed layers (nor `float_layers`: a GGUF's F16/BF16 ones, kept in 16 bits with float
+    activations) is a clear error."""
     from inferd.quant.linear import Int4Linear, Int8Linear
 
     if load() is None:
@@ -304,7 +305,7 @@ def quantize_activations(model: nn.Module, already: int = 0) -> int:
                     raise InferdError("--quantize-activations needs packed int8 layers, not dense ones")
                 setattr(parent, name, W8A8Linear(*child.codes(), child.bias, model.dtype))
                 n += 1
-    if n == 0:
+    if n == 0 and not float_layers:
         raise InferdError("--quantize-activations applies to packed int4/int8 weights: this model has none")
     tie_embedding(model)
     return n

@@ -1,0 +1,98 @@
+"""GGUF F16 and BF16 tensors kept in their 16 bits (inferd.quant.half, csrc/cpu/half_gemm_impl.h): the
+kernel is the dequantized weights' product up to the order of the sums, the same floats on every ISA
+variant and batch; a file of either type serves from them by default (--quantization auto) in about
+the file's bytes, with the dense model's greedy tokens."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inferd.kernels import native
+from inferd.quant.half import HalfLinear
+
+pytestmark = pytest.mark.skipif(native.ops() is None, reason="no native kernels")
+
+ROWS = (1, 2, 7, 16, 33, 128, 512)
+# |kernel - exact| <= TOL * (|x| @ |W|^T): fp32 sums of 528 products in another order
+TOL = 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_kernel_on_every_variant_and_batch(dtype):
+    ops = native.ops()
+    N, K = 83, 528  # 83: 20 tiles of 4 columns and 3 left over; 528 = 33 x 16
+    g = torch.Generator().manual_seed(0)
+    w = (0.1 * torch.randn(N, K, generator=g)).to(dtype)
+    x = torch.randn(max(ROWS), K, generator=g)
+    exact = (x.double() @ w.double().T).float()
+    bound = x.abs() @ w.float().abs().T
+    lin = HalfLinear(w, None, torch.float32)
+    before = native.use_isa("auto")
+    got = {}
+    try:
+        for isa in ops.runnable_isas():
+            native.use_isa(isa)
+            y = lin(x)
+            assert ((y - exact).abs() <= TOL * bound + 1e-7).all(), (isa, float(((y - exact).abs() / bound).max()))
+            for m in ROWS[:-1]:  # the first m rows alone: the same floats as in the batch of 512
+                assert torch.equal(lin(x[:m]), y[:m]), (isa, m)
+            assert torch.equal(lin(x[5:6]), y[5:6])
+            got[isa] = y
+    finally:
+        native.use_isa(before)
+    first = next(iter(got.values()))
+    assert all(torch.equal(y, first) for y in got.values()), "the variants computed different floats"
+
+
+def test_bad_shapes_are_one_line_errors():
+    from inferd.errors import InferdError
+
+    with pytest.raises(InferdError, match="multiple of 16"):
+        HalfLinear(torch.zeros(4, 40, dtype=torch.float16), None, torch.float32)
+    with pytest.raises(InferdError, match="float16 or bfloat16"):
+        HalfLinear(torch.zeros(4, 32), None, torch.float32)
+    with pytest.raises(RuntimeError, match="disagree"):
+        torch.ops.inferd.half_linear(torch.zeros(2, 32), torch.zeros(4, 48, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("qtype", ["F16", "BF16"])
+def test_a_16_bit_file_serves_from_its_own_bits(tmp_path, qtype):
+    """A bare load (--quantization auto) of an F16 / BF16 file: every projection and the head are
+    HalfLinear, the embedding reads the head's own table (tied), the weights held are the file's
+    bytes (the dense model holds twice them), decode steps ran fused through the kernel, and the
+    greedy tokens are the dense model's reference loop's (fp32 both: a token may differ only where
+    the reference's top-2 logits are within 1e-4)."""
+    from gguf import GGMLQuantizationType as Q
+    from helpers import write_tiny_chat_gguf
+
+    from inferd import LLM, SamplingParams
+    from inferd.engine.paths import weight_formats
+    from inferd.engine.reference import reference_generate
+    from inferd.gguf_file import open_gguf
+    from inferd.loading.loader import load_model
+    from inferd.quant.half import HalfEmbedding
+    from inferd.quant.linear import weight_bytes
+
+    path = tmp_path / f"tiny-{qtype}.gguf"
+    write_tiny_chat_gguf(path, qtype=Q[qtype])
+    lm = load_model(str(path), quantization="auto", with_tokenizer=False)
+    dense = load_model(str(path), quantization="none", dtype="float32", with_tokenizer=False)
+    assert weight_formats(lm.model) == {"HalfLinear": 9}, weight_formats(lm.model)
+    assert lm.model.dtype == torch.float32
+    assert isinstance(lm.model.embed_tokens, HalfEmbedding)
+    file_bytes = sum(int(t.n_bytes) for t in open_gguf(str(path)).tensors)
+    assert weight_bytes(lm.model) <= 1.01 * file_bytes and weight_bytes(dense.model) > 1.9 * file_bytes
+
+    prompts = [[1, 5, 9, 300, 7], [2, 44, 81], list(range(10, 40))]
+    llm = LLM(loaded=lm, kv_cache_memory="16MiB")
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    eng = llm.engine
+    assert eng.stats.fused_steps > 0 and eng.stats.eager_decode_steps == 0, eng.stats
+    assert eng.stats.max_batch_seqs >= 2
+    for p, o in zip(prompts, outs):
+        ref = reference_generate(dense.model, p, 12, keep_logits=True)  # eos_ids=(): never stops
+        for j, (a, b) in enumerate(zip(o.token_ids, ref.token_ids)):
+            if a != b:
+                top2 = torch.topk(ref.logits[j], 2).values
+                assert float(top2[0] - top2[1]) < 1e-4, (j, a, b)
+                break
