@@ -90,9 +90,50 @@ def test_a_16_bit_file_serves_from_its_own_bits(tmp_path, qtype):
     assert eng.stats.fused_steps > 0 and eng.stats.eager_decode_steps == 0, eng.stats
     assert eng.stats.max_batch_seqs >= 2
     for p, o in zip(prompts, outs):
-        ref = reference_generate(dense.model, p, 12, keep_logits=True)  # eos_ids=(): never stops
-        for j, (a, b) in enumerate(zip(o.token_ids, ref.token_ids)):
-            if a != b:
-                top2 = torch.topk(ref.logits[j], 2).values
-                assert float(top2[0] - top2[1]) < 1e-4, (j, a, b)
-                break
+        assert_same_greedy(o.token_ids, reference_generate(dense.model, p, 12, keep_logits=True))  # eos_ids=(): never stops
+
+
+def test_tensor_parallelism_splits_16_bit_layers(tmp_path):
+    """TP=2 over an F16 file's HalfLinear layers (cut by rows and columns like any float weight; the
+    tied 16-bit table split by vocabulary): the dense model's greedy tokens at TP=1 and TP=2, under
+    the near-tie rule."""
+    from gguf import GGMLQuantizationType as Q
+    from helpers import write_tiny_chat_gguf
+
+    from inferd.engine.engine import LLMEngine
+    from inferd.engine.paths import engine_paths
+    from inferd.engine.reference import reference_generate
+    from inferd.engine.request import SamplingParams
+    from inferd.loading.loader import load_model
+
+    path = str(tmp_path / "tiny-F16.gguf")
+    write_tiny_chat_gguf(path, qtype=Q.F16)
+    prompts = [[1, 5, 9, 300, 7], list(range(10, 40))]
+    got = {}
+    for tp in (1, 2):
+        eng = LLMEngine(model=path, quantization="auto", tensor_parallel_size=tp, kv_cache_memory="16MiB")
+        try:
+            reqs = [eng.requests[eng.add_request(p, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))]
+                    for p in prompts]
+            while eng.has_unfinished():
+                eng.step()
+            paths = engine_paths(eng)
+            assert paths["weight_formats"] == {"HalfLinear": 9} and paths["tensor_parallel_size"] == tp, paths
+            got[tp] = [list(r.output_ids) for r in reqs]
+        finally:
+            eng.close()
+    dense = load_model(path, quantization="none", dtype="float32", with_tokenizer=False).model
+    for i, p in enumerate(prompts):
+        ref = reference_generate(dense, p, 10, keep_logits=True)
+        for tp in (1, 2):
+            assert_same_greedy(got[tp][i], ref)
+
+
+def assert_same_greedy(tokens, ref):
+    """tokens equal the reference's up to the first place its top-2 logits are within 1e-4"""
+    for j, (a, b) in enumerate(zip(tokens, ref.token_ids)):
+        if a != b:
+            top2 = torch.topk(ref.logits[j], 2).values
+            assert float(top2[0] - top2[1]) < 1e-4, (j, a, b)
+            return
+    assert len(tokens) == len(ref.token_ids)

@@ -184,16 +184,17 @@ class VocabParallelEmbedding(nn.Module):
     """Rows [start, end) of the embedding; ids outside them give zeros, and the all-reduce fills
     each row from the one rank that owns it (a sum with zeros: exact)."""
 
-    def __init__(self, weight: torch.Tensor, start: int, comm):
+    def __init__(self, weight: torch.Tensor, start: int, comm, dtype: torch.dtype | None = None):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.start, self.comm = start, comm
+        self.dtype = dtype or weight.dtype  # a 16-bit table (a GGUF's F16 one) widens its rows to this
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.start
         n = self.weight.shape[0]
         own = (local >= 0) & (local < n)
-        x = F.embedding(local.clamp(0, max(n - 1, 0)), self.weight)
+        x = F.embedding(local.clamp(0, max(n - 1, 0)), self.weight).to(self.dtype)
         x = x.masked_fill(~own.unsqueeze(-1), 0).contiguous()
         self.comm.all_reduce_(x)
         return x
@@ -233,13 +234,14 @@ def apply_tp(model: nn.Module, shard: Shard, comm) -> nn.Module:
     v0, v1 = shard.vocab
     tied = model.lm_head.weight is getattr(model.embed_tokens, "weight", None) if hasattr(model.lm_head, "weight") else False
     emb = model.embed_tokens
-    if not isinstance(emb, nn.Embedding):
+    if not isinstance(emb, nn.Embedding) and not getattr(emb, "float16_weights", False):
         raise InferdError(f"tensor parallelism needs a float embedding table, not {type(emb).__name__}")
-    model.embed_tokens = VocabParallelEmbedding(emb.weight[v0:v1].contiguous(), v0, comm)
+    model.embed_tokens = VocabParallelEmbedding(emb.weight[v0:v1].contiguous(), v0, comm, getattr(emb, "dtype", None))
     if tied:
         head = copy.copy(model.lm_head)
-        head._parameters = dict(model.lm_head._parameters)
-        head._parameters["weight"] = model.embed_tokens.weight
+        head._parameters, head._buffers = dict(model.lm_head._parameters), dict(model.lm_head._buffers)
+        # a float head's weight is a parameter, a 16-bit one's (quant.half.HalfLinear) a buffer
+        (head._parameters if "weight" in head._parameters else head._buffers)["weight"] = model.embed_tokens.weight
         head.out_features = v1 - v0
         model.lm_head = head
     else:
