@@ -195,3 +195,15 @@ def test_auto_serves_a_gguf_from_its_blocks_and_anything_else_dense():
     assert weight_formats(lm.model) == {"W4A8Linear": 120, "W8A8Linear": 1} and lm.model.dtype == torch.float32
     lm = load_model("smollm2-135m", load_format="dummy", quantization="auto", with_tokenizer=False)
     assert set(weight_formats(lm.model)) == {"Linear"}
+
+
+@pytest.mark.parametrize("type_name", GB.TYPES)
+def test_a_layer_holds_about_its_file_bytes(type_name):
+    """#43's memory bar for every type: the packed records of a layer (whole pairs of columns) are at
+    most 1.1x the file's bytes for the same weights (the largest, Q3_K, is 1.036x)."""
+    f = GB.FORMATS[type_name]
+    N, K = 64, 2048
+    file_bytes = N * K // f.block_weights * f.block_bytes
+    held = GB.record_bytes(type_name, N, K)
+    print(f"{type_name}: {held * 8 / (N * K):.4f} bits a weight held, {held / file_bytes:.3f}x the file's")
+    assert held <= 1.1 * file_bytes

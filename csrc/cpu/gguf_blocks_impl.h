@@ -3,14 +3,16 @@
 //
 // The layout extends W4A8's (w4a8_impl.h): groups of GW = 16 output columns in a vector's lanes,
 // two groups a pair, per 32-block each group's 4 chunks of 64 nibble bytes (chunk c byte 4l + p:
-// the low 4 bits of q[l][4c + p] | those of q[l][16 + 4c + p] << 4). A 5- or 6-bit type adds one or
-// two bit planes of 64 bytes a group: plane j byte 4l + p holds bit 4 + j of q[l][4c + p] at bit c
-// and of q[l][16 + 4c + p] at bit 4 + c, so chunk c's codes are the nibbles with each plane's bit
+// the low 4 bits of q[l][4c + p] | those of q[l][16 + 4c + p] << 4). Q2_K and Q3_K keep 2 low bits
+// instead (base 2): 2 vectors of 64 bytes a group, vector c / 2 byte 4l + p holding q[l][4c + p]
+// at bit 4 (c % 2) and q[l][16 + 4c + p] at bit 4 (c % 2) + 2. A 3-, 5- or 6-bit type adds one or
+// two bit planes of 64 bytes a group: plane j byte 4l + p holds bit base + j of q[l][4c + p] at bit
+// c and of q[l][16 + 4c + p] at bit 4 + c, so chunk c's codes are the low bits with each plane's bit
 // shifted into place (two shifts, two ands, two ors a plane). Scales stay what the file stores: an
-// fp16 d (and dmin) per column and super-block, int8 sub-scales (and mins) per 16 or 32 weights,
-// multiplied out in the epilogue (d * sc is exact in fp32: the value gguf's dequantization uses).
-// So a layer holds about the file's bytes (Q6_K: exactly 6.5625 bits a weight); only Q2_K and Q3_K
-// are wider than the file, their 2- and 3-bit codes in the 4-bit plane.
+// fp16 d (and dmin) per column and super-block, int8 sub-scales (and mins; Q2_K's 4-bit pair in one
+// byte) per 16 or 32 weights, multiplied out in the epilogue (d * sc is exact in fp32: the value
+// gguf's dequantization uses). So a layer holds about the file's bytes: Q6_K exactly 6.5625 bits a
+// weight, Q2_K 2.625, Q3_K 3.5625 (the file 3.4375: its 6-bit sub-scales kept as bytes).
 //
 // Per block and (row, 16 columns): the integer sum of q * xq per sub-block (the lower and upper 16
 // k are the low and high nibbles: the two halves of a 16-weight type fall out of the layout), less
@@ -41,11 +43,12 @@ struct Blocks {
   static constexpr BlockFormat F = kBlockFormats[T];
   static constexpr int H = F.high, NSUB = 32 / F.sub, SB = static_cast<int>(block_super(F));
   static constexpr int64_t HEADER = block_header(F), BLOCK = block_bytes(F), RECORD = block_record(F);
+  static constexpr int64_t GB = block_group_bytes(F);  // a group's low-bit bytes a block
   // super-block s of pair p
   static const uint8_t* super(const BlockOperands& o, int64_t p, int64_t s) {
     return o.w + (p * (o.nb / SB) + s) * RECORD;
   }
-  // block bi of a super-block: group j's nibbles at + 256 j, plane h's bytes at + 512 + 128 h + 64 j
+  // block bi of a super-block: group j's low bits at + GB j, plane h's bytes at + 2 GB + 128 h + 64 j
   static const uint8_t* block(const uint8_t* sup, int64_t bi) { return sup + HEADER + bi * BLOCK; }
   // col: the column within the pair (0..31)
   static const uint16_t* d(const uint8_t* sup, int64_t col) { return reinterpret_cast<const uint16_t*>(sup) + col; }
@@ -64,19 +67,31 @@ struct Blocks {
 
 #if INFERD_ISA_LEVEL >= 1
 
-// Chunk c's codes with plane j's bit moved to bit 4 + j: for the low nibbles it sits at bit c, for
+// Chunk c's codes with plane j's bit moved to bit base + j: for the low 16 k it sits at bit c, for
 // the high ones at bit 4 + c (a 16-bit shift keeps a byte's bits in the byte once masked).
-template <int H, int C>
+template <int BASE, int H, int C>
 static inline void add_planes(const uint8_t* planes, VI& lo, VI& hi) {
   if constexpr (H >= 1) {
     const VI p = vload(planes);
-    lo = vor(lo, vand(vshift16<4 - C>(p), vbyte(0x10)));
-    hi = vor(hi, vand(vshift16<-C>(p), vbyte(0x10)));
+    lo = vor(lo, vand(vshift16<BASE - C>(p), vbyte(1 << BASE)));
+    hi = vor(hi, vand(vshift16<BASE - 4 - C>(p), vbyte(1 << BASE)));
   }
   if constexpr (H >= 2) {
     const VI p = vload(planes + 128);
-    lo = vor(lo, vand(vshift16<5 - C>(p), vbyte(0x20)));
-    hi = vor(hi, vand(vshift16<1 - C>(p), vbyte(0x20)));
+    lo = vor(lo, vand(vshift16<BASE + 1 - C>(p), vbyte(2 << BASE)));
+    hi = vor(hi, vand(vshift16<BASE - 3 - C>(p), vbyte(2 << BASE)));
+  }
+}
+
+// Chunk c's low bits: nibbles (base 4), or 2-bit fields (base 2)
+template <int BASE, int C>
+static inline void low_bits(const uint8_t* blk, VI& lo, VI& hi) {
+  if constexpr (BASE == 4) {
+    const VI raw = vload(blk + 64 * C), low = vbyte(0x0F);
+    lo = vand(raw, low), hi = vand(vsrl4(raw), low);
+  } else {
+    const VI raw = vload(blk + 64 * (C / 2)), low = vbyte(0x03);
+    lo = vand(vshift16<-4 * (C % 2)>(raw), low), hi = vand(vshift16<-4 * (C % 2) - 2>(raw), low);
   }
 }
 
@@ -97,7 +112,6 @@ static void btile(const BlockOperands& o, int64_t i0, int64_t u0) {
   alignas(16) int8_t table[16];
   for (int t = 0; t < 16; ++t) table[t] = static_cast<int8_t>(IQ4_VALUES[t] + (VNNI ? 128 : 0));
   const VI tbl = vtable(table);
-  const VI low = vbyte(0x0F);
   VF acc[MR][NV];
   for (int r = 0; r < MR; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = fzero();
@@ -105,7 +119,7 @@ static void btile(const BlockOperands& o, int64_t i0, int64_t u0) {
   for (int v = 0; v < NV; ++v) {
     pair[v] = (u0 + v) / PAIR_UNITS;
     col[v] = (u0 + v) % PAIR_UNITS * LANES;
-    unit_off[v] = col[v] / GW * 256 + col[v] % GW * 4;  // the unit's bytes within a chunk
+    unit_off[v] = col[v] / GW * B::GB + col[v] % GW * 4;  // the unit's bytes within a chunk
   }
   const int64_t nsup = o.nb / SB;
   for (int64_t s = 0; s < nsup; ++s) {
@@ -136,9 +150,9 @@ static void btile(const BlockOperands& o, int64_t i0, int64_t u0) {
         }
         for (int v = 0; v < NV; ++v) {
           const uint8_t* blk = B::block(sup[v], bi) + unit_off[v];
-          const VI raw = vload(blk + 64 * c);
-          VI lo = vand(raw, low), hi = vand(vsrl4(raw), low);
-          add_planes<F.high, c>(blk + 512 - unit_off[v] + col[v] / GW * 64 + col[v] % GW * 4, lo, hi);
+          VI lo, hi;
+          low_bits<F.base, c>(blk, lo, hi);
+          add_planes<F.base, F.high, c>(blk + 2 * B::GB - unit_off[v] + col[v] / GW * 64 + col[v] % GW * 4, lo, hi);
           if constexpr (F.lut) lo = vlookup(tbl, lo), hi = vlookup(tbl, hi);
           for (int r = 0; r < MR; ++r) {
             if constexpr (VNNI) {
@@ -168,8 +182,14 @@ static void btile(const BlockOperands& o, int64_t i0, int64_t u0) {
       for (int v = 0; v < NV; ++v) {
         for (int h = 0; h < NSUB; ++h) {
           VF sv = dv[v], mh = fzero();
-          if constexpr (F.ks) sv = fmul(dv[v], fload(B::sc(sup[v], bi, h, col[v])));
-          if constexpr (F.mink == 1) mh = fmul(mv[v], fload(B::mn(sup[v], bi, h, col[v])));
+          if constexpr (F.smpack) {
+            const uint8_t* sm = reinterpret_cast<const uint8_t*>(B::sc(sup[v], bi, h, col[v]));
+            sv = fmul(dv[v], fload_nibble<0>(sm));
+            mh = fmul(mv[v], fload_nibble<4>(sm));
+          } else {
+            if constexpr (F.ks) sv = fmul(dv[v], fload(B::sc(sup[v], bi, h, col[v])));
+            if constexpr (F.mink == 1) mh = fmul(mv[v], fload(B::mn(sup[v], bi, h, col[v])));
+          }
           for (int r = 0; r < MR; ++r) {
             const int64_t i = i0 + r, xb = i * o.nb + b;
             VI isum = sum[r][v][h];
@@ -213,19 +233,23 @@ static void btile(const BlockOperands& o, int64_t i0, int64_t g0) {
         int32_t isum[2] = {0, 0};
         for (int k = 0; k < 32; ++k) {
           const int cc = k % 16 / 4, pp = k % 4, upper = k / 16;
-          int q = (blk[j * 256 + 64 * cc + 4 * l + pp] >> (4 * upper)) & 15;
+          int q = F.base == 4 ? (blk[j * B::GB + 64 * cc + 4 * l + pp] >> (4 * upper)) & 15
+                              : (blk[j * B::GB + 64 * (cc / 2) + 4 * l + pp] >> (4 * (cc % 2) + 2 * upper)) & 3;
           for (int h = 0; h < F.high; ++h)
-            q |= ((blk[512 + 128 * h + 64 * j + 4 * l + pp] >> (cc + 4 * upper)) & 1) << (4 + h);
+            q |= ((blk[2 * B::GB + 128 * h + 64 * j + 4 * l + pp] >> (cc + 4 * upper)) & 1) << (F.base + h);
           const int w = F.lut ? IQ4_VALUES[q] : q;
           isum[NSUB == 1 ? 0 : upper] += w * xr[k];
         }
         for (int h = 0; h < NSUB; ++h) {
           float sv = scalar(*B::d(sup, c));
-          if constexpr (F.ks) sv = sv * static_cast<float>(*B::sc(sup, bi, h, c));
+          const uint8_t sm = F.smpack ? static_cast<uint8_t>(*B::sc(sup, bi, h, c)) : 0;  // Q2_K: scale | min << 4
+          if constexpr (F.smpack) sv = sv * static_cast<float>(sm & 15);
+          else if constexpr (F.ks) sv = sv * static_cast<float>(*B::sc(sup, bi, h, c));
           const int32_t is = isum[h] - F.off * B::xsum(o, i0, b, h);
           acc[l] = std::fma(static_cast<float>(is), sv * o.dx[xb], acc[l]);
           if constexpr (F.mink == 1) {
-            const float mh = scalar(*B::dm(sup, c)) * static_cast<float>(*B::mn(sup, bi, h, c));
+            const float mh = scalar(*B::dm(sup, c)) *
+                             static_cast<float>(F.smpack ? sm >> 4 : static_cast<int>(*B::mn(sup, bi, h, c)));
             const float xsh = NSUB == 1 ? o.xs[xb] : o.dx[xb] * static_cast<float>(B::xsum(o, i0, b, h));
             acc[l] = std::fma(-mh, xsh, acc[l]);
           }

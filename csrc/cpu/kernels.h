@@ -15,36 +15,40 @@ using bf16 = c10::BFloat16;
 
 // GGUF's block types beyond Q4_0/Q4_1/Q8_0, each kept in its own bits (gguf_blocks_impl.h), in the
 // order inferd.quant.gguf_blocks numbers them. A weight w = s * (q - off) [- m] with q the code
-// (4 low bits + `high` bit planes, or an index into IQ4's table), s per `sub` weights: d * sc with
-// an int8 sub-scale sc and an fp16 d per 256-weight super-block (`ks`), else an fp16 d per 32-block;
-// mins: none (0), dmin * mn per sub (1: K-quants), an fp16 m per 32-block (2: Q5_1).
+// (`base` = 4 or 2 low bits + `high` bit planes, or an index into IQ4's table), s per `sub` weights:
+// d * sc with an int8 sub-scale sc and an fp16 d per 256-weight super-block (`ks`), else an fp16 d
+// per 32-block; mins: none (0), dmin * mn per sub (1: K-quants), an fp16 m per 32-block (2: Q5_1).
+// `smpack`: sc and mn are 4-bit (Q2_K) and share a byte, sc in the low nibble.
 struct BlockFormat {
   int high, sub;
   bool ks;
   int mink, off;
   bool lut;
+  int base;
+  bool smpack;
 };
 enum BlockType { BT_Q4_K, BT_Q5_K, BT_Q6_K, BT_Q3_K, BT_Q2_K, BT_Q5_0, BT_Q5_1, BT_IQ4_NL, BT_IQ4_XS, BT_COUNT };
 constexpr BlockFormat kBlockFormats[BT_COUNT] = {
-    {0, 32, true, 1, 0, false},   // Q4_K
-    {1, 32, true, 1, 0, false},   // Q5_K
-    {2, 16, true, 0, 32, false},  // Q6_K
-    {0, 16, true, 0, 4, false},   // Q3_K: 3-bit codes in the 4-bit plane
-    {0, 16, true, 1, 0, false},   // Q2_K: 2-bit codes in the 4-bit plane
-    {1, 32, false, 0, 16, false}, // Q5_0
-    {1, 32, false, 2, 0, false},  // Q5_1
-    {0, 32, false, 0, 0, true},   // IQ4_NL
-    {0, 32, true, 0, 0, true},    // IQ4_XS
+    {0, 32, true, 1, 0, false, 4, false},   // Q4_K
+    {1, 32, true, 1, 0, false, 4, false},   // Q5_K
+    {2, 16, true, 0, 32, false, 4, false},  // Q6_K
+    {1, 16, true, 0, 4, false, 2, false},   // Q3_K: 2 low bits and one plane
+    {0, 16, true, 1, 0, false, 2, true},    // Q2_K
+    {1, 32, false, 0, 16, false, 4, false}, // Q5_0
+    {1, 32, false, 2, 0, false, 4, false},  // Q5_1
+    {0, 32, false, 0, 0, true, 4, false},   // IQ4_NL
+    {0, 32, true, 0, 0, true, 4, false},    // IQ4_XS
 };
 // Per pair of 16-column groups and super-block (8 blocks of 32 with `ks`, else one): a header (d
 // [32] fp16, then dmin or m [32] fp16 when mink, then sc [blocks][32 / sub][32] int8 when ks, then
-// mn likewise when mink == 1), then per block both groups' 256 nibble bytes, then each bit plane's
-// 64 bytes per group.
+// mn likewise when mink == 1 unless smpack), then per block both groups' 64 x base bytes of low
+// bits, then each bit plane's 64 bytes per group.
 constexpr int64_t block_super(const BlockFormat& f) { return f.ks ? 8 : 1; }
-constexpr int64_t block_bytes(const BlockFormat& f) { return 512 + 128 * f.high; }
+constexpr int64_t block_group_bytes(const BlockFormat& f) { return 64 * f.base; }
+constexpr int64_t block_bytes(const BlockFormat& f) { return 2 * block_group_bytes(f) + 128 * f.high; }
 constexpr int64_t block_header(const BlockFormat& f) {
   const int64_t subs = block_super(f) * (32 / f.sub) * 32;
-  return 64 + (f.mink ? 64 : 0) + (f.ks ? subs : 0) + (f.mink == 1 ? subs : 0);
+  return 64 + (f.mink ? 64 : 0) + (f.ks ? subs : 0) + (f.mink == 1 && !f.smpack ? subs : 0);
 }
 constexpr int64_t block_record(const BlockFormat& f) { return block_header(f) + block_super(f) * block_bytes(f); }
 

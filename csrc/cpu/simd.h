@@ -54,6 +54,11 @@ static inline VF fload(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 static inline VF fnmadd(VF a, VF b, VF c) { return _mm512_fnmadd_ps(a, b, c); }
+template <int S>  // bits S..S+3 of each of 16 bytes (Q2_K's scale and min nibbles), as floats
+static inline VF fload_nibble(const uint8_t* p) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(b, S), _mm512_set1_epi32(15)));
+}
 #elif INFERD_ISA_LEVEL == 1
 using VF = __m256;
 using VI = __m256i;
@@ -111,5 +116,10 @@ static inline VF fload(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 static inline VF fnmadd(VF a, VF b, VF c) { return _mm256_fnmadd_ps(a, b, c); }
+template <int S>
+static inline VF fload_nibble(const uint8_t* p) {
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(b, S), _mm256_set1_epi32(15)));
+}
 #endif
 #endif

@@ -26,7 +26,7 @@ from inferd.errors import InferdError
 @dataclass(frozen=True)
 class Format:
     id: int  # csrc/cpu/kernels.h BlockType
-    bits: int  # code bits stored: 4 + high planes
+    bits: int  # code bits stored: base + high planes
     sub: int  # weights a scale
     ks: bool  # int8 sub-scales under an fp16 d per 256 weights (else an fp16 d per 32)
     mink: int  # 0 none, 1 dmin * mn per sub, 2 an fp16 m per 32
@@ -34,10 +34,12 @@ class Format:
     lut: bool = False
     block_bytes: int = 0  # the file's bytes per block
     block_weights: int = 256
+    base: int = 4  # low bits a code keeps together (nibbles, or 2-bit fields); the rest are bit planes
+    smpack: bool = False  # 4-bit sub-scale and min in one byte (Q2_K)
 
     @property
     def high(self) -> int:
-        return max(self.bits - 4, 0)
+        return self.bits - self.base
 
     @property
     def super_blocks(self) -> int:
@@ -47,16 +49,17 @@ class Format:
     def record(self) -> int:
         """Bytes a pair of 16-column groups and super-block (kernels.h block_record)."""
         subs = self.super_blocks * (32 // self.sub) * 32
-        header = 64 + (64 if self.mink else 0) + (subs if self.ks else 0) + (subs if self.mink == 1 else 0)
-        return header + self.super_blocks * (512 + 128 * self.high)
+        header = (64 + (64 if self.mink else 0) + (subs if self.ks else 0)
+                  + (subs if self.mink == 1 and not self.smpack else 0))
+        return header + self.super_blocks * (128 * self.base + 128 * self.high)
 
 
 FORMATS: dict[str, Format] = {
     "Q4_K": Format(0, 4, 32, True, 1, 0, block_bytes=144),
     "Q5_K": Format(1, 5, 32, True, 1, 0, block_bytes=176),
     "Q6_K": Format(2, 6, 16, True, 0, 32, block_bytes=210),
-    "Q3_K": Format(3, 4, 16, True, 0, 4, block_bytes=110),
-    "Q2_K": Format(4, 4, 16, True, 1, 0, block_bytes=84),
+    "Q3_K": Format(3, 3, 16, True, 0, 4, block_bytes=110, base=2),
+    "Q2_K": Format(4, 2, 16, True, 1, 0, block_bytes=84, base=2, smpack=True),
     "Q5_0": Format(5, 5, 32, False, 0, 16, block_bytes=22, block_weights=32),
     "Q5_1": Format(6, 5, 32, False, 2, 0, block_bytes=24, block_weights=32),
     "IQ4_NL": Format(7, 4, 32, False, 0, 0, True, block_bytes=18, block_weights=32),
@@ -196,9 +199,11 @@ def _pairs(t: torch.Tensor) -> torch.Tensor:
 
 def pack(c: Codes) -> torch.Tensor:
     """Codes -> uint8 [ceil(N / 32), K / (32 * super) * record]: per pair of 16-column groups and
-    super-block the header (d, dmin or m, sub-scales, sub-mins; column-minor), then per block both
-    groups' nibbles (chunk c byte 4l + p: q[l, 4c + p] | q[l, 16 + 4c + p] << 4) and bit planes
-    (plane j byte 4l + p: bit 4 + j of q[l, 4c + p] at bit c, of q[l, 16 + 4c + p] at bit 4 + c)."""
+    super-block the header (d, dmin or m, sub-scales, sub-mins; column-minor; Q2_K's scale | min << 4
+    in one byte), then per block both groups' low bits (nibbles: chunk c byte 4l + p holds
+    q[l, 4c + p] | q[l, 16 + 4c + p] << 4; Q2_K/Q3_K's 2-bit fields: vector c // 2 byte 4l + p holds
+    q[l, 4c + p] at bit 4 (c % 2) and q[l, 16 + 4c + p] two above) and bit planes (plane j byte
+    4l + p: bit base + j of q[l, 4c + p] at bit c, of q[l, 16 + 4c + p] at bit 4 + c)."""
     f = FORMATS[c.type]
     N, K = c.q.shape
     SB = f.super_blocks
@@ -207,10 +212,14 @@ def pack(c: Codes) -> torch.Tensor:
     P, S = (N + PAIR - 1) // PAIR, K // (32 * SB)
     q = _pairs(c.q).reshape(P, 2, 16, S, SB, 2, 4, 4).to(torch.int32)  # P, j, l, s, bi, upper, c, p
     q = q.permute(0, 3, 4, 1, 6, 2, 7, 5)  # P, s, bi, j, c, l, p, upper
-    nib = ((q[..., 0] & 15) | ((q[..., 1] & 15) << 4)).to(torch.uint8).reshape(P, S, SB, 512)
-    parts = [nib]
+    if f.base == 4:
+        low = (q[..., 0] & 15) | ((q[..., 1] & 15) << 4)  # P, s, bi, j, c, l, p
+    else:  # chunks 2v and 2v + 1 share vector v: chunk c's codes at bits 4 (c % 2) (+ 2 for the upper 16)
+        b2 = (q & 3).reshape(P, S, SB, 2, 2, 2, 16, 4, 2)  # P, s, bi, j, v, c % 2, l, p, upper
+        low = sum(b2[:, :, :, :, :, cc, :, :, u] << (4 * cc + 2 * u) for cc in range(2) for u in range(2))
+    parts = [low.to(torch.uint8).reshape(P, S, SB, 128 * f.base)]
     for h in range(f.high):
-        bit = (q >> (4 + h)) & 1  # P, s, bi, j, c, l, p, upper
+        bit = (q >> (f.base + h)) & 1  # P, s, bi, j, c, l, p, upper
         byte = sum(bit[..., c_, :, :, u] << (c_ + 4 * u) for c_ in range(4) for u in range(2))  # P, s, bi, j, l, p
         parts.append(byte.to(torch.uint8).reshape(P, S, SB, 128))
     blocks = torch.cat(parts, dim=-1).reshape(P, S, -1)
@@ -223,10 +232,13 @@ def pack(c: Codes) -> torch.Tensor:
     if f.mink:
         header.append(cols(c.dm, 1))
     subs = SB * (32 // f.sub)
-    if f.ks:
-        header.append(cols(c.sc, subs))
-    if f.mink == 1:
-        header.append(cols(c.mn, subs))
+    if f.smpack:  # both 4-bit: one byte, the scale low
+        header.append(cols((c.sc.to(torch.int32) | (c.mn.to(torch.int32) << 4)).to(torch.uint8), subs))
+    else:
+        if f.ks:
+            header.append(cols(c.sc, subs))
+        if f.mink == 1:
+            header.append(cols(c.mn, subs))
     out = torch.cat(header + [blocks], dim=-1).reshape(P, -1).contiguous()
     assert out.shape[1] == S * f.record
     return out
