@@ -202,10 +202,11 @@ def build_hf_awq_checkpoint(folder, group=32, seed=0):
     return want, sd
 
 
-def write_tiny_chat_gguf(path, n_layers=2, hidden=64, seed=0, qtype=None):
+def write_tiny_chat_gguf(path, n_layers=2, hidden=64, seed=0, qtype=None, types=None, ff=None, heads=4):
     """A tiny random Llama GGUF (2 layers, hidden 64) with SmolLM2's tokenizer and chat template
     copied from the embedded default: a served model whose requests finish in milliseconds.
-    `qtype`: the matrices' GGUF type (default Q8_0)."""
+    `qtype`: the matrices' GGUF type (default Q8_0); `types`: per tensor stem ("attn_v", "ffn_down",
+    ...) a GGUF type name, K-quants (which gguf cannot quantize) as random blocks."""
     import numpy as np
     from gguf import GGMLQuantizationType as Q, GGUFReader, GGUFValueType, GGUFWriter, quants
 
@@ -213,7 +214,7 @@ def write_tiny_chat_gguf(path, n_layers=2, hidden=64, seed=0, qtype=None):
 
     src = GGUFReader(default_model_path())
     vocab = len(src.fields["tokenizer.ggml.tokens"].data)
-    ff, nh, nkv = 2 * hidden, 4, 2
+    ff, nh, nkv = ff or 2 * hidden, heads, heads // 2
     hd = hidden // nh
     w = GGUFWriter(str(path), "llama")
     w.add_block_count(n_layers)
@@ -235,6 +236,14 @@ def write_tiny_chat_gguf(path, n_layers=2, hidden=64, seed=0, qtype=None):
     rng = np.random.default_rng(seed)
 
     def add(name, shape, qt=qtype if qtype is not None else Q.Q8_0, norm=False):
+        kind = (types or {}).get(name.split(".")[-2])
+        if kind is not None and name.startswith("blk."):
+            qt = Q[kind]
+            if qt.name.endswith("_K") or qt.name == "IQ4_XS":
+                from test_gguf_blocks import random_blocks
+
+                w.add_tensor(name, random_blocks(kind, *shape, seed=len(w.tensors[0]) if w.tensors else 0), raw_dtype=qt)
+                return
         arr = (1 + 0.1 * rng.standard_normal(shape)) if norm else 0.5 * rng.standard_normal(shape)
         arr = arr.astype(np.float32)
         if qt == Q.F32:

@@ -207,3 +207,42 @@ def test_a_layer_holds_about_its_file_bytes(type_name):
     held = GB.record_bytes(type_name, N, K)
     print(f"{type_name}: {held * 8 / (N * K):.4f} bits a weight held, {held / file_bytes:.3f}x the file's")
     assert held <= 1.1 * file_bytes
+
+
+def test_tensor_parallelism_cuts_block_layers_on_super_blocks(tmp_path):
+    """TP=2 over K-quant layers served from their blocks (--quantization auto): q/k/v/gate/up cut by
+    output rows (a mixed qkv per part), o and down by input columns on super-block boundaries
+    (hidden 512, ff 1024: cuts at 256 and 512). Each rank runs the block kernel, and the tokens are
+    TP=1's: every variant computes the same floats and only the row-parallel sums' order differs,
+    which this tiny model's logit margins do not feel. A cut inside a super-block is a clear error."""
+    from helpers import write_tiny_chat_gguf
+
+    from inferd.distributed.tensor_parallel import take_cols
+    from inferd.engine.engine import LLMEngine
+    from inferd.engine.paths import engine_paths
+    from inferd.engine.request import SamplingParams
+    from inferd.errors import InferdError
+
+    path = str(tmp_path / "tiny-kq.gguf")
+    types = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q5_K", "ffn_gate": "Q4_K",
+             "ffn_up": "Q4_K", "ffn_down": "Q6_K"}
+    write_tiny_chat_gguf(path, hidden=512, ff=1024, types=types)
+    prompts = [[1, 5, 9, 300, 7], list(range(10, 40))]
+    got = {}
+    for tp in (1, 2):
+        eng = LLMEngine(model=path, quantization="auto", tensor_parallel_size=tp, kv_cache_memory="16MiB")
+        try:
+            reqs = [eng.requests[eng.add_request(p, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))]
+                    for p in prompts]
+            while eng.has_unfinished():
+                eng.step()
+            paths = engine_paths(eng)
+            assert paths["weight_formats"] == {"BlocksLinear": 10, "W8A8Linear": 1}, paths
+            assert paths["tensor_parallel_size"] == tp
+            got[tp] = [list(r.output_ids) for r in reqs]
+        finally:
+            eng.close()
+    assert got[1] == got[2]
+    lin = GB.BlocksLinear(GB.decode("Q4_K", random_blocks("Q4_K", 32, 512)), None, torch.float32)
+    with pytest.raises(InferdError, match="inside a quantization group of 256"):
+        take_cols(lin, 0, 128)
