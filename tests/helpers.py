@@ -315,3 +315,48 @@ def stream_then_kill(base: str, body: dict, pid: int, after: int = 3) -> list[st
                 if len(events) == after:
                     os.kill(pid, signal.SIGKILL)
     return events
+
+
+def check_on_every_variant(layer, x, want, bound, tol, rows):
+    """Run `layer` on x under every kernel variant this CPU runs: within tol * bound of `want`, the
+    first m rows alone (m in `rows`) and a single row the same floats as in the whole batch, and every
+    variant the same floats as the first."""
+    import torch
+
+    from inferd.kernels import native
+
+    before = native.use_isa("auto")
+    got = {}
+    try:
+        for isa in native.ops().runnable_isas():
+            native.use_isa(isa)
+            y = layer(x)
+            assert ((y - want).abs() <= tol * bound + 1e-7).all(), (isa, float(((y - want).abs() / bound).max()))
+            for m in rows:  # the first m rows alone: the same floats as in the batch
+                assert torch.equal(layer(x[:m]), y[:m]), (isa, m)
+            assert torch.equal(layer(x[5:6]), y[5:6])  # a row's place in the batch does not matter either
+            got[isa] = y
+    finally:
+        native.use_isa(before)
+    first = next(iter(got.values()))
+    assert all(torch.equal(y, first) for y in got.values()), "the variants computed different floats"
+
+
+def tp_greedy(path, tp, prompts, max_tokens, formats):
+    """Greedy tokens of `prompts` from an engine on `path` (--quantization auto) split over `tp`
+    ranks, after checking its weight formats are `formats`."""
+    from inferd.engine.engine import LLMEngine
+    from inferd.engine.paths import engine_paths
+    from inferd.engine.request import SamplingParams
+
+    eng = LLMEngine(model=str(path), quantization="auto", tensor_parallel_size=tp, kv_cache_memory="16MiB")
+    try:
+        reqs = [eng.requests[eng.add_request(p, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))]
+                for p in prompts]
+        while eng.has_unfinished():
+            eng.step()
+        paths = engine_paths(eng)
+        assert paths["weight_formats"] == formats and paths["tensor_parallel_size"] == tp, paths
+        return [list(r.output_ids) for r in reqs]
+    finally:
+        eng.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import check_on_every_variant, tp_greedy
 
 from inferd.kernels import native
 from inferd.quant import gguf_blocks as GB
@@ -73,22 +74,7 @@ def test_the_kernel_on_every_variant_and_batch(type_name):
     assert lin.packed.numel() == GB.record_bytes(type_name, N, K)
     x = torch.randn(max(ROWS), K, generator=torch.Generator().manual_seed(0))
     xq = ops.fake_quant(x)
-    want, bound = xq @ w.T, xq.abs() @ w.abs().T
-    before = native.use_isa("auto")
-    got = {}
-    try:
-        for isa in ops.runnable_isas():
-            native.use_isa(isa)
-            y = lin(x)
-            assert ((y - want).abs() <= TOL * bound + 1e-7).all(), (isa, float(((y - want).abs() / bound).max()))
-            for m in ROWS[:-1]:  # the first m rows alone: the same floats as in the batch of 512
-                assert torch.equal(lin(x[:m]), y[:m]), (isa, m)
-            assert torch.equal(lin(x[5:6]), y[5:6])  # a row's place in the batch does not matter either
-            got[isa] = y
-    finally:
-        native.use_isa(before)
-    first = next(iter(got.values()))
-    assert all(torch.equal(y, first) for y in got.values()), "the variants computed different floats"
+    check_on_every_variant(lin, x, xq @ w.T, xq.abs() @ w.abs().T, TOL, ROWS[:-1])
 
 
 def test_bad_shapes_are_one_line_errors():
@@ -218,9 +204,6 @@ def test_tensor_parallelism_cuts_block_layers_on_super_blocks(tmp_path):
     from helpers import write_tiny_chat_gguf
 
     from inferd.distributed.tensor_parallel import take_cols
-    from inferd.engine.engine import LLMEngine
-    from inferd.engine.paths import engine_paths
-    from inferd.engine.request import SamplingParams
     from inferd.errors import InferdError
 
     path = str(tmp_path / "tiny-kq.gguf")
@@ -228,20 +211,7 @@ def test_tensor_parallelism_cuts_block_layers_on_super_blocks(tmp_path):
              "ffn_up": "Q4_K", "ffn_down": "Q6_K"}
     write_tiny_chat_gguf(path, hidden=512, ff=1024, types=types)
     prompts = [[1, 5, 9, 300, 7], list(range(10, 40))]
-    got = {}
-    for tp in (1, 2):
-        eng = LLMEngine(model=path, quantization="auto", tensor_parallel_size=tp, kv_cache_memory="16MiB")
-        try:
-            reqs = [eng.requests[eng.add_request(p, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))]
-                    for p in prompts]
-            while eng.has_unfinished():
-                eng.step()
-            paths = engine_paths(eng)
-            assert paths["weight_formats"] == {"BlocksLinear": 10, "W8A8Linear": 1}, paths
-            assert paths["tensor_parallel_size"] == tp
-            got[tp] = [list(r.output_ids) for r in reqs]
-        finally:
-            eng.close()
+    got = {tp: tp_greedy(path, tp, prompts, 8, {"BlocksLinear": 10, "W8A8Linear": 1}) for tp in (1, 2)}
     assert got[1] == got[2]
     lin = GB.BlocksLinear(GB.decode("Q4_K", random_blocks("Q4_K", 32, 512)), None, torch.float32)
     with pytest.raises(InferdError, match="inside a quantization group of 256"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import check_on_every_variant, tp_greedy
 
 from inferd.kernels import native
 from inferd.quant.half import HalfLinear
@@ -19,29 +20,12 @@ TOL = 1e-6
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_the_kernel_on_every_variant_and_batch(dtype):
-    ops = native.ops()
     N, K = 83, 528  # 83: 20 tiles of 4 columns and 3 left over; 528 = 33 x 16
     g = torch.Generator().manual_seed(0)
     w = (0.1 * torch.randn(N, K, generator=g)).to(dtype)
     x = torch.randn(max(ROWS), K, generator=g)
     exact = (x.double() @ w.double().T).float()
-    bound = x.abs() @ w.float().abs().T
-    lin = HalfLinear(w, None, torch.float32)
-    before = native.use_isa("auto")
-    got = {}
-    try:
-        for isa in ops.runnable_isas():
-            native.use_isa(isa)
-            y = lin(x)
-            assert ((y - exact).abs() <= TOL * bound + 1e-7).all(), (isa, float(((y - exact).abs() / bound).max()))
-            for m in ROWS[:-1]:  # the first m rows alone: the same floats as in the batch of 512
-                assert torch.equal(lin(x[:m]), y[:m]), (isa, m)
-            assert torch.equal(lin(x[5:6]), y[5:6])
-            got[isa] = y
-    finally:
-        native.use_isa(before)
-    first = next(iter(got.values()))
-    assert all(torch.equal(y, first) for y in got.values()), "the variants computed different floats"
+    check_on_every_variant(HalfLinear(w, None, torch.float32), x, exact, x.abs() @ w.float().abs().T, TOL, ROWS[:-1])
 
 
 def test_bad_shapes_are_one_line_errors():
@@ -100,28 +84,13 @@ def test_tensor_parallelism_splits_16_bit_layers(tmp_path):
     from gguf import GGMLQuantizationType as Q
     from helpers import write_tiny_chat_gguf
 
-    from inferd.engine.engine import LLMEngine
-    from inferd.engine.paths import engine_paths
     from inferd.engine.reference import reference_generate
-    from inferd.engine.request import SamplingParams
     from inferd.loading.loader import load_model
 
     path = str(tmp_path / "tiny-F16.gguf")
     write_tiny_chat_gguf(path, qtype=Q.F16)
     prompts = [[1, 5, 9, 300, 7], list(range(10, 40))]
-    got = {}
-    for tp in (1, 2):
-        eng = LLMEngine(model=path, quantization="auto", tensor_parallel_size=tp, kv_cache_memory="16MiB")
-        try:
-            reqs = [eng.requests[eng.add_request(p, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))]
-                    for p in prompts]
-            while eng.has_unfinished():
-                eng.step()
-            paths = engine_paths(eng)
-            assert paths["weight_formats"] == {"HalfLinear": 9} and paths["tensor_parallel_size"] == tp, paths
-            got[tp] = [list(r.output_ids) for r in reqs]
-        finally:
-            eng.close()
+    got = {tp: tp_greedy(path, tp, prompts, 10, {"HalfLinear": 9}) for tp in (1, 2)}
     dense = load_model(path, quantization="none", dtype="float32", with_tokenizer=False).model
     for i, p in enumerate(prompts):
         ref = reference_generate(dense, p, 10, keep_logits=True)
