@@ -97,7 +97,13 @@ static void hgemm(const W* w, const float* x, int64_t M, int64_t K, int64_t N, f
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * HC;
-      if (n0 + HC <= N) {
+      // one row on AVX-512: two panels a tile, 8 accumulator chains and 8 streams in flight (batch-1
+      // decode of a 271 MB F16 file ~74 -> ~80 tok/s in interleaved runs); each output's floats are
+      // the same whichever tile computes it
+      if (INFERD_ISA_LEVEL >= 2 && M == 1 && p + 1 < p1 && n0 + 2 * HC <= N) {
+        htile<W, 1, 2 * HC>(w, x, K, N, y, 0, n0);
+        ++p;
+      } else if (n0 + HC <= N) {
         hcolumns<W, HC>(w, x, M, K, N, y, n0);
       } else {
         for (int64_t n = n0; n < N; ++n) hcolumns<W, 1>(w, x, M, K, N, y, n);
