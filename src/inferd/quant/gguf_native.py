@@ -185,9 +185,7 @@ def apply_gguf_blocks(model, reader, cfg, dense: bool = False) -> dict[str, int]
                         codes = tuple(unpermute_qk(x, heads[p]) for x in codes)
                 if kind == "int4":  # Q4_0 and Q4_1 share the int4 form
                     key = "int4"
-                elif kind == "half":  # F16 and BF16 stay apart: one dtype a layer
-                    key = t.tensor_type.name
-                else:
+                else:  # (F16 and BF16 stay apart: one dtype a layer)
                     key = t.tensor_type.name
                 if groups and groups[-1][1] == key:
                     groups[-1][2].append(codes)
@@ -238,7 +236,8 @@ def apply(model, ctx) -> str:
             quantize_lm_head_int8(model, ctx.dense)
     emb = next((t for t in ctx.reader.tensors if t.name == "token_embd.weight"), None)
     if emb is not None and _kind(emb) == "half" and not ctx.dense:
-        tie_embedding(model, half_weights(emb))
+        tied = isinstance(model.lm_head, HalfLinear) and _head(ctx.reader) is emb  # the head's own matrix
+        tie_embedding(model, model.lm_head.weight if tied else half_weights(emb))
     kinds = " + ".join(f"{k} {v}" for k, v in n.items() if v)
     return (f"gguf-native: {kinds} linears from the file's own blocks{', lm_head int8' if ctx.lm_head else ''}; "
             f"weights {before / 2**20:.1f} MiB -> {weight_bytes(model) / 2**20:.1f} MiB")

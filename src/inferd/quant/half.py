@@ -87,17 +87,14 @@ class HalfEmbedding(nn.Module):
 
 
 def tie_embedding(model: nn.Module, table: torch.Tensor) -> bool:
-    """Swap the model's float embedding for `table` (the file's F16/BF16 token_embd) where the two hold
-    the same values (a converter may have changed the float one); the lm_head's 16-bit weight is
-    used instead when it holds the same bits. Returns whether it swapped."""
+    """Swap the model's float embedding for `table` (the file's F16/BF16 token_embd, or the tied
+    HalfLinear head's weight, which is then held once) where the two hold the same values (a converter
+    may have changed the float one). Returns whether it swapped."""
     emb = getattr(model, "embed_tokens", None)
     if not isinstance(emb, nn.Embedding) or tuple(emb.weight.shape) != tuple(table.shape):
         return False
     for i in range(0, table.shape[0], 8192):  # exact or nothing
         if not torch.equal(table[i:i + 8192].to(emb.weight.dtype), emb.weight[i:i + 8192]):
             return False
-    head = getattr(model, "lm_head", None)
-    if isinstance(head, HalfLinear) and head.weight.dtype == table.dtype and torch.equal(head.weight, table):
-        table = head.weight
     model.embed_tokens = HalfEmbedding(table, emb.weight.dtype)
     return True
