@@ -128,4 +128,6 @@ def test_serve_yaml_config_and_flag_override(tmp_path):
     args = apply_yaml_config(p, argv, p.parse_args(argv))
     assert args.max_num_seqs == 3  # the flag wins
     assert args.max_num_batched_tokens == 128 and args.dtype == "float32" and args.port == 9001
-    assert args.gpu_memory_utilization == 0.8 and args.model == "smollm2-135m"
+    assert args.gpu_memory_utilization == 0.8 and args.model == ["smollm2-135m"]  # serve's --model repeats
+    argv = ["serve", "--config", str(cfg), "--model", "other.gguf"]
+    assert apply_yaml_config(p, argv, p.parse_args(argv)).model == ["other.gguf"]  # replaced, not appended

@@ -15,11 +15,16 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def add_model_args(p: argparse.ArgumentParser):
+def add_model_args(p: argparse.ArgumentParser, several: bool = False):
     add_parallel_args(p)
     g = p.add_argument_group("model")
-    g.add_argument("--model", default=None,
-                   help="embedded default (smollm2-135m), a .gguf file, or a Hugging Face model folder")
+    if several:
+        g.add_argument("--model", action="append", default=None,
+                       help="embedded default (smollm2-135m), a .gguf file, or a Hugging Face model folder; "
+                            "repeat it to serve several (NAME=PATH names one; the request's `model` picks it)")
+    else:
+        g.add_argument("--model", default=None,
+                       help="embedded default (smollm2-135m), a .gguf file, or a Hugging Face model folder")
     g.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors", "dummy"],
                    help="dummy: random weights with the model's real shapes (built-in names too)")
     g.add_argument("--dtype", default="auto",
@@ -135,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_chat)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (streaming, Prometheus /metrics)")
-    add_model_args(sv)
+    add_model_args(sv, several=True)
     add_engine_args(sv)
     sv.add_argument("--config", default=None, help="YAML file of options (keys as flag names, _ or -)")
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
@@ -169,6 +174,20 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--enable-prompt-tokens-details", action="store_true",
                     help="usage.prompt_tokens_details.cached_tokens in answers: prompt tokens not computed "
                          "for this request (prefix cache hits, KV pulled from a prefill worker)")
+    mg = sv.add_argument_group("several models (repeated --model, or models: in the --config YAML)")
+    mg.add_argument("--preload", action="store_true",
+                    help="load every model at start (default with one model; with several each loads on its "
+                         "first request, which waits for it)")
+    mg.add_argument("--keep-alive", type=float, default=None,
+                    help="seconds a model stays loaded without requests (-1: never; default: 300 with several "
+                         "models, never with one)")
+    mg.add_argument("--max-loaded-models", type=int, default=0,
+                    help="most models loaded at once; loading another unloads the least recently used idle one "
+                         "(0: no limit)")
+    mg.add_argument("--models-memory-budget", default=None,
+                    help="most resident memory of the loaded models' engines (e.g. 8GiB); loading past it "
+                         "unloads the least recently used idle ones")
+    sv.set_defaults(models=None)  # the config's models: list (per-model engine options)
     dg = sv.add_argument_group("disaggregated prefill/decode")
     dg.add_argument("--kv-transfer-config", default=None,
                     help='vLLM\'s JSON: {"kv_connector": "ZmqConnector"|"SharedMemoryConnector", "kv_role": '
@@ -340,7 +359,15 @@ def apply_yaml_config(parser: argparse.ArgumentParser, argv: list[str], args):
 
     sub = parser.subcommands[args.cmd]
     dests = {a.dest for a in sub._actions} - {"config", "func", "help"}
-    sub.set_defaults(**yaml_defaults(args.config, dests))
+    if args.cmd == "serve":
+        dests.add("models")
+    found = yaml_defaults(args.config, dests)
+    several = any(a.dest == "model" and isinstance(a, argparse._AppendAction) for a in sub._actions)
+    if several and "model" in found:
+        # an appending flag would add the command line's models to the file's: the command line wins
+        found["model"] = None if "--model" in argv or any(x.startswith("--model=") for x in argv) else (
+            [found["model"]] if found["model"] is not None else None)
+    sub.set_defaults(**found)
     return parser.parse_args(argv)
 
 

@@ -127,6 +127,10 @@ class EngineConfig:
         for name in cls.field_names():
             if getattr(args, name, None) is not None:
                 setattr(cfg, name, getattr(args, name))
+        if isinstance(cfg.model, list):  # `inferd serve`'s repeatable --model (one model here)
+            if len(cfg.model) > 1:
+                raise InferdError("one --model here (several are for `inferd serve`)")
+            cfg.model = cfg.model[0] if cfg.model else None
         if cfg.device == "cpu" and getattr(args, "gpu_memory_utilization", 0.9) != 0.9:
             sys.stderr.write("inferd: note: --gpu-memory-utilization applies to CUDA only; on CPU the KV pool "
                              "is sized by --kv-cache-memory\n")
@@ -152,6 +156,11 @@ def yaml_defaults(path: str, dests: set[str]) -> dict:
         key = str(k).replace("-", "_")
         if key == "enable_prefix_caching":
             defaults[key] = bool(v)
+            continue
+        if key == "models" and key in dests:
+            if not isinstance(v, list):
+                raise InferdError(f"models in config {path} must be a list of mappings (model: PATH, name: ID, ...)")
+            defaults[key] = v
             continue
         if key not in dests:
             raise InferdError(f"unknown key {k!r} in config {path}")

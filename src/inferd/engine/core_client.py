@@ -173,12 +173,33 @@ class EngineCoreClient:
                 self.proc.terminate()
                 self.proc.join(5)
         loop = self._loop
+        try:
+            on_loop = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            on_loop = False
+        if loop is None or loop.is_closed() or on_loop:
+            self._close_sockets()
+            return
+        try:  # the reader is the loop's to remove: a server that unloads a model goes on running
+            loop.call_soon_threadsafe(self._close_sockets)
+        except RuntimeError:  # the loop closed meanwhile (the server is exiting)
+            self._push.close(linger=0)
+
+    def _close_sockets(self):
+        """Stop watching the core's socket and free both sockets and their context (a server that
+        loads and unloads models must not keep a reader, descriptors or a client per load)."""
+        import zmq
+
+        loop = self._loop
         if loop is not None and not loop.is_closed():
             try:
                 loop.remove_reader(self._pull.getsockopt(zmq.FD))
-            except RuntimeError:  # called from another thread while the loop runs: it stops anyway
+            except (RuntimeError, zmq.ZMQError):
                 pass
+        self._loop = None
         self._push.close(linger=0)
+        self._pull.close(linger=0)
+        self._ctx.term()
 
     # -- receiving, on the event loop -------------------------------------------------------------
     # No receiver thread: the socket's file descriptor is watched by the event loop itself, so a

@@ -2,36 +2,40 @@
 
 Routes: /v1/completions (completions.py), /v1/chat/completions (chat.py), both streaming and not;
 the chat page, the dashboard and /v1/engine/state (web.py); here /v1/models, /health, /metrics,
-/tokenize, /detokenize. Every failure a client can cause is an
+/tokenize, /detokenize, and /models/load and /models/unload (llama-server's operator routes; the
+served models and when they load: models.py). Every failure a client can cause is an
 OpenAI error body with a 4xx; past --max-waiting queued requests the answer is 503 with Retry-After.
 """
 from __future__ import annotations
 
-import time
+import contextlib
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from inferd.engine.client import EngineClient
 from inferd.errors import InferdError
 from inferd.server import chat, completions, web
-from inferd.server.generation import Served
 from inferd.server.limits import Front, Limits
 from inferd.server.metrics import Metrics
+from inferd.server.models import Models
 from inferd.server.protocol import (COMMON_ERRORS, ApiError, DetokenizeRequest, DetokenizeResponse, HealthResponse,
-                                    ModelList, TokenizeRequest, TokenizeResponse, error_responses)
+                                    ModelAction, ModelActionResponse, ModelList, TokenizeRequest, TokenizeResponse,
+                                    error_responses)
 
 
-def create_app(llm: EngineClient, served_name: str, api_key: str | None = None,
-               metrics: Metrics | None = None, aliases: set[str] | None = None, limits: Limits | None = None,
-               allowed_origins: list[str] | None = None, prompt_tokens_details: bool = False) -> FastAPI:
-    app = FastAPI(title="inferd", docs_url=None, redoc_url=None)
+def create_app(models: Models, api_key: str | None = None, metrics: Metrics | None = None,
+               limits: Limits | None = None, allowed_origins: list[str] | None = None, on_start=None) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_):
+        if on_start is not None:
+            await on_start()
+        yield
+
+    app = FastAPI(title="inferd", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.draining = False  # set on SIGTERM: new requests get 503 while the open ones finish
     limits = limits or Limits()
-    srv = Served(llm, served_name, aliases, limits)
-    srv.prompt_details = prompt_tokens_details
 
     # -- errors ---------------------------------------------------------------------------------
     @app.exception_handler(ApiError)
@@ -71,8 +75,8 @@ def create_app(llm: EngineClient, served_name: str, api_key: str | None = None,
     # -- plain routes ---------------------------------------------------------------------------
     @app.get("/health", responses={200: {"model": HealthResponse}, 503: {"model": HealthResponse}})
     async def health():
-        if llm.dead:
-            return JSONResponse({"status": "error", "detail": llm.dead}, status_code=503)
+        if models.dead:
+            return JSONResponse({"status": "error", "detail": models.dead}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics", responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
@@ -83,31 +87,50 @@ def create_app(llm: EngineClient, served_name: str, api_key: str | None = None,
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models", responses={200: {"model": ModelList}, **error_responses(*COMMON_ERRORS)})
-    async def models():
-        return {"object": "list", "data": [{"id": served_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "inferd", "max_model_len": srv.max_len}]}
+    async def list_models():
+        """Every served model with its state (`status.value`: loaded, loading, unloading, unloaded)."""
+        return {"object": "list", "data": [models.card(e) for e in models.entries]}
+
+    @app.post("/models/load", responses={200: {"model": ModelActionResponse}, **error_responses(*COMMON_ERRORS, 404,
+                                                                                                  500, 503)})
+    async def load_model(req: ModelAction):
+        """Load a model now (it waits for the load); an operator's call, behind --api-key."""
+        e = models.find(req.model)
+        await models.ensure_loaded(e)
+        return {"model": e.name, "status": models.card(e)["status"], "load_seconds": e.load_seconds}
+
+    @app.post("/models/unload", responses={200: {"model": ModelActionResponse}, **error_responses(*COMMON_ERRORS,
+                                                                                                    404, 409)})
+    async def unload_model(req: ModelAction):
+        """Unload a model once its open requests finish (new ones wait, then load it again); past
+        `wait_s` seconds of open requests it stays loaded and the answer is 409."""
+        e = models.find(req.model)
+        if not await models.unload(e, "api", wait_s=req.wait_s):
+            raise ApiError(f"model `{e.name}` still has {e.served.llm.open_requests()} open requests after "
+                           f"{req.wait_s:g} s: not unloaded", status=409, type_="conflict_error", code="model_busy")
+        return {"model": e.name, "status": models.card(e)["status"], "load_seconds": e.load_seconds}
 
     @app.post("/tokenize", responses={200: {"model": TokenizeResponse}, **error_responses(*COMMON_ERRORS, 404)})
     async def tokenize(req: TokenizeRequest):
-        srv.check_model(req.model)
-        if req.messages is not None:
-            ids = srv.render_chat(req.messages, req.add_generation_prompt)
-        else:
-            ids = srv.tok.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
-        return {"tokens": ids, "count": len(ids), "max_model_len": srv.max_len}
+        async with models.use(req.model) as srv:
+            if req.messages is not None:
+                ids = srv.render_chat(req.messages, req.add_generation_prompt)
+            else:
+                ids = srv.tok.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
+            return {"tokens": ids, "count": len(ids), "max_model_len": srv.max_len}
 
     @app.post("/detokenize", responses={200: {"model": DetokenizeResponse}, **error_responses(*COMMON_ERRORS, 404)})
     async def detokenize(req: DetokenizeRequest):
-        srv.check_model(req.model)
-        bad = [t for t in req.tokens if not 0 <= t < srv.info.vocab_size]
-        if bad:
-            raise ApiError(f"token id {bad[0]} is outside the vocabulary", param="tokens")
-        return {"prompt": srv.tok.decode(req.tokens)}
+        async with models.use(req.model) as srv:
+            bad = [t for t in req.tokens if not 0 <= t < srv.info.vocab_size]
+            if bad:
+                raise ApiError(f"token id {bad[0]} is outside the vocabulary", param="tokens")
+            return {"prompt": srv.tok.decode(req.tokens)}
 
     # -- generation -----------------------------------------------------------------------------
-    app.include_router(completions.router(srv))
-    app.include_router(chat.router(srv))
-    app.include_router(web.router(srv, app.state))  # the chat page, the dashboard and its state JSON
+    app.include_router(completions.router(models))
+    app.include_router(chat.router(models))
+    app.include_router(web.router(models, app.state))  # the chat page, the dashboard and its state JSON
     app.openapi = lambda: openapi_document(app)
     return app
 

@@ -9,45 +9,51 @@ from fastapi import APIRouter
 
 from inferd.errors import InferdError
 from inferd.server.generation import Served, logprob_sum, respond
+from inferd.server.models import Models
 from inferd.server.protocol import (COMMON_ERRORS, ApiError, ChatCompletionRequest, ChatCompletionResponse,
                                     error_responses)
 from inferd.server.tools import call_stream, tool_constraint, tool_mode
 
 
-def router(srv: Served) -> APIRouter:
+def router(models: Models) -> APIRouter:
     r = APIRouter()
 
     @r.post("/v1/chat/completions", responses={
         200: {"model": ChatCompletionResponse, "content": {"text/event-stream": {"schema": {"type": "string"}}}},
         **error_responses(*COMMON_ERRORS, 404, 500)})
     async def chat(req: ChatCompletionRequest):
-        srv.check_model(req.model)
-        mode, name = tool_mode(req)
-        try:
-            ids = srv.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs, req.tools,
-                                  req.tool_choice)
-        except InferdError as e:
-            raise ApiError(str(e), param="messages") from None
-        mt_req = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        top = req.top_logprobs if req.logprobs else None
-        if req.logprobs and top is None:
-            top = 0
-        params = req.sampling_params(srv.max_tokens_for(mt_req, len(ids)), top)
-        tc = tool_constraint(req, mode, name)
-        if tc is not None:
-            if params.structured_outputs is not None:
-                raise ApiError(f"tool_choice {'required' if mode == 'required' else 'naming a function'} already "
-                               "constrains the output: drop response_format / structured_outputs", param="tool_choice")
-            params.structured_outputs = tc
-        cid = f"chatcmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-
-        def chunks(include_usage, continuous_usage):
-            return chat_chunks(srv, req, ids, params, cid, created, include_usage, continuous_usage, mode, name)
-
-        return await respond(req, params, chunks, "chat.completion", merge_choice, srv.stall_timeout)
+        async with models.use(req.model) as srv:
+            return await complete_chat(srv, req)
 
     return r
+
+
+async def complete_chat(srv: Served, req: ChatCompletionRequest):
+    mode, name = tool_mode(req)
+    try:
+        ids = srv.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs, req.tools,
+                              req.tool_choice)
+    except InferdError as e:
+        raise ApiError(str(e), param="messages") from None
+    mt_req = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    top = req.top_logprobs if req.logprobs else None
+    if req.logprobs and top is None:
+        top = 0
+    params = req.sampling_params(srv.max_tokens_for(mt_req, len(ids)), top)
+    tc = tool_constraint(req, mode, name)
+    if tc is not None:
+        if params.structured_outputs is not None:
+            raise ApiError(f"tool_choice {'required' if mode == 'required' else 'naming a function'} already "
+                           "constrains the output: drop response_format / structured_outputs", param="tool_choice")
+        params.structured_outputs = tc
+    cid = f"chatcmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+
+    def chunks(include_usage, continuous_usage):
+        return chat_chunks(srv, req, ids, params, cid, created, include_usage, continuous_usage, mode, name)
+
+    return await respond(req, params, chunks, "chat.completion", merge_choice, srv.stall_timeout)
+
 
 
 async def chat_chunks(srv: Served, req: ChatCompletionRequest, ids, params, cid, created, include_usage,

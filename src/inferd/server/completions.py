@@ -7,40 +7,45 @@ import uuid
 from fastapi import APIRouter
 
 from inferd.server.generation import Served, logprob_sum, respond
+from inferd.server.models import Models
 from inferd.server.protocol import COMMON_ERRORS, ApiError, CompletionRequest, CompletionResponse, error_responses
 
 
-def router(srv: Served) -> APIRouter:
+def router(models: Models) -> APIRouter:
     r = APIRouter()
 
     @r.post("/v1/completions", responses={
         200: {"model": CompletionResponse, "content": {"text/event-stream": {"schema": {"type": "string"}}}},
         **error_responses(*COMMON_ERRORS, 404, 500)})
     async def completions(req: CompletionRequest):
-        srv.check_model(req.model)
-        prompts = _prompt_ids(srv, req.prompt)
-        # OpenAI's scoring request: echo with max_tokens 0 returns the prompt's logprobs, generating
-        # nothing (the engine runs one token, never sent); without echo, 0 is the usual 400
-        score_only = req.max_tokens == 0 and req.echo
-        if req.logprobs is not None and not 0 <= req.logprobs <= 20:
-            raise ApiError("logprobs must be in [0, 20]", param="logprobs")
-        want_prompt_lp = req.logprobs if req.echo and req.logprobs is not None else None
-
-        def params_for(i):
-            mt = 1 if score_only else srv.max_tokens_for(req.max_tokens, len(prompts[i]))
-            return req.sampling_params(mt, req.logprobs, want_prompt_lp)
-
-        params = params_for(0)  # validates before anything is queued
-        cid = f"cmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-
-        def chunks(include_usage, continuous_usage):
-            return completion_chunks(srv, req, prompts, params_for, cid, created, score_only, include_usage,
-                                     continuous_usage)
-
-        return await respond(req, params, chunks, "text_completion", merge_choice, srv.stall_timeout)
+        async with models.use(req.model) as srv:
+            return await complete(srv, req)
 
     return r
+
+
+async def complete(srv: Served, req: CompletionRequest):
+    prompts = _prompt_ids(srv, req.prompt)
+    # OpenAI's scoring request: echo with max_tokens 0 returns the prompt's logprobs, generating
+    # nothing (the engine runs one token, never sent); without echo, 0 is the usual 400
+    score_only = req.max_tokens == 0 and req.echo
+    if req.logprobs is not None and not 0 <= req.logprobs <= 20:
+        raise ApiError("logprobs must be in [0, 20]", param="logprobs")
+    want_prompt_lp = req.logprobs if req.echo and req.logprobs is not None else None
+
+    def params_for(i):
+        mt = 1 if score_only else srv.max_tokens_for(req.max_tokens, len(prompts[i]))
+        return req.sampling_params(mt, req.logprobs, want_prompt_lp)
+
+    params = params_for(0)  # validates before anything is queued
+    cid = f"cmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+
+    def chunks(include_usage, continuous_usage):
+        return completion_chunks(srv, req, prompts, params_for, cid, created, score_only, include_usage,
+                                 continuous_usage)
+
+    return await respond(req, params, chunks, "text_completion", merge_choice, srv.stall_timeout)
 
 
 def _prompt_ids(srv: Served, p) -> list[list[int]]:

@@ -40,7 +40,7 @@ class Served:
         self.info = llm.info
         self.tok = self.info.tokenizer
         self.name = name
-        self.names = {name} | set(aliases or ())
+        self.aliases = set(aliases or ())
         self.max_len = self.info.max_model_len
         self.stall_timeout = limits.stall_timeout_s if limits is not None else None
         self.prompt_details = False  # usage.prompt_tokens_details (--enable-prompt-tokens-details)
@@ -50,11 +50,6 @@ class Served:
         if self.prompt_details:
             u["prompt_tokens_details"] = {"cached_tokens": cached}
         return u
-
-    def check_model(self, name: str | None):
-        if name is not None and name not in self.names:
-            raise ApiError(f"The model `{name}` does not exist.", status=404, param="model",
-                           code="model_not_found", type_="not_found_error")
 
     def render_chat(self, messages, add_generation_prompt=True, kwargs=None, tools=None, tool_choice=None) -> list[int]:
         from inferd.server.tools import render_messages, template_knows_tools

@@ -129,25 +129,60 @@ class Metrics:
             self.spec_len = Gauge("inferd:spec_decode_mean_accepted_length",
                                   "Mean accepted guesses per verify step.", L, registry=r)
             keys += list(self.spec)
-        self._last = [dict.fromkeys(keys, 0) for _ in range(engines)]
+        self._keys = keys
+        self._last: dict[tuple[str, int], dict] = {}
+        ML = ["model_name"]
+        self.model_loaded = Gauge("inferd:model_loaded", "1 while the model is loaded, else 0.", ML, registry=r)
+        self.model_loads = Counter("inferd:model_loads", "Times the model was loaded.", ML, registry=r)
+        self.model_unloads = Counter("inferd:model_unloads", "Times the model was unloaded, by reason (keep_alive, "
+                                     "evicted, api, failed).", ML + ["reason"], registry=r)
+        self.model_load_time = Histogram("inferd:model_load_seconds", "Time to load the model (start of its engine "
+                                         "to ready).", ML, buckets=LATENCY_BUCKETS, registry=r)
+        self.add_model(model_name, engines)
+
+    def add_model(self, name: str, engines: int = 1):
+        """Series for another model's engines (a server with several models: inferd.server.models)."""
+        self.model_loaded.labels(model_name=name).set(0)
+        self.model_loads.labels(model_name=name)
         for e in range(engines):  # every engine's series exist (at 0) before its first step
-            lab = self.labels(e)
+            self._last[(name, e)] = dict.fromkeys(self._keys, 0)
+            lab = self.labels(e, name)
             for g in (self.running, self.waiting, self.kv_usage):
                 g.labels(**lab).set(0)
             for c in (self.steps, self.prompt_tokens, self.gen_tokens, self.pc_queries, self.pc_hits, self.computed,
                       self.ttft, self.itl, self.e2e, self.queue):
                 c.labels(**lab)
 
-    def labels(self, engine: int = 0) -> dict:
-        return {"model_name": self.model_name, "engine": str(engine)}
+    def model_event(self, name: str, event: str, seconds: float | None = None):
+        """A model loaded (its engines' counters start again from 0) or unloaded (`event`: the reason)."""
+        if event == "loaded":
+            self.model_loaded.labels(model_name=name).set(1)
+            self.model_loads.labels(model_name=name).inc()
+            if seconds is not None:
+                self.model_load_time.labels(model_name=name).observe(seconds)
+            for key in self._last:
+                if key[0] == name:
+                    self._last[key] = dict.fromkeys(self._keys, 0)
+        elif event in ("keep_alive", "evicted", "api", "failed", "unloaded"):
+            self.model_loaded.labels(model_name=name).set(0)
+            self.model_unloads.labels(model_name=name, reason=event).inc()
+            for key in self._last:
+                if key[0] == name:
+                    lab = self.labels(key[1], name)
+                    for g in (self.running, self.waiting, self.kv_usage):
+                        g.labels(**lab).set(0)
 
-    def cache_info(self, engine: int, block_size: int, num_blocks: int, dtype: str, prefix_caching: bool):
-        self.cache_config.labels(**self.labels(engine), block_size=str(block_size), num_gpu_blocks=str(num_blocks),
+    def labels(self, engine: int = 0, model: str | None = None) -> dict:
+        return {"model_name": model or self.model_name, "engine": str(engine)}
+
+    def cache_info(self, engine: int, block_size: int, num_blocks: int, dtype: str, prefix_caching: bool,
+                   model: str | None = None):
+        self.cache_config.labels(**self.labels(engine, model), block_size=str(block_size), num_gpu_blocks=str(num_blocks),
                                  cache_dtype=dtype, enable_prefix_caching=str(bool(prefix_caching))).set(1)
 
-    def on_step(self, snap, engine: int = 0):
+    def on_step(self, snap, engine: int = 0, model: str | None = None):
         """After every engine step, with its EngineSnapshot: gauges and counter deltas."""
-        lab, last = self.labels(engine), self._last[engine]
+        lab, last = self.labels(engine, model), self._last[(model or self.model_name, engine)]
         self.running.labels(**lab).set(snap.running)
         self.waiting.labels(**lab).set(snap.waiting)
         self.kv_usage.labels(**lab).set(snap.kv_used / snap.kv_total)
@@ -180,9 +215,9 @@ class Metrics:
             self.spec_rate.labels(**lab).set(snap.spec["acceptance_rate"])
             self.spec_len.labels(**lab).set(snap.spec["mean_accepted_length"])
 
-    def on_finish(self, out, engine: int = 0):
+    def on_finish(self, out, engine: int = 0, model: str | None = None):
         """Engine thread, for each finished sequence: its latencies from the engine's events."""
-        lab = self.labels(engine)
+        lab = self.labels(engine, model)
         t = out.timings
         if out.index == 0:
             self.prompt_tokens.labels(**lab).inc(out.num_prompt_tokens)

@@ -369,6 +369,19 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class ModelAction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    wait_s: float | None = Field(None, ge=0, description="unload: how long open requests may keep it loaded "
+                                 "(default: until they finish)")
+
+
+class ModelActionResponse(BaseModel):
+    model: str
+    status: dict
+    load_seconds: float | None = None
+
+
 class HealthResponse(BaseModel):
     status: str
     detail: str | None = None

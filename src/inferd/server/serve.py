@@ -45,58 +45,116 @@ def _exit_when_drained(llm, timeout: float):
 
 
 def serve(args) -> int:
+    import asyncio
+
     import uvicorn
 
-    from inferd.config import EngineConfig
     from inferd.server.app import create_app
+    from inferd.server.generation import Served
     from inferd.server.limits import Limits
     from inferd.server.metrics import Metrics
+    from inferd.server.models import Models
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if args.max_waiting < 0:
         raise InferdError("--max-waiting must be >= 0")
-    cfg = EngineConfig.from_args(args)
+    specs = model_specs(args)
+    single = len(specs) == 1
     api_key = args.api_key or os.environ.get("INFERD_API_KEY")
-    metrics_box = {}
-
-    def on_step(snap, engine: int = 0):  # the metrics exist once the model is loaded; no step runs before
-        if "m" in metrics_box:
-            metrics_box["m"].on_step(snap, engine)
-
-    def on_finish(out, engine: int = 0):
-        if "m" in metrics_box:
-            metrics_box["m"].on_finish(out, engine)
+    box: dict = {}  # the metrics (once built) and the server's event loop (once running)
 
     dp = args.data_parallel_size
     if dp < 1:
         raise InferdError("--data-parallel-size must be >= 1")
     from inferd.distributed.kv_transfer import parse_kv_transfer_config
 
-    kv_cfg = parse_kv_transfer_config(cfg.kv_transfer_config, cfg.role)  # a bad config fails before the model loads
+    kv_cfg = parse_kv_transfer_config(specs[0].config.kv_transfer_config, specs[0].config.role)  # fails before loading
     if kv_cfg is not None and dp > 1:
         raise InferdError("--kv-transfer-config / --role run one engine per server: start one server per "
                           "prefill or decode worker instead of --data-parallel-size")
+    if kv_cfg is not None and not single:
+        raise InferdError("--kv-transfer-config / --role serve one model: start one server per model")
     if dp > 1 and args.engine_in_process:
         raise InferdError("--data-parallel-size > 1 runs each engine in its own process: drop --engine-in-process")
-    llm = start_engine(cfg, args, on_step, on_finish)
-    if llm.info.tokenizer is None:
-        llm.shutdown()
-        raise InferdError("the server needs a model with a tokenizer")
-    info = llm.info
-    name = args.served_model_name or info.model_name
-    aliases = {n for n in (args.model, info.model_name) if n}
-    metrics = Metrics(name, speculative=info.speculative, engines=dp, kv_transfer=kv_cfg is not None)
-    for i, c in enumerate(getattr(llm, "clients", [llm])):
-        cache = c.info.cache
-        metrics.cache_info(i, cache["block_size"], cache["num_blocks"], cache["dtype"], cache["prefix_caching"])
-    metrics_box["m"] = metrics
+    if not single and args.engine_in_process:
+        raise InferdError("several models run each in its own engine process: drop --engine-in-process")
     limits = Limits.from_args(args)
-    app = create_app(llm, name, api_key=api_key, metrics=metrics, aliases=aliases, limits=limits,
+    models: Models | None = None
+
+    def start(spec):
+        name = spec.name
+
+        def on_step(snap, engine: int = 0):  # the metrics exist once the first model is loaded
+            if "m" in box:
+                box["m"].on_step(snap, engine, None if single else name)
+
+        def on_finish(out, engine: int = 0):
+            if "m" in box:
+                box["m"].on_finish(out, engine, None if single else name)
+
+        def on_fault(reason: str):
+            if single:
+                return (_exit_when_drained(box["llm"], args.drain_timeout) if dp > 1 else _exit_soon(reason))
+            loop = box.get("loop")
+            if loop is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(models.engine_failed, models.find(name), reason)
+
+        client = start_engine(spec.config, args, on_step, on_finish, on_fault)
+        if client.info.tokenizer is None:
+            client.shutdown()
+            raise InferdError("the server needs a model with a tokenizer")
+        if single:
+            box["llm"] = client  # what a data-parallel fault waits on
+        return client
+
+    def served(spec, client):
+        if single:  # named by the model itself once loaded (unless --served-model-name), answering to both
+            spec.name = args.served_model_name or client.info.model_name
+            spec.aliases.add(client.info.model_name)
+        srv = Served(client, spec.name, spec.aliases, limits)
+        srv.prompt_details = args.enable_prompt_tokens_details
+        if "m" in box:
+            for i, c in enumerate(getattr(client, "clients", [client])):
+                cache = c.info.cache
+                box["m"].cache_info(i, cache["block_size"], cache["num_blocks"], cache["dtype"],
+                                    cache["prefix_caching"], None if single else spec.name)
+        return srv
+
+    def on_change(entry, event):
+        if "m" in box:
+            box["m"].model_event(entry.name, event, entry.load_seconds if event == "loaded" else None)
+
+    models = Models(specs, start, served, max_loaded=args.max_loaded_models or 0,
+                    memory_budget=parse_budget(args.models_memory_budget), on_change=on_change)
+    if single:  # loaded before the server listens, as before: a model that cannot load fails the command
+        models.load_now(models.default)
+    else:
+        for e in models.entries:
+            if e.spec.preload:
+                try:
+                    models.load_now(e)
+                except InferdError as err:
+                    log.error("model %s failed to load at start: %s (it stays unloaded)", e.name, err)
+    speculative = any(s.config.speculative_method for s in specs)
+    metrics = Metrics(specs[0].name, speculative=speculative, engines=dp, kv_transfer=kv_cfg is not None)
+    for s in specs[1:]:
+        metrics.add_model(s.name, dp)
+    box["m"] = metrics
+    for e, srv in models.loaded_served():
+        served(e.spec, srv.llm)  # the cache series of models loaded before the metrics existed
+        on_change(e, "loaded")
+
+    async def started():
+        box["loop"] = asyncio.get_running_loop()
+        models.watch()
+
+    app = create_app(models, api_key=api_key, metrics=metrics, limits=limits,
                      allowed_origins=parse_origins(args.allowed_origins),
-                     prompt_tokens_details=args.enable_prompt_tokens_details)
+                     on_start=started)
     scheme = "https" if args.ssl_certfile else "http"
-    log.info("serving %s on %s://%s:%d (OpenAI API under /v1)", name, scheme, args.host, args.port)
+    log.info("serving %s on %s://%s:%d (OpenAI API under /v1)", ", ".join(models.names()), scheme, args.host,
+             args.port)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
                             ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
                             timeout_graceful_shutdown=args.drain_timeout,
@@ -104,11 +162,99 @@ def serve(args) -> int:
     try:
         DrainingServer(config, app.state).run()
     finally:
-        llm.shutdown()
+        models.shutdown()
     return 0
 
 
-def start_engine(cfg, args, on_step, on_finish) -> EngineClient:
+DEFAULT_KEEP_ALIVE_S = 300.0  # with several models; one model alone stays loaded
+
+
+def model_specs(args) -> list:
+    """`--model` (repeatable, NAME=PATH to name one) and the YAML config's `models:` list -> the
+    served models, each with its engine configuration (the flags, and a YAML entry's own options)."""
+    from dataclasses import replace
+
+    from inferd.config import EngineConfig
+    from inferd.server.models import ModelSpec
+
+    given = args.model if isinstance(args.model, list) else [args.model] if args.model else []
+    entries: list[dict] = [split_named(m) for m in given]
+    for i, raw in enumerate(getattr(args, "models", None) or []):
+        if not isinstance(raw, dict):
+            raise InferdError(f"models[{i}] in the config must be a mapping (model: PATH, name: ID, options...)")
+        entries.append({str(k).replace("-", "_"): v for k, v in raw.items()})
+    if not entries:
+        entries = [{"model": None}]
+    multi = len(entries) > 1
+    if multi and args.served_model_name:
+        raise InferdError("--served-model-name names one model: with several, name each as --model NAME=PATH "
+                          "or with name: in the config's models list")
+    keep = args.keep_alive
+    if keep is None:
+        keep = DEFAULT_KEEP_ALIVE_S if multi else -1
+    base = EngineConfig.from_args(_without(args, "model"))
+    fields = EngineConfig.field_names()
+    specs, seen = [], set()
+    for i, ent in enumerate(entries):
+        ent = dict(ent)
+        path = ent.pop("model", None)
+        path = None if path is None else str(path)
+        name = ent.pop("name", None)
+        preload = bool(ent.pop("preload", args.preload))
+        ka = ent.pop("keep_alive", keep)
+        bad = sorted(set(ent) - fields)
+        if bad:
+            raise InferdError(f"models[{i}]: unknown option {bad[0]!r}")
+        cfg = replace(base, model=path, **ent).validate()
+        if name is None:
+            name = args.served_model_name or (path if path else "smollm2-135m")
+        aliases = set()
+        if path and not multi:
+            aliases.add(path)
+        elif path and os.path.basename(os.path.normpath(path)) != name:
+            aliases.add(os.path.basename(os.path.normpath(path)))
+        if name in seen:
+            raise InferdError(f"two models are named {name!r}: name them apart with --model NAME=PATH")
+        seen.add(name)
+        specs.append(ModelSpec(name=str(name), config=cfg, aliases=aliases, preload=preload or not multi,
+                               keep_alive=parse_keep_alive(ka), source_path=path if path and os.path.exists(path)
+                               else None))
+    return specs
+
+
+def split_named(spec: str) -> dict:
+    """`--model NAME=PATH` -> {name, model}; a plain path (even one holding '=') -> {model}."""
+    if "=" in spec and not os.path.exists(spec):
+        name, path = spec.split("=", 1)
+        if name and "/" not in name and path:
+            return {"name": name, "model": path}
+    return {"model": spec}
+
+
+def parse_keep_alive(v) -> float | None:
+    """Seconds idle before a model unloads; a negative value: never (None)."""
+    try:
+        s = float(v)
+    except (TypeError, ValueError):
+        raise InferdError(f"keep_alive must be a number of seconds (-1: never), not {v!r}") from None
+    return None if s < 0 else s
+
+
+def parse_budget(v) -> int | None:
+    if v in (None, "", 0, "0"):
+        return None
+    from inferd.config import parse_bytes
+
+    return parse_bytes(v)
+
+
+def _without(args, *names):
+    import argparse
+
+    return argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in names})
+
+
+def start_engine(cfg, args, on_step, on_finish, on_fault) -> EngineClient:
     """The server's engine client: one core process (the default), N of them behind a group
     (--data-parallel-size), or the engine on a thread of this process (--engine-in-process)."""
     from dataclasses import replace
@@ -123,14 +269,12 @@ def start_engine(cfg, args, on_step, on_finish) -> EngineClient:
             return EngineCoreClient(replace(cfg, threads=cfg.threads or len(cpus)), max_waiting=args.max_waiting,
                                     cpus=cpus, name=f"inferd-engine-core-{i}", **hooks)
 
-        group = EngineGroup(start, args.data_parallel_size, **kw, policy=args.data_parallel_routing,
-                            on_fault=lambda reason: _exit_when_drained(group, args.drain_timeout))
-        return group
+        return EngineGroup(start, args.data_parallel_size, **kw, policy=args.data_parallel_routing, on_fault=on_fault)
     if args.engine_in_process:
         from inferd.engine.async_engine import AsyncLLM  # torch in this process only in this mode
 
         return AsyncLLM.from_config(cfg, **kw)
-    return EngineCoreClient(cfg, **kw, on_fault=_exit_soon)
+    return EngineCoreClient(cfg, **kw, on_fault=on_fault)
 
 
 def parse_origins(value: str | None) -> list[str] | None:

@@ -37,8 +37,8 @@ def page_response(name: str) -> Response:
 class StateCache:
     """The engines' latest states, shared by every reader; and recent ones by step id."""
 
-    def __init__(self, llm):
-        self.llm = llm
+    def __init__(self, source):
+        self.source = source  # anything with `async state(steps)`
         self.lock = asyncio.Lock()
         self.latest: list[dict] | None = None
         self.at = 0.0
@@ -49,7 +49,7 @@ class StateCache:
             if self.latest is not None and time.monotonic() - self.at < max_age:
                 return self.latest
             try:
-                engines = await self.llm.state(STEP_ROWS)
+                engines = await self.source.state(STEP_ROWS)
             except asyncio.TimeoutError:
                 raise ApiError("the engine did not answer within 10 s", status=503, type_="server_error") from None
             for st in engines:
@@ -66,12 +66,13 @@ class StateCache:
         return self.by_step.get(engine, {}).get(step)
 
 
-def router(srv, app_state) -> APIRouter:
+def router(models, app_state) -> APIRouter:
+    """`models`: the served models (inferd.server.models); the state is their loaded engines'."""
     r = APIRouter()
-    cache = StateCache(srv.llm)
+    cache = StateCache(models)
 
     def document(engines: list[dict]) -> dict:
-        return {"object": "engine.state", "model": srv.name, "time": time.time(),
+        return {"object": "engine.state", "model": models.default.name, "time": time.time(),
                 "draining": bool(getattr(app_state, "draining", False)), "engines": engines}
 
     @r.get("/", include_in_schema=False)
