@@ -62,6 +62,17 @@ def add_parallel_args(p: argparse.ArgumentParser):
                         "gloo = torch.distributed over TCP")
 
 
+def add_lora_args(p: argparse.ArgumentParser):
+    g = p.add_argument_group("LoRA adapters")
+    g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters beside the base model")
+    g.add_argument("--lora-modules", nargs="+", default=None,
+                   help="adapters to load at start, each name=path of a PEFT folder (adapter_config.json + "
+                        "adapter_model.safetensors) or JSON {\"name\", \"path\"}; a request's `model` names one")
+    g.add_argument("--max-loras", type=int, default=1,
+                   help="most adapters in one step (slots); requests of others wait for a slot")
+    g.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted")
+
+
 def add_engine_args(p: argparse.ArgumentParser):
     g = p.add_argument_group("engine")
     g.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one step")
@@ -142,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (streaming, Prometheus /metrics)")
     add_model_args(sv, several=True)
     add_engine_args(sv)
+    add_lora_args(sv)
     sv.add_argument("--config", default=None, help="YAML file of options (keys as flag names, _ or -)")
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     sv.add_argument("--port", type=int, default=8000, help="TCP port to listen on")

@@ -67,6 +67,11 @@ class EngineConfig:
     # tensor parallelism (inferd.distributed): ranks, and how they talk (auto: shm on CPU, nccl on CUDA)
     tensor_parallel_size: int = 1
     tensor_parallel_backend: str = "auto"  # auto | shm | gloo | nccl
+    # LoRA adapters (vLLM's flags): name=path PEFT folders loaded at start, slots per step, largest rank
+    enable_lora: bool = False
+    lora_modules: list | str | None = None
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def validate(self):
         if self.block_size < 1:
@@ -101,6 +106,25 @@ class EngineConfig:
         if self.tensor_parallel_backend not in ("auto", "shm", "gloo", "nccl"):
             raise InferdError(f"unknown tensor-parallel backend {self.tensor_parallel_backend!r} "
                               "(choose auto, shm, gloo, nccl)")
+        if isinstance(self.lora_modules, (str, dict)):
+            self.lora_modules = [self.lora_modules]
+        for spec in self.lora_modules or []:
+            lora_module(spec)  # a malformed entry fails here, before any model loads
+        if self.lora_modules and not self.enable_lora:
+            self.enable_lora = True  # naming adapters asks for them (vLLM wants both flags; one is enough)
+        if self.enable_lora:
+            if self.max_loras is None or self.max_loras < 1:
+                raise InferdError("max_loras must be at least 1")
+            if self.max_lora_rank is None or self.max_lora_rank < 1:
+                raise InferdError("max_lora_rank must be at least 1")
+            if self.tensor_parallel_size > 1:
+                raise InferdError("LoRA adapters with tensor parallelism are not supported yet: drop "
+                                  "--tensor-parallel-size or --enable-lora")
+            if self.kv_transfer_config is not None or self.role is not None:
+                raise InferdError("LoRA adapters with disaggregated prefill/decode are not supported yet")
+            if self.speculative_method is not None:
+                raise InferdError("LoRA adapters with speculative decoding are not supported yet (the draft "
+                                  "would need each adapter too): drop --speculative-method or --enable-lora")
         if self.tensor_parallel_size > 1:
             if self.kv_transfer_config is not None or self.role is not None:
                 raise InferdError("tensor parallelism does not combine with disaggregated prefill/decode yet "
@@ -190,3 +214,22 @@ def available_memory_bytes() -> int:
     except OSError:
         pass
     return 8 * 1024**3
+
+
+def lora_module(spec) -> tuple[str, str]:
+    """One --lora-modules entry -> (name, path): name=path, or vLLM's JSON {"name": .., "path": ..}."""
+    if isinstance(spec, dict):
+        name, path = spec.get("name"), spec.get("path")
+    elif isinstance(spec, str) and spec.lstrip().startswith("{"):
+        import json
+
+        try:
+            d = json.loads(spec)
+        except json.JSONDecodeError:
+            raise InferdError(f"--lora-modules: {spec!r} is not name=path or a JSON object") from None
+        name, path = (d.get("name"), d.get("path")) if isinstance(d, dict) else (None, None)
+    else:
+        name, _, path = str(spec).partition("=")
+    if not name or not path:
+        raise InferdError(f"--lora-modules: {spec!r} is not name=path")
+    return str(name), str(path)

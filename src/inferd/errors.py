@@ -11,6 +11,10 @@ class InferdError(Exception):
     pass
 
 
+class Busy(InferdError):
+    """Refused because something is in use (an adapter with requests in flight): the caller answers 409."""
+
+
 class Overloaded(Exception):
     """More requests waiting than --max-waiting: the caller answers 503."""
 

@@ -98,15 +98,25 @@ class EngineGroup:
         return {i: c.open_requests() for i, c in enumerate(self.clients)}
 
     async def generate(self, prompt_ids: list[int], params, request_id: str, arrival: float | None = None,
-                       kv_transfer_params: dict | None = None):
+                       kv_transfer_params: dict | None = None, lora: str | None = None):
         if self.dead:
             raise EngineDead(f"engine stopped: {self.dead}")
         live = [i for i, c in enumerate(self.clients) if not c.dead]
         pick = self.balancer.pick(prompt_ids, self.loads(), live)
         self.picks[pick.target] += 1
         async for out in self.clients[pick.target].generate(prompt_ids, params, request_id, arrival,
-                                                            kv_transfer_params):
+                                                            kv_transfer_params, lora):
             yield out
+
+    async def control(self, op: str, **args):
+        """The same command to every replica (each holds its own adapters); the first refusal is raised."""
+        import asyncio
+
+        results = await asyncio.gather(*(c.control(op, **args) for c in self.clients), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return results[0]
 
     def abort(self, request_id: str):
         """Leaving generate() aborts on the replica that has it; this asks every live one."""

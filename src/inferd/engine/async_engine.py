@@ -59,8 +59,8 @@ class AsyncLLM:
         return len(self._streams)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                       arrival: float | None = None,
-                       kv_transfer_params: dict | None = None) -> AsyncIterator[RequestOutput]:
+                       arrival: float | None = None, kv_transfer_params: dict | None = None,
+                       lora: str | None = None) -> AsyncIterator[RequestOutput]:
         # `arrival`: without it latencies would count from the engine thread's add, which waits for
         # the running step to end
         if self.dead:
@@ -71,7 +71,7 @@ class AsyncLLM:
         fut = loop.create_future()
         self._pending_adds += 1
         self._streams.open(request_id)
-        self._cmds.put(("add", (prompt_ids, params, request_id, arrival, kv_transfer_params), (loop, fut)))
+        self._cmds.put(("add", (prompt_ids, params, request_id, arrival, kv_transfer_params, lora), (loop, fut)))
         try:
             await fut  # raises the engine's validation error, if any
         except BaseException:
@@ -92,6 +92,15 @@ class AsyncLLM:
         self._cmds.put(("state", steps, (loop, fut)))
         return [{"engine": 0, "pid": self.info.pid, **await asyncio.wait_for(fut, STATE_TIMEOUT_S)}]
 
+    async def control(self, op: str, **args):
+        """LLMEngine.control on the engine thread, between two steps."""
+        if self.dead:
+            raise EngineDead(f"engine stopped: {self.dead}")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._cmds.put(("control", (op, args), (loop, fut)))
+        return await fut
+
     def shutdown(self):
         self._stop = True
         self._cmds.put(("stop", None, None))
@@ -104,12 +113,18 @@ class AsyncLLM:
             loop, fut = reply
             self._pending_adds -= 1
             try:
-                self.engine.add_request(*arg)
+                self.engine.add_request(*arg[:5], lora=arg[5])
                 loop.call_soon_threadsafe(_settle, fut, None)
             except Exception as e:  # InferdError -> 400 in the server
                 loop.call_soon_threadsafe(_settle, fut, e)
         elif cmd == "abort":
             self.engine.abort(arg)
+        elif cmd == "control":
+            loop, fut = reply
+            try:
+                loop.call_soon_threadsafe(_settle, fut, None, self.engine.control(arg[0], **arg[1]))
+            except Exception as e:  # noqa: BLE001 - the refusal is the caller's answer
+                loop.call_soon_threadsafe(_settle, fut, e)
         elif cmd == "state":
             loop, fut = reply
             loop.call_soon_threadsafe(_settle, fut, None, read_state(self.engine, arg))

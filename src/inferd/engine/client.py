@@ -50,7 +50,8 @@ class EngineClient(Protocol):
         """Requests whose streams are open (sent, not finished or aborted yet)."""
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                 arrival: float | None = None, kv_transfer_params: dict | None = None) -> AsyncIterator[RequestOutput]:
+                 arrival: float | None = None, kv_transfer_params: dict | None = None,
+                 lora: str | None = None) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs (all its samples) until every sample finished.
         Leaving the iterator early (client gone) aborts the request. `arrival` (time.monotonic())
         is when the request reached the server: its latencies count from there. Raises Overloaded
@@ -58,6 +59,9 @@ class EngineClient(Protocol):
         refuses."""
 
     def abort(self, request_id: str) -> None: ...
+
+    async def control(self, op: str, **args):
+        """An operator's command to the engine(s) (LLMEngine.control: load_lora, unload_lora)."""
 
     async def state(self, steps: int = STEP_HISTORY) -> list[dict]:
         """Each engine's dashboard state (inferd.engine.state), one dict an engine."""

@@ -16,8 +16,8 @@ import logging
 import os
 import pickle
 
-from inferd.engine.messages import (Abort, AddFailed, AddRequest, Fault, Ready, Shutdown, StateQuery, StateReply,
-                                    StepOutputs)
+from inferd.engine.messages import (Abort, AddFailed, AddRequest, Control, ControlReply, Fault, Ready, Shutdown,
+                                    StateQuery, StateReply, StepOutputs)
 from inferd.errors import InferdError
 
 log = logging.getLogger("inferd")
@@ -103,11 +103,18 @@ def _serve(engine, pull, send, parent: int):
                 adds += 1
                 try:
                     engine.add_request(msg.prompt_ids, msg.params, msg.request_id, msg.arrival,
-                                       msg.kv_transfer_params)
+                                       msg.kv_transfer_params, lora=msg.lora)
                 except Exception as e:  # InferdError: the client's 400
                     send(AddFailed(msg.request_id, e))
             elif isinstance(msg, Abort):
                 engine.abort(msg.request_id)
+            elif isinstance(msg, Control):
+                try:
+                    send(ControlReply(msg.seq, engine.control(msg.op, **msg.args)))
+                except InferdError as e:  # refused: the operator's 400 / 409
+                    send(ControlReply(msg.seq, error=e))
+                timeout = 0
+                continue
             elif isinstance(msg, StateQuery):  # changes nothing: no gauges to send after it
                 from inferd.engine.state import read_state
 

@@ -18,7 +18,8 @@ import threading
 import uuid
 
 from inferd.engine.client import STATE_TIMEOUT_S, EngineDead, EngineInfo, Overloaded, Streams
-from inferd.engine.messages import Abort, AddFailed, AddRequest, Fault, Shutdown, StateQuery, StateReply, StepOutputs
+from inferd.engine.messages import (Abort, AddFailed, AddRequest, Control, ControlReply, Fault, Shutdown, StateQuery,
+                                    StateReply, StepOutputs)
 from inferd.engine.state import STEP_HISTORY
 from inferd.errors import InferdError
 
@@ -120,13 +121,13 @@ class EngineCoreClient:
         return len(self._streams)
 
     async def generate(self, prompt_ids: list[int], params, request_id: str, arrival: float | None = None,
-                       kv_transfer_params: dict | None = None):
+                       kv_transfer_params: dict | None = None, lora: str | None = None):
         if self.dead:
             raise EngineDead(f"engine stopped: {self.dead}")
         if self.num_waiting >= self.max_waiting:
             raise Overloaded()
         self._attach(asyncio.get_running_loop())
-        self._send(AddRequest(request_id, prompt_ids, params, arrival, kv_transfer_params))
+        self._send(AddRequest(request_id, prompt_ids, params, arrival, kv_transfer_params, lora))
         # opened after the send (nothing can arrive for it before this loop runs again), so a
         # send refused by a dead engine leaves no stream behind
         self._streams.open(request_id)
@@ -159,6 +160,28 @@ class EngineCoreClient:
         finally:
             self._state_waits.pop(seq, None)
         return [{"engine": 0, **st}]
+
+    async def control(self, op: str, **args):
+        """An operator's command to the core (LLMEngine.control), answered between two steps; its
+        refusal (InferdError) is raised here."""
+        if self.dead:
+            raise EngineDead(f"engine stopped: {self.dead}")
+        loop = asyncio.get_running_loop()
+        self._attach(loop)
+        self._state_seq += 1
+        seq = self._state_seq
+        fut = loop.create_future()
+        self._state_waits[seq] = fut
+        try:
+            self._send(Control(seq, op, args))
+            reply = await fut
+        finally:
+            self._state_waits.pop(seq, None)
+        if isinstance(reply, dict) and "dead" in reply and len(reply) == 1:
+            raise EngineDead(f"engine stopped: {reply['dead']}")
+        if reply.error is not None:
+            raise reply.error
+        return reply.result
 
     def shutdown(self):
         import zmq
@@ -241,6 +264,10 @@ class EngineCoreClient:
             fut = self._state_waits.get(msg.seq)
             if fut is not None and not fut.done():
                 fut.set_result(msg.state)
+        elif isinstance(msg, ControlReply):
+            fut = self._state_waits.get(msg.seq)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
         elif isinstance(msg, AddFailed):
             self._streams.put(msg.request_id, msg.error)
         elif isinstance(msg, Fault):

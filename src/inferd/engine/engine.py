@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from inferd.config import EngineConfig, available_memory_bytes
+from inferd.config import EngineConfig, available_memory_bytes, lora_module
 from inferd.distributed.comm import CollectiveError
 from inferd.engine.client import EngineInfo
 from inferd.engine.kv_cache import BlockManager
@@ -109,10 +109,19 @@ class LLMEngine:
             self.tp.setup({"num_blocks": num_blocks, "block_size": cfg.block_size, "window": window,
                            "kv_dtype": str(kv_dtype).replace("torch.", ""),
                            "speculative": cfg.speculative_method is not None})
+        self.lora = None  # LoRAManager (inferd.engine.lora), with --enable-lora
+        if cfg.enable_lora:
+            from inferd.engine.lora import LoRAManager
+
+            self.lora = LoRAManager(self.model, mcfg, cfg.max_loras, cfg.max_lora_rank)
+            for spec in cfg.lora_modules or []:
+                name, path = lora_module(spec)
+                self.lora.add(name, path)
+            self.scheduler.max_loras = cfg.max_loras
         self.runner = ModelRunner(self.model, attention(self.pool, mcfg.head_dim, window, scale=attention_scale(mcfg),
                                                         layout=layout, softcap=mcfg.attn_logit_softcapping),
                                   cfg.enforce_eager,
-                                  comm=self.tp.comm if self.tp is not None else None)
+                                  comm=self.tp.comm if self.tp is not None else None, lora=self.lora)
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, set[str]] = {}  # client request id -> live sequence ids
         self.stats = EngineStats()
@@ -185,8 +194,12 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival: float | None = None,
-                    kv_transfer_params: dict | None = None) -> str:
+                    kv_transfer_params: dict | None = None, lora: str | None = None) -> str:
         params = params or SamplingParams()
+        if lora is not None:
+            if self.lora is None:
+                raise InferdError(f"LoRA adapter {lora!r} asked of an engine without adapters (--enable-lora)")
+            self.lora.check(lora)
         prompt_ids = check_request(prompt, params, self.tokenizer, self.model_config.vocab_size, self.max_model_len,
                                    self.config.block_size, self.num_kv_blocks, self.kv_layout.extra_windows,
                                    self.config.max_num_batched_tokens)
@@ -199,6 +212,7 @@ class LLMEngine:
                 raise InferdError("kv_transfer_params need a server started with --kv-transfer-config or --role")
             kind, remote = self.kv.parse(kv_transfer_params, prompt_ids, params)
         req = Request(rid, prompt_ids, params, arrival)
+        req.lora = lora
         if params.structured_outputs is not None:
             req.matcher = self.grammars().matcher(params.structured_outputs)
         if params.num_samples > 1:
@@ -211,6 +225,28 @@ class LLMEngine:
             req.kv_export = kind == "export"
             self.scheduler.add(req)
         return rid
+
+    def control(self, op: str, **args):
+        """An operator's command between two steps: load_lora(name, path), unload_lora(name) (refused
+        while a live request uses the adapter: nothing in flight is dropped), list_loras()."""
+        from inferd.errors import Busy
+
+        if op in ("load_lora", "unload_lora", "list_loras") and self.lora is None:
+            raise InferdError("this model is served without LoRA adapters: start it with --enable-lora")
+        if op == "load_lora":
+            ad = self.lora.add(args.get("name"), args.get("path"))
+            return {"name": ad.name, "rank": ad.rank}
+        if op == "unload_lora":
+            name = args.get("name")
+            self.lora.check(name)
+            using = sum(1 for r in self.requests.values() if r.lora == name)
+            if using:
+                raise Busy(f"LoRA adapter {name!r} has {using} requests in flight: not unloaded")
+            self.lora.remove(name)
+            return {"name": name}
+        if op == "list_loras":
+            return sorted(self.lora.adapters)
+        raise InferdError(f"unknown engine command {op!r}")
 
     def grammars(self):
         """The llguidance side of structured output, built on first use (its tokenizer bridge costs
@@ -505,6 +541,7 @@ class LLMEngine:
             child = Request(f"{parent.request_id}#{i}", parent.prompt_ids, params, parent.timings.arrived,
                             group=parent.group, index=i)
             child.timings.first_scheduled = parent.timings.first_scheduled
+            child.lora = parent.lora
             bm.fork(parent, child, keep_blocks)
             if parent.matcher is not None:
                 child.matcher = parent.matcher.deep_copy()
@@ -575,3 +612,4 @@ class LLMEngine:
         if self.keep_history:
             s.history.append(StepStats(n, batch.num_prefill_tokens, batch.num_decode_tokens,
                                        batch.num_recompute_tokens, len(batch.preempted), used, dt))
+

@@ -24,6 +24,10 @@ def block_key(parent_hash: int | None, tokens: tuple[int, ...]) -> tuple:
     return (parent_hash, tokens)
 
 
+def lora_salt(req: Request):
+    return None if getattr(req, "lora", None) is None else ("lora", req.lora)
+
+
 def first_visible_block(num_computed: int, window: int | None, block_size: int) -> int:
     """The first block the next query (at position num_computed) can see through this window."""
     if window is None:
@@ -168,11 +172,13 @@ class BlockManager:
         child.num_computed = parent.num_computed if num_blocks is None else n * self.block_size
 
     # -- prefix caching -----------------------------------------------------------------------
-    def _keys(self, ids: list[int], start: int, end: int, hashes: list[int]):
-        """Yield (index, key) for full blocks start..end-1, extending the hash chain as it goes."""
+    def _keys(self, ids: list[int], start: int, end: int, hashes: list[int], salt=None):
+        """Yield (index, key) for full blocks start..end-1, extending the hash chain as it goes.
+        `salt` starts the chain: a LoRA adapter's K/V differ from the base model's for the same
+        tokens, so its blocks are findable only by requests of that adapter."""
         bs = self.block_size
         for i in range(start, end):
-            parent = hashes[i - 1] if i > 0 else None
+            parent = hashes[i - 1] if i > 0 else salt
             key = block_key(parent, tuple(ids[i * bs:(i + 1) * bs]))
             if i == len(hashes):
                 hashes.append(hash(key))
@@ -188,7 +194,7 @@ class BlockManager:
         n_full = (len(ids) - 1) // self.block_size
         found: list[int] = []
         req.block_hashes = []
-        for i, key in self._keys(ids, 0, n_full, req.block_hashes):
+        for i, key in self._keys(ids, 0, n_full, req.block_hashes, lora_salt(req)):
             b = self.cached.get(key)
             if b is None:
                 break
@@ -245,7 +251,7 @@ class BlockManager:
         if n_full <= req.num_cached_hashed:
             return
         ids = req.all_ids
-        for i, key in self._keys(ids, req.num_cached_hashed, n_full, req.block_hashes):
+        for i, key in self._keys(ids, req.num_cached_hashed, n_full, req.block_hashes, lora_salt(req)):
             self._register(req.block_table[i], key)
             # a window group's block is known by the full group's chain hash at the same index
             for g, table in enumerate(req.kv_tables):

@@ -19,6 +19,7 @@ class AddRequest:
     params: object  # SamplingParams
     arrival: float | None
     kv_transfer_params: dict | None = None
+    lora: str | None = None  # the LoRA adapter to run with (None: the base model)
 
 
 @dataclass
@@ -42,6 +43,21 @@ class StateQuery:
 class StateReply:
     seq: int
     state: dict
+
+
+@dataclass
+class Control:
+    """An operator's command, run between two steps (LLMEngine.control: load_lora, unload_lora)."""
+    seq: int
+    op: str
+    args: dict = field(default_factory=dict)
+
+
+@dataclass
+class ControlReply:
+    seq: int
+    result: object = None
+    error: BaseException | None = None  # InferdError: the command was refused (400, or Busy: 409)
 
 
 @dataclass

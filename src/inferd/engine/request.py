@@ -165,6 +165,7 @@ class Request:
         self.request_id = request_id
         self.group = group or request_id  # the client's request id (n > 1 samples share it)
         self.index = index
+        self.lora: str | None = None  # the LoRA adapter this request runs with (None: the base model)
         self.detok = None  # IncrementalDetokenizer, when the engine has a tokenizer
         self.held = ""  # decoded text held back: it may be the start of a stop string
         self.logprobs: list = []  # per generated token: (logprob, rank, [(id, logprob)])

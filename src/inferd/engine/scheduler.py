@@ -50,6 +50,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.static_batch: set[str] = set()
+        self.max_loras = 0  # LoRA adapters a step may hold (0: the engine has none)
 
     def add(self, req: Request):
         self.waiting.append(req)
@@ -74,6 +75,20 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         self.static_batch.discard(req.request_id)
+
+    def _lora_fits(self, adapters: set) -> bool:
+        """Bring the first waiting request whose adapter fits the step's slots (the base model's, one
+        already running, or a free slot's) to the head of the queue; False if none does. Requests of
+        other adapters keep their places and go once a slot frees (vLLM skips them the same way)."""
+        if len(adapters) < self.max_loras:
+            return True
+        for i, req in enumerate(self.waiting):
+            if req.lora is None or req.lora in adapters:
+                if i:
+                    del self.waiting[i]
+                    self.waiting.appendleft(req)
+                return True
+        return False
 
     def _preempt(self, req: Request, batch: ScheduledBatch):
         if req in batch.requests:
@@ -123,7 +138,10 @@ class Scheduler:
         if self.mode == "static" and not self.static_batch:
             self.static_batch = {r.request_id for r in list(self.waiting)[: self.max_num_seqs]}
         # no new admissions in a step that had to preempt: memory is the bottleneck right now
+        adapters = {r.lora for r in self.running if r.lora is not None}
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
+            if self.max_loras and not self._lora_fits(adapters):
+                break
             req = self.waiting[0]
             if self.mode == "static" and req.request_id not in self.static_batch:
                 break
@@ -143,6 +161,8 @@ class Scheduler:
             if req.timings.first_scheduled is None:
                 req.timings.first_scheduled = time.monotonic()
             self.running.append(req)
+            if req.lora is not None:
+                adapters.add(req.lora)
             batch.requests.append(req)
             batch.num_new.append(n)
             budget -= n

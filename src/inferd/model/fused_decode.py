@@ -70,7 +70,9 @@ def _parts(lin) -> list[tuple[torch.Tensor, int, int]] | None:
     """(packed records, kind, outputs) for each part of a linear the C++ step can run, or None:
     W4A8Linear / W8A8Linear (inferd.quant.w4a8), BlocksLinear (inferd.quant.gguf_blocks), HalfLinear
     (inferd.quant.half), and a
-    FusedParts of those (its parts' outputs side by side)."""
+    FusedParts of those (its parts' outputs side by side). A WithLoRA (inferd.model.lora) is its base
+    layer here: the runner sends steps with adapter rows down the eager path."""
+    lin = getattr(lin, "lora_base", lin)
     if hasattr(lin, "parts") and getattr(lin, "bias", None) is None:
         out = [_parts(p) for p in lin.parts]
         return None if any(p is None or len(p) != 1 for p in out) else [p[0] for p in out]

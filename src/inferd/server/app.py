@@ -21,8 +21,8 @@ from inferd.server.limits import Front, Limits
 from inferd.server.metrics import Metrics
 from inferd.server.models import Models
 from inferd.server.protocol import (COMMON_ERRORS, ApiError, DetokenizeRequest, DetokenizeResponse, HealthResponse,
-                                    ModelAction, ModelActionResponse, ModelList, TokenizeRequest, TokenizeResponse,
-                                    error_responses)
+                                    LoadLoRARequest, LoRAActionResponse, ModelAction, ModelActionResponse, ModelList,
+                                    TokenizeRequest, TokenizeResponse, UnloadLoRARequest, error_responses)
 
 
 def create_app(models: Models, api_key: str | None = None, metrics: Metrics | None = None,
@@ -89,7 +89,7 @@ def create_app(models: Models, api_key: str | None = None, metrics: Metrics | No
     @app.get("/v1/models", responses={200: {"model": ModelList}, **error_responses(*COMMON_ERRORS)})
     async def list_models():
         """Every served model with its state (`status.value`: loaded, loading, unloading, unloaded)."""
-        return {"object": "list", "data": [models.card(e) for e in models.entries]}
+        return {"object": "list", "data": [models.card(e) for e in models.entries] + models.adapter_cards()}
 
     @app.post("/models/load", responses={200: {"model": ModelActionResponse}, **error_responses(*COMMON_ERRORS, 404,
                                                                                                   500, 503)})
@@ -109,6 +109,19 @@ def create_app(models: Models, api_key: str | None = None, metrics: Metrics | No
             raise ApiError(f"model `{e.name}` still has {e.served.llm.open_requests()} open requests after "
                            f"{req.wait_s:g} s: not unloaded", status=409, type_="conflict_error", code="model_busy")
         return {"model": e.name, "status": models.card(e)["status"], "load_seconds": e.load_seconds}
+
+    @app.post("/v1/load_lora_adapter", responses={200: {"model": LoRAActionResponse},
+                                                   **error_responses(*COMMON_ERRORS, 404, 500, 503)})
+    async def load_lora_adapter(req: LoadLoRARequest):
+        """Load a PEFT LoRA folder into a base model's engine (vLLM's route); requests then name it as
+        their `model`. A wrong base shape or a rank over --max-lora-rank is a 400."""
+        return await models.load_adapter(req.lora_name, req.lora_path, req.base_model)
+
+    @app.post("/v1/unload_lora_adapter", responses={200: {"model": LoRAActionResponse},
+                                                     **error_responses(*COMMON_ERRORS, 404, 409)})
+    async def unload_lora_adapter(req: UnloadLoRARequest):
+        """Unload an adapter; refused (409) while requests that use it are in flight."""
+        return await models.unload_adapter(req.lora_name)
 
     @app.post("/tokenize", responses={200: {"model": TokenizeResponse}, **error_responses(*COMMON_ERRORS, 404)})
     async def tokenize(req: TokenizeRequest):

@@ -44,6 +44,15 @@ class Served:
         self.max_len = self.info.max_model_len
         self.stall_timeout = limits.stall_timeout_s if limits is not None else None
         self.prompt_details = False  # usage.prompt_tokens_details (--enable-prompt-tokens-details)
+        self.lora: str | None = None  # the LoRA adapter its requests run with (a request that names one)
+
+    def with_adapter(self, name: str) -> "Served":
+        """The same model answering as LoRA adapter `name` (vLLM's: the adapter is the `model`)."""
+        import copy
+
+        view = copy.copy(self)
+        view.name, view.lora = name, name
+        return view
 
     def usage(self, prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict:
         u = usage(prompt_tokens, completion_tokens)
@@ -70,6 +79,8 @@ class Served:
     async def run_one(self, prompt_ids, params, rid, kv_transfer_params=None):
         """All outputs of one engine request, mapped to 503 / 400 as needed."""
         kw = {} if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
+        if self.lora is not None:
+            kw["lora"] = self.lora
         try:
             async for out in self.llm.generate(prompt_ids, params, rid, arrival=ARRIVAL.get(), **kw):
                 if out.error:  # its step failed in the engine (which went on): a 500 of this request only

@@ -32,6 +32,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from inferd.config import lora_module
+from inferd.errors import Busy, InferdError
 from inferd.server.generation import Served
 from inferd.server.protocol import ApiError
 
@@ -93,6 +95,15 @@ class Models:
             raise ValueError("no models")
         self.entries = [Entry(s) for s in specs]
         self.by_name: dict[str, Entry] = {}
+        # LoRA adapter name -> (its base model, its folder): the engine of that model holds it, and
+        # its config lists it, so that the model loaded again loads it too
+        self.adapters: dict[str, tuple[Entry, str]] = {}
+        for e in self.entries:
+            for spec in getattr(e.spec.config, "lora_modules", None) or []:
+                name, path = lora_module(spec)
+                if name in self.adapters:
+                    raise InferdError(f"two LoRA adapters are named {name!r}")
+                self.adapters[name] = (e, path)
         self._index()
         self.start, self.make_served = start, served
         self.max_loaded = max_loaded
@@ -106,6 +117,9 @@ class Models:
         for e in self.entries:
             for n in [e.name, *sorted(e.spec.aliases)]:
                 self.by_name.setdefault(n, e)
+        for n in self.adapters:
+            if n in self.by_name:
+                raise InferdError(f"LoRA adapter {n!r} has the name of a model")
 
     @property
     def default(self) -> Entry:
@@ -116,23 +130,35 @@ class Models:
 
     # -- finding and using a model -----------------------------------------------------------------
     def find(self, name: str | None) -> Entry:
+        """A base model by name (not an adapter)."""
         if name is None:
             return self.default
         e = self.by_name.get(name)
         if e is None:
-            raise ApiError(f"The model `{name}` does not exist. Available: {', '.join(self.names())}.", status=404,
-                           param="model", code="model_not_found", type_="not_found_error")
+            raise self._not_found(name)
         return e
+
+    def resolve(self, name: str | None) -> tuple[Entry, str | None]:
+        """A request's `model`: a base model, or a LoRA adapter (its base model, its name)."""
+        if name is not None and name in self.adapters:
+            return self.adapters[name][0], name
+        return self.find(name), None
+
+    def _not_found(self, name: str) -> ApiError:
+        avail = ", ".join(self.names() + sorted(self.adapters))
+        return ApiError(f"The model `{name}` does not exist. Available: {avail}.", status=404, param="model",
+                        code="model_not_found", type_="not_found_error")
 
     @contextlib.asynccontextmanager
     async def use(self, name: str | None):
-        """The Served of the named model, loaded, with a lease for the body of the `async with`."""
-        e = self.find(name)
+        """The Served of the named model (or adapter), loaded, with a lease for the body of the
+        `async with`."""
+        e, adapter = self.resolve(name)
         e.leases += 1
         try:
             await self.ensure_loaded(e)
             e.last_used = time.monotonic()
-            yield e.served
+            yield e.served if adapter is None else e.served.with_adapter(adapter)
         finally:
             e.leases -= 1
             e.last_used = time.monotonic()
@@ -263,6 +289,41 @@ class Models:
             log.error("model %s: engine failed (%s): unloaded; the next request loads it again", e.name, reason)
             asyncio.get_running_loop().create_task(self.unload(e, "failed"))
 
+    # -- LoRA adapters at run time (vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter) ------------
+    async def load_adapter(self, name: str, path: str, base: str | None = None) -> dict:
+        if not name or not path:
+            raise ApiError("lora_name and lora_path are required", param="lora_name")
+        if name in self.adapters or name in self.by_name:
+            raise ApiError(f"the name {name!r} is taken (a model or a loaded LoRA adapter)", param="lora_name")
+        e = self.find(base)
+        async with self.use(e.name) as srv:
+            try:
+                got = await srv.llm.control("load_lora", name=name, path=path)
+            except InferdError as err:
+                raise ApiError(str(err), param="lora_path") from None
+        cfg = e.spec.config
+        cfg.lora_modules = [*(cfg.lora_modules or []), f"{name}={path}"]
+        cfg.enable_lora = True
+        self.adapters[name] = (e, path)
+        return {"lora_name": name, "model": e.name, **(got or {})}
+
+    async def unload_adapter(self, name: str) -> dict:
+        if name not in self.adapters:
+            raise ApiError(f"no LoRA adapter {name!r} is loaded", status=404, param="lora_name",
+                           code="model_not_found", type_="not_found_error")
+        e, _ = self.adapters[name]
+        if e.state == LOADED:
+            try:
+                await e.served.llm.control("unload_lora", name=name)
+            except Busy as err:
+                raise ApiError(str(err), status=409, type_="conflict_error", code="adapter_busy") from None
+            except InferdError as err:
+                raise ApiError(str(err), param="lora_name") from None
+        cfg = e.spec.config
+        cfg.lora_modules = [m for m in cfg.lora_modules or [] if lora_module(m)[0] != name]
+        del self.adapters[name]
+        return {"lora_name": name, "model": e.name}
+
     # -- the idle watch ------------------------------------------------------------------------------
     def watch(self):
         """Start unloading models idle past their keep-alive (call on the running loop)."""
@@ -295,6 +356,13 @@ class Models:
         if e.spec.aliases:
             card["aliases"] = sorted(e.spec.aliases)
         return card
+
+    def adapter_cards(self) -> list[dict]:
+        out = []
+        for name, (e, path) in sorted(self.adapters.items()):
+            out.append({"id": name, "object": "model", "created": int(time.time()), "owned_by": "inferd",
+                        "parent": e.name, "root": path, "status": {"value": e.state}})
+        return out
 
     @property
     def dead(self) -> str | None:

@@ -382,6 +382,24 @@ class ModelActionResponse(BaseModel):
     load_seconds: float | None = None
 
 
+class LoadLoRARequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+    base_model: str | None = Field(None, description="the model that takes it (default: the first served)")
+
+
+class UnloadLoRARequest(BaseModel):
+    model_config = ConfigDict(extra="allow")  # vLLM's clients send lora_int_id too
+    lora_name: str = Field(min_length=1, max_length=256)
+
+
+class LoRAActionResponse(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    lora_name: str
+    model: str
+
+
 class HealthResponse(BaseModel):
     status: str
     detail: str | None = None

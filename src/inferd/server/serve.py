@@ -189,6 +189,9 @@ def model_specs(args) -> list:
     if multi and args.served_model_name:
         raise InferdError("--served-model-name names one model: with several, name each as --model NAME=PATH "
                           "or with name: in the config's models list")
+    if multi and getattr(args, "lora_modules", None):
+        raise InferdError("--lora-modules with several models: give each model its adapters as lora_modules in "
+                          "the config's models list")
     keep = args.keep_alive
     if keep is None:
         keep = DEFAULT_KEEP_ALIVE_S if multi else -1

@@ -25,11 +25,17 @@ class StepPlan:
     sample_idx: list[int]  # their requests' batch indices
     prompt_spans: dict = field(default_factory=dict)  # batch index -> (first prompt position, row a, row b)
     kv_tables: list | None = None  # per request, its tables of KV groups 1.. (sliding-window layers)
+    lora_slots: list[int] | None = None  # per request its LoRA slot (-1: none); None: no adapter in the step
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, attention: PagedAttention, enforce_eager: bool = False, comm=None):
+    def __init__(self, model: LlamaModel, attention: PagedAttention, enforce_eager: bool = False, comm=None,
+                 lora=None):
         self.model = model
+        # LoRA adapters (inferd.engine.lora.LoRAManager, handed in): a step with adapter rows runs
+        # eagerly, through the model's WithLoRA wrappers; steps without them take the usual paths
+        self.lora = lora
+        self.lora_eager_steps = 0
         self.attn = attention
         self.device = model.device
         # tensor parallelism (inferd.distributed): this rank's collectives; rank 0 also sends each
@@ -52,8 +58,11 @@ class ModelRunner:
         # each rank's slice of the vocabulary, for the logits gather (set by the tensor-parallel rewrite)
         self.vocab_widths = getattr(model, "tp_vocab_widths", None)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, decode_only: bool = False) -> torch.Tensor:
-        if self.fused is not None:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, decode_only: bool = False,
+                lora_rows: bool = False) -> torch.Tensor:
+        if lora_rows:  # the fused C++ step knows nothing of adapters
+            self.lora_eager_steps += 1
+        elif self.fused is not None:
             hidden = self.fused(input_ids, positions, self.attn)
             if hidden is not None:
                 self.fused_steps += 1
@@ -92,7 +101,8 @@ class ModelRunner:
                 sample_rows.extend(range(row - 1 - len(spec), row))
                 sample_idx.append(i)
         return StepPlan(ids, [r.block_table for r in requests], starts, list(num_new), sample_rows, sample_idx,
-                        prompt_spans, [r.kv_tables for r in requests] if self.attn.layout is not None else None)
+                        prompt_spans, [r.kv_tables for r in requests] if self.attn.layout is not None else None,
+                        self.lora.slots_for(requests) if self.lora is not None else None)
 
     @torch.inference_mode()
     def execute(self, requests: list, num_new: list[int]):
@@ -110,8 +120,15 @@ class ModelRunner:
         """The forward of one plan (every rank of a tensor-parallel group runs it; only rank 0 gets
         logits back)."""
         positions = self.attn.prepare(plan.block_tables, plan.starts, plan.num_new, plan.kv_tables)
-        hidden = self.forward(torch.tensor(plan.ids, dtype=torch.long, device=self.device), positions.to(self.device),
-                              decode_only=all(n == 1 for n in plan.num_new))
+        if self.lora is not None:
+            self.lora.set_step(plan.lora_slots, plan.num_new)
+        try:
+            hidden = self.forward(torch.tensor(plan.ids, dtype=torch.long, device=self.device),
+                                  positions.to(self.device), decode_only=all(n == 1 for n in plan.num_new),
+                                  lora_rows=plan.lora_slots is not None)
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
         spans = plan.prompt_spans
         if not spans and not plan.sample_rows:
             return hidden.new_zeros(0, self.model.cfg.vocab_size, dtype=torch.float32), [], {}
