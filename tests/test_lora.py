@@ -194,3 +194,66 @@ def test_runtime_load_unload_and_refusals(adapters, tmp_path):
         eng.control("load_lora", name="empty", path=str(tmp_path))
     with pytest.raises(InferdError, match="without LoRA adapters"):
         LLMEngine(dtype="float32", quantization="none", kv_cache_memory="32MiB").control("list_loras")
+
+
+def test_served_adapters_by_model_name_and_their_routes(adapters, default_gguf_path):
+    """`inferd serve --lora-modules`: the official client names an adapter as its `model`; /v1/models
+    lists adapters with their parent; vLLM's load/unload routes, with their refusals."""
+    import threading
+
+    import httpx
+    import openai
+    from conftest import ServerProc
+    from helpers import wait_until
+
+    paths, refs = adapters
+    d, f = os.path.split(default_gguf_path)
+    tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
+    srv = ServerProc(["--quantization", "none", "--dtype", "float32", "--kv-cache-memory", "64MiB",
+                      "--lora-modules", f"ad0={paths['ad0']}", f"ad1={paths['ad1']}", "--max-loras", "2",
+                      "--max-lora-rank", "8"]).wait_ready()
+    client = openai.OpenAI(base_url=srv.base + "/v1", api_key="x", timeout=120, max_retries=0)
+
+    def text(model, prompt=PROMPTS[0]):
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=N_NEW, temperature=0)
+        assert r.model == model
+        return r.choices[0].text
+
+    try:
+        cards = {c.id: c for c in client.models.list().data}
+        assert {"ad0", "ad1"} <= set(cards) and cards["ad0"].parent == cards["ad1"].parent != "ad0"
+        for name in ("ad0", "ad1", None):
+            want = tok.decode(refs[(name, PROMPTS[0])][0])
+            assert text(name or cards["ad0"].parent) == want, name
+        with pytest.raises(openai.NotFoundError) as e:
+            text("ad9")
+        assert "ad0" in e.value.message and "ad1" in e.value.message
+        r = httpx.post(srv.base + "/v1/load_lora_adapter", json={"lora_name": "ad2", "lora_path": paths["ad2"]},
+                       timeout=60)
+        assert r.status_code == 400 and "over --max-lora-rank 8" in r.json()["error"]["message"]
+        r = httpx.post(srv.base + "/v1/load_lora_adapter", json={"lora_name": "ad3", "lora_path": paths["ad3"]},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        assert text("ad3") == tok.decode(refs[("ad3", PROMPTS[0])][0])
+        done = {}
+
+        def stream():  # a long request of ad3 in flight while its unload is asked for
+            with httpx.stream("POST", srv.base + "/v1/completions", timeout=120,
+                              json={"model": "ad3", "prompt": PROMPTS[1], "max_tokens": 200, "stream": True,
+                                    "ignore_eos": True}) as resp:
+                done["lines"] = [x for x in resp.iter_lines() if x.startswith("data: ")]
+
+        t = threading.Thread(target=stream)
+        t.start()
+        wait_until(lambda: httpx.get(srv.base + "/v1/engine/state", params={"steps": 0}).json()["engines"][0]
+                   .get("running"), 30, "the ad3 stream running")
+        r = httpx.post(srv.base + "/v1/unload_lora_adapter", json={"lora_name": "ad3"}, timeout=30)
+        assert r.status_code == 409 and r.json()["error"]["code"] == "adapter_busy"
+        t.join(120)
+        assert done["lines"][-1] == "data: [DONE]" and len(done["lines"]) > 100  # not dropped
+        r = httpx.post(srv.base + "/v1/unload_lora_adapter", json={"lora_name": "ad3"}, timeout=30)
+        assert r.status_code == 200
+        with pytest.raises(openai.NotFoundError):
+            text("ad3")
+    finally:
+        srv.stop()
