@@ -217,6 +217,10 @@ def paths_line(p: dict) -> str:
         draft = p.get("draft") or {}
         bits.append(f"speculative {p['speculative_method']}"
                     + (f" (draft: {draft.get('desc')}, weights {draft.get('weight_formats')})" if draft else ""))
+    if p.get("lora"):
+        lo = p["lora"]
+        bits.append(f"LoRA: {lo['adapters']} adapters, {lo['max_loras']} slots, {lo['lora_steps']} steps with adapter "
+                    f"rows ({lo['multi_adapter_steps']} with several), {lo['products_per_step']} LoRA products a step")
     if p.get("engines", 1) != 1:
         bits.append(f"{p['engines']} engines")
     return "; ".join(bits)

@@ -52,11 +52,25 @@ class DecodeStack {
     TORCH_CHECK(at == weights.size(), "DecodeStack: more parts than the linears name");
   }
 
+  // LoRA slots per linear (inferd.model.lora.WithLoRA's buffers, shared: slot writes show here):
+  // a [S, parts, R, K], b [S, R, N], ranks [S, parts], each part's outputs
+  void set_lora(std::vector<Tensor> a, std::vector<Tensor> b, std::vector<Tensor> ranks,
+                std::vector<std::vector<int64_t>> part_n) {
+    TORCH_CHECK(a.size() == lins_.size() && b.size() == a.size() && ranks.size() == a.size() &&
+                part_n.size() == a.size(), "DecodeStack: one LoRA operand set per linear");
+    lora_a_ = std::move(a), lora_b_ = std::move(b), lora_ranks_ = std::move(ranks), lora_parts_ = std::move(part_n);
+  }
+  std::vector<std::vector<int64_t>> lora_parts() const { return lora_parts_; }
+
   // x [M, hidden] float32 embeddings (updated in place: the residual stream); cos/sin [M, head_dim];
   // kcache/vcache [layers, slots, kv_heads, head_dim], float32 or bfloat16; the rest as for
   // inferd::paged_decode. Returns the final norm of the last residual, as LlamaModel.forward does.
+  // lora_rows [M] int64: each row's LoRA slot (-1: none); empty: no adapter in the step.
   Tensor forward(Tensor x, Tensor cos, Tensor sin, Tensor kcache, Tensor vcache, Tensor slots, Tensor block_tables,
-                 Tensor ctx_lens, int64_t block_size, double scale, int64_t window) {
+                 Tensor ctx_lens, int64_t block_size, double scale, int64_t window, Tensor lora_rows) {
+    TORCH_CHECK(lora_rows.numel() == 0 || (!lora_a_.empty() && lora_rows.numel() == x.size(0)),
+                "DecodeStack: LoRA rows without LoRA slots, or not one per row");
+    rows_ = lora_rows.numel() ? lora_rows : Tensor();
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous());
     const auto kv = kcache.scalar_type();
     TORCH_CHECK(kcache.size(0) == L_ && vcache.scalar_type() == kv && (kv == torch::kFloat32 || kv == torch::kBFloat16),
@@ -65,7 +79,8 @@ class DecodeStack {
     Tensor h = rms_norm_.call(x, norms_[0], eps_);
     for (int64_t l = 0; l < L_; ++l) {
       const Lin* w = lins_.data() + 4 * l;
-      Tensor qkv = lin(w[0], h).view({M, nq_ + 2 * nk_, D_});
+      const int64_t li = 4 * l;
+      Tensor qkv = lin(w[0], h, li).view({M, nq_ + 2 * nk_, D_});
       rope_.call(qkv, nq_ + nk_, cos, sin);
       Tensor kc = kcache.select(0, l), vc = vcache.select(0, l);
       Tensor k = qkv.narrow(1, nq_, nk_), v = qkv.narrow(1, nq_ + nk_, nk_);
@@ -75,9 +90,9 @@ class DecodeStack {
       write_kv_.call(k, v, slots, kc, vc);
       Tensor o = paged_decode_.call(qkv.narrow(1, 0, nq_).contiguous(), kc, vc, block_tables, ctx_lens, block_size,
                                     scale, window);
-      h = add_rms_norm_.call(x, lin(w[1], o.view({M, nq_ * D_})), norms_[2 * l + 1], eps_);
-      Tensor act = silu_mul_.call(lin(w[2], h));
-      h = add_rms_norm_.call(x, lin(w[3], act), l + 1 < L_ ? norms_[2 * l + 2] : norms_.back(), eps_);
+      h = add_rms_norm_.call(x, lin(w[1], o.view({M, nq_ * D_}), li + 1), norms_[2 * l + 1], eps_);
+      Tensor act = silu_mul_.call(lin(w[2], h, li + 2));
+      h = add_rms_norm_.call(x, lin(w[3], act, li + 3), l + 1 < L_ ? norms_[2 * l + 2] : norms_.back(), eps_);
     }
     return h;
   }
@@ -90,7 +105,8 @@ class DecodeStack {
     return blocks_.call(x, p.w, p.n, p.kind);
   }
 
-  Tensor lin(const Lin& l, const Tensor& x) {
+  // linear i of the stack; with LoRA rows in the step, each row's delta added as WithLoRA adds it
+  Tensor lin(const Lin& l, const Tensor& x, int64_t i) {
     Tensor y;
     if (l.parts.size() == 1) {
       y = part(l.parts[0], x);
@@ -100,6 +116,10 @@ class DecodeStack {
       y = at::cat(ys, 1);
     }
     if (l.bias.defined()) y.add_(l.bias);
+    if (rows_.defined()) {
+      const Tensor xc = x.is_contiguous() ? x : x.contiguous();
+      lora_add_.call(y, xc, lora_a_[i], lora_b_[i], rows_, lora_ranks_[i], lora_parts_[i]);
+    }
     return y;
   }
 
@@ -107,6 +127,9 @@ class DecodeStack {
   double eps_;
   std::vector<Tensor> norms_;
   std::vector<Lin> lins_;
+  std::vector<Tensor> lora_a_, lora_b_, lora_ranks_;
+  std::vector<std::vector<int64_t>> lora_parts_;
+  Tensor rows_;
   c10::TypedOperatorHandle<Tensor(Tensor, Tensor, double)> rms_norm_ = op<Tensor(Tensor, Tensor, double)>("inferd::rms_norm");
   c10::TypedOperatorHandle<Tensor(Tensor, Tensor, Tensor, double)> add_rms_norm_ =
       op<Tensor(Tensor, Tensor, Tensor, double)>("inferd::add_rms_norm");
@@ -122,6 +145,8 @@ class DecodeStack {
   c10::TypedOperatorHandle<Tensor(Tensor, Tensor, int64_t)> w8a8_ =
       op<Tensor(Tensor, Tensor, int64_t)>("inferd::w8a8_linear");
   c10::TypedOperatorHandle<Tensor(Tensor, Tensor)> half_ = op<Tensor(Tensor, Tensor)>("inferd::half_linear");
+  c10::TypedOperatorHandle<void(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, c10::ArrayRef<int64_t>)> lora_add_ =
+      op<void(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, c10::ArrayRef<int64_t>)>("inferd::lora_add_");
   c10::TypedOperatorHandle<Tensor(Tensor, Tensor, int64_t, int64_t)> blocks_ =
       op<Tensor(Tensor, Tensor, int64_t, int64_t)>("inferd::blocks_linear");
 };
@@ -131,5 +156,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<std::vector<Tensor>, std::vector<Tensor>, std::vector<int64_t>, std::vector<int64_t>,
                           std::vector<int64_t>, std::vector<Tensor>, int64_t, int64_t, int64_t, int64_t, double>())
+      .def("set_lora", &DecodeStack::set_lora)
+      .def("lora_parts", &DecodeStack::lora_parts)
       .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

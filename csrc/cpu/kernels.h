@@ -87,6 +87,10 @@ struct Kernels {
                       const int32_t* xi, const int32_t* xi16, int64_t M, int64_t K, int64_t N, float* y);
   // y [M, N] = x [M, K] (float32) times w [N, K]^T kept as fp16 (or bf16) bits, in fp32 (half_gemm_impl.h)
   void (*half_gemm)(const uint16_t* w, bool bf16, const float* x, int64_t M, int64_t K, int64_t N, float* y);
+  // y [T, N] += each row's LoRA delta (its slot's A then B, per part of the layer; lora_impl.h)
+  void (*lora_bgmv)(const float* x, int64_t T, int64_t K, const float* a, const float* b, const int64_t* slots,
+                    const int64_t* ranks, int64_t S, int64_t parts, const int64_t* part_n, int64_t R, float* y,
+                    int64_t N);
 };
 
 // One per variant; null where the variant was not built (a non-x86 machine).

@@ -236,6 +236,33 @@ Tensor half_linear(Tensor x, Tensor w) {
   return finish(x, y, M);
 }
 
+// y [T, N] float32 += each row's LoRA delta: slots [T] int64 (-1: none), a [S, parts, R, K] and b
+// [S, R, N] float32 (inferd.model.lora's slot stacks), ranks [S, parts] int64, part_n: each part's
+// outputs (summing to N). In place; x [T, K] float32.
+void lora_add_(Tensor y, Tensor x, Tensor a, Tensor b, Tensor slots, Tensor ranks, at::IntArrayRef part_n) {
+  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0), "lora_add_: x [T, K] and y [T, N] disagree");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat && a.scalar_type() == at::kFloat &&
+                  b.scalar_type() == at::kFloat && x.is_contiguous() && y.is_contiguous() && a.is_contiguous() &&
+                  b.is_contiguous(), "lora_add_: x, y, a, b must be contiguous float32");
+  const int64_t T = x.size(0), K = x.size(1), N = y.size(1), P = static_cast<int64_t>(part_n.size());
+  TORCH_CHECK(a.dim() == 4 && a.size(1) == P && a.size(3) == K, "lora_add_: a must be [slots, parts, rank, K]");
+  const int64_t S = a.size(0), R = a.size(2);
+  TORCH_CHECK(R <= 256 && K % 16 == 0, "lora_add_: rank <= 256 and K a multiple of 16");
+  int64_t total = 0;
+  for (int64_t n : part_n) total += n;
+  TORCH_CHECK(total == N && b.dim() == 3 && b.size(0) == S && b.size(1) == R && b.size(2) == N,
+              "lora_add_: b must be [slots, rank, N] with N the parts' outputs");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == T && slots.is_contiguous() &&
+                  ranks.scalar_type() == at::kLong && ranks.numel() == S * P && ranks.is_contiguous(),
+              "lora_add_: slots [T] and ranks [slots, parts] int64");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t* rp = ranks.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] < S, "lora_add_: slot ", sp[t], " of ", S);
+  for (int64_t i = 0; i < S * P; ++i) TORCH_CHECK(rp[i] >= 0 && rp[i] <= R, "lora_add_: a rank past R");
+  active().lora_bgmv(x.data_ptr<float>(), T, K, a.data_ptr<float>(), b.data_ptr<float>(), sp, rp, S, P,
+                     part_n.data(), R, y.data_ptr<float>(), N);
+}
+
 // Weight-only int8 with one scale per (row, 32-block), Q8_0's form: x [M, K] float32/bfloat16 times
 // q [N, K] int8, s [N, K/32] float16 -> [M, N] in x's dtype. Each thread dequantizes a panel of 64 weight
 // rows into a buffer of its own (~150 KB at K = 576: L2) and multiplies every row of x by it in one
@@ -339,6 +366,8 @@ TORCH_LIBRARY(inferd, m) {
   m.def("w8a8_linear(Tensor x, Tensor w, int N) -> Tensor", &w8a8_linear);
   m.def("blocks_linear(Tensor x, Tensor w, int N, int type) -> Tensor", &blocks_linear);
   m.def("half_linear(Tensor x, Tensor w) -> Tensor", &half_linear);
+  m.def("lora_add_(Tensor(a!) y, Tensor x, Tensor a, Tensor b, Tensor slots, Tensor ranks, int[] part_n) -> ()",
+        &lora_add_);
   m.def("w8_linear(Tensor x, Tensor q, Tensor s) -> Tensor", &w8_linear);
   m.def("gemm_counters() -> int[]", &op_gemm_counters);
   m.def("fake_quant(Tensor x) -> Tensor", &fake_quant);

@@ -16,6 +16,7 @@ namespace INFERD_VARIANT {
 #include "w4a8_impl.h"
 #include "gguf_blocks_impl.h"
 #include "half_gemm_impl.h"
+#include "lora_impl.h"
 
 #define INFERD_STR2(x) #x
 #define INFERD_STR(x) INFERD_STR2(x)
@@ -26,7 +27,7 @@ static const Kernels table = {
     rope_rows<float>, rope_rows<bf16>,
     silu_mul_rows<float>, silu_mul_rows<bf16>,
     decode_attention<float>, decode_attention<bf16>,
-    quantize_rows, w4a8_gemm, w8a8_gemm, blocks_gemm, half_gemm,
+    quantize_rows, w4a8_gemm, w8a8_gemm, blocks_gemm, half_gemm, lora_bgmv,
 };
 
 }  // namespace INFERD_VARIANT

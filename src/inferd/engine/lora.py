@@ -109,6 +109,6 @@ class LoRAManager:
             self.multi_adapter_steps += 1
 
     def end_step(self):
-        if self.state.mask is not None:
+        if self.state.rows is not None:
             self.applies_last = self.state.applies
         self.state.clear()

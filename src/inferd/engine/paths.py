@@ -86,7 +86,18 @@ def engine_paths(engine) -> dict:
         "tensor_parallel_size": cfg.tensor_parallel_size,
         "speculative_method": cfg.speculative_method,
         "draft": _draft_paths(engine),
+        "lora": _lora_paths(engine),
     }
+
+
+def _lora_paths(engine) -> dict | None:
+    """LoRA adapters: how many, the slots, and the steps that ran adapter rows (eagerly)."""
+    lora = getattr(engine, "lora", None)
+    if lora is None:
+        return None
+    return {"adapters": len(lora.adapters), "max_loras": lora.max_loras, "max_rank": lora.max_rank,
+            "lora_steps": lora.lora_steps, "multi_adapter_steps": lora.multi_adapter_steps,
+            "slot_writes": lora.slot_writes, "products_per_step": lora.applies_last}
 
 
 def _draft_paths(engine) -> dict | None:

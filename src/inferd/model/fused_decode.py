@@ -56,7 +56,11 @@ class FusedDecode:
             return None
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rope.cos_sin(positions)
-        h = self.stack.forward(x, cos, sin, *args)
+        lora = getattr(self.model, "lora", None)
+        rows = lora.rows if lora is not None and lora.rows is not None else torch.empty(0, dtype=torch.int64)
+        h = self.stack.forward(x, cos, sin, *args, rows)
+        if rows.numel():
+            lora.applies += sum(len(o) for o in self.stack.lora_parts())
         attn.kernel_calls += self.n_layers
         self.steps += 1
         self.max_rows = max(self.max_rows, x.shape[0])
@@ -119,4 +123,9 @@ def build(model) -> FusedDecode | None:
     cfg = model.cfg
     stack = mod.DecodeStack(norms, weights, kinds, outs, parts, biases, cfg.num_hidden_layers, cfg.num_attention_heads,
                             cfg.num_key_value_heads, cfg.head_dim, float(cfg.rms_norm_eps))
+    lora = getattr(model, "lora", None)
+    if lora is not None:  # LoRA slots (model/lora.py): the step adds each row's delta after the same layers
+        ops = [lin.fused_operands() for layer in model.layers
+               for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
+        stack.set_lora([o[0] for o in ops], [o[1] for o in ops], [o[2] for o in ops], [o[3] for o in ops])
     return FusedDecode(model, stack)

@@ -2,17 +2,18 @@
 
 `apply_lora(model, max_loras, max_rank)` wraps each projection of every layer (q, k, v, o, gate,
 up, down; q/k/v and gate/up are fused modules here, so a module has one "part" per projection) in a
-`WithLoRA` holding `max_loras` slots of zero-padded adapter weights stacked along the rank:
+`WithLoRA` holding `max_loras` slots of adapter weights, rank padded to R:
 
-    A: [parts, slots * R, in]     B: [parts, out_p, slots * R]  (scaling folded into B)
+    lora_a [slots, parts, R, in]    lora_b [slots, R, out] (part p's B as [R, n_p] at R * off_p)
+    lora_ranks [slots, parts]       (0 where a slot's adapter leaves that projection alone)
 
-A step's rows name their slot (or none) through one mask [T, slots * R], 1 over the row's slot's
-R columns and 0 elsewhere, set on the shared `LoRAState` before the forward. Per projection that
-is one shrink x @ A^T, the mask, one expand @ B^T: two matmuls whatever the number of adapters in
-the batch, each row picking up its own adapter's product (Punica's BGMV, written as masked dense
-matmuls: on the CPU a gather of per-row A and B would move more memory than it saves). A masked
-column adds exact zeros, so a row's delta is its adapter's own up to the order of the sums. Only
-the slots up to the highest one in use are multiplied. Steps without adapter rows skip all of it.
+B carries the adapter's scaling. A step's rows name their slot (-1: none) on the shared
+`LoRAState`; per projection one call, `inferd::lora_add_` (csrc/cpu/lora_impl.h), adds each row's
+B_s (A_s x) to the base layer's output: Punica's BGMV, each row gathering its own adapter's
+weights, so the cost is the rows' own ranks, not slots x rows, and there is no pass per adapter.
+The fused C++ decode step calls the same op after the same layers (model/fused_decode.py), so a
+decode step with adapter rows stays one C++ call and equals the eager forward. Steps without
+adapter rows skip all of it.
 
 The base layer can be anything with the Linear interface (dense, int8/int4, GGUF blocks, W4A8):
 the delta is added to its output in fp32.
@@ -29,28 +30,23 @@ PROJECTIONS = tuple(p for parts in PARTS.values() for p in parts)
 
 
 class LoRAState:
-    """What every WithLoRA of a model reads in a step: the row mask, and how many slots it spans."""
+    """What every WithLoRA of a model reads in a step: each row's slot."""
 
     def __init__(self, max_loras: int, max_rank: int):
         self.max_loras, self.max_rank = max_loras, max_rank
-        self.mask: torch.Tensor | None = None  # [T, used * R] or None: no adapter row in this step
-        self.used = 0  # slots 0 .. used-1 are multiplied
+        self.rows: torch.Tensor | None = None  # [T] int64 slot per row (-1: none); None: no adapter row
         self.applies = 0  # LoRA products computed in the last step (one per projection per layer)
 
     def set_rows(self, slots_per_row: torch.Tensor | None):
         """slots_per_row: [T] int, -1 for a row without adapter; None: no adapter in the step."""
         self.applies = 0
         if slots_per_row is None or not bool((slots_per_row >= 0).any()):
-            self.mask, self.used = None, 0
+            self.rows = None
             return
-        used = int(slots_per_row.max()) + 1
-        r = self.max_rank
-        cols = torch.arange(used * r) // r  # the slot each column belongs to
-        self.mask = (cols[None, :] == slots_per_row[:, None]).to(torch.float32)
-        self.used = used
+        self.rows = slots_per_row.to(torch.int64).contiguous()
 
     def clear(self):
-        self.mask, self.used = None, 0
+        self.rows = None
 
 
 class WithLoRA(nn.Module):
@@ -63,42 +59,66 @@ class WithLoRA(nn.Module):
         self.part_outs = list(part_outs)
         self.in_features = base.in_features
         self.out_features = base.out_features
-        n, r = state.max_loras, state.max_rank
-        p = len(part_outs)
-        self.register_buffer("lora_a", torch.zeros(p, n * r, self.in_features), persistent=False)
-        self.register_buffer("lora_b", torch.zeros(sum(part_outs), n * r), persistent=False)
+        n, r, p = state.max_loras, state.max_rank, len(part_outs)
+        self.register_buffer("lora_a", torch.zeros(n, p, r, self.in_features), persistent=False)
+        self.register_buffer("lora_b", torch.zeros(n, r, self.out_features), persistent=False)
+        self.register_buffer("lora_ranks", torch.zeros(n, p, dtype=torch.int64), persistent=False)
 
     def set_slot(self, slot: int, a: list[torch.Tensor | None], b: list[torch.Tensor | None]):
         """Write one adapter into `slot`: per part its A [r, in] and B [out_p, r] (scaling folded in),
-        or None where the adapter leaves that projection alone."""
-        r = self.state.max_rank
-        cols = slice(slot * r, (slot + 1) * r)
-        self.lora_a[:, cols] = 0
-        self.lora_b[:, cols] = 0
+        or None where the adapter leaves that projection alone. In place: the fused step holds these."""
+        r_max = self.state.max_rank
+        self.lora_a[slot] = 0
+        self.lora_b[slot] = 0
         off = 0
         for j, (aj, bj, n) in enumerate(zip(a, b, self.part_outs)):
-            if aj is not None:
-                k = aj.shape[0]
-                self.lora_a[j, slot * r: slot * r + k] = aj.to(self.lora_a.dtype)
-                self.lora_b[off:off + n, slot * r: slot * r + k] = bj.to(self.lora_b.dtype)
+            k = 0 if aj is None else aj.shape[0]
+            if k:
+                self.lora_a[slot, j, :k] = aj.to(self.lora_a.dtype)
+                block = self.lora_b[slot].view(-1)[r_max * off: r_max * (off + n)].view(r_max, n)
+                block[:k] = bj.t().to(self.lora_b.dtype)
+            self.lora_ranks[slot, j] = k
             off += n
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.lora_base(x)
-        st = self.state
-        if st.mask is None:
+        rows = self.state.rows
+        if rows is None:
             return y
-        w = st.used * st.max_rank
-        xf = x.float()
-        s = torch.matmul(xf, self.lora_a[:, :w].transpose(1, 2))  # [parts, T, w]: every part's shrink at once
-        s = s * st.mask
-        st.applies += len(self.part_outs)
-        delta = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        self.state.applies += len(self.part_outs)
+        yf = y if y.dtype == torch.float32 and y.is_contiguous() else y.float().contiguous()
+        xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+        ops = native_ops(x)
+        if ops is not None and xf.shape[1] % 16 == 0:
+            ops.lora_add_(yf, xf, self.lora_a, self.lora_b, rows, self.lora_ranks, self.part_outs)
+        else:
+            self._add_torch(yf, xf, rows)
+        return yf if yf.dtype == y.dtype else yf.to(y.dtype)
+
+    def _add_torch(self, y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor):
+        """The same sums without the native kernels (another device, no build): rows gathered."""
+        sel = (rows >= 0).nonzero().squeeze(1)
+        s = rows[sel]
+        r = self.state.max_rank
         off = 0
         for j, n in enumerate(self.part_outs):
-            torch.matmul(s[j], self.lora_b[off:off + n, :w].t(), out=delta[:, off:off + n])
+            a = self.lora_a[s, j]  # [t, R, in]
+            b = self.lora_b[s].reshape(len(s), -1)[:, r * off: r * (off + n)].reshape(len(s), r, n)
+            v = torch.einsum("tri,ti->tr", a, x[sel])
+            y[sel, off:off + n] += torch.einsum("tr,trn->tn", v, b)
             off += n
-        return (y.float() + delta).to(y.dtype)
+
+    def fused_operands(self):
+        """What the fused decode step needs to call the same op after this layer."""
+        return self.lora_a, self.lora_b, self.lora_ranks, self.part_outs
+
+
+def native_ops(x: torch.Tensor):
+    if x.device.type != "cpu":
+        return None
+    from inferd.kernels import native
+
+    return native.ops()
 
 
 def part_outs(layer, name: str) -> list[int]:

@@ -32,10 +32,11 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, attention: PagedAttention, enforce_eager: bool = False, comm=None,
                  lora=None):
         self.model = model
-        # LoRA adapters (inferd.engine.lora.LoRAManager, handed in): a step with adapter rows runs
-        # eagerly, through the model's WithLoRA wrappers; steps without them take the usual paths
+        # LoRA adapters (inferd.engine.lora.LoRAManager, handed in): each step's rows -> slots; the
+        # model's WithLoRA wrappers and the fused step add the deltas
         self.lora = lora
-        self.lora_eager_steps = 0
+        self.lora_fused_steps = 0  # decode steps with adapter rows run as one C++ call
+        self.lora_eager_steps = 0  # other steps with adapter rows
         self.attn = attention
         self.device = model.device
         # tensor parallelism (inferd.distributed): this rank's collectives; rank 0 also sends each
@@ -60,13 +61,13 @@ class ModelRunner:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, decode_only: bool = False,
                 lora_rows: bool = False) -> torch.Tensor:
-        if lora_rows:  # the fused C++ step knows nothing of adapters
-            self.lora_eager_steps += 1
-        elif self.fused is not None:
+        if self.fused is not None:
             hidden = self.fused(input_ids, positions, self.attn)
             if hidden is not None:
                 self.fused_steps += 1
+                self.lora_fused_steps += lora_rows
                 return hidden
+        self.lora_eager_steps += lora_rows
         if decode_only:
             self.eager_decode_steps += 1
         return self.model(input_ids, positions, self.attn)
