@@ -353,6 +353,8 @@ class Models:
         card = {"id": e.name, "object": "model", "created": int(time.time()), "owned_by": "inferd", "status": st}
         if e.served is not None:
             card["max_model_len"] = e.served.max_len
+        if e.load_seconds is not None:
+            card["load_seconds"] = round(e.load_seconds, 3)  # the last load's, start of the engine to ready
         if e.spec.aliases:
             card["aliases"] = sorted(e.spec.aliases)
         return card
