@@ -1,4 +1,4 @@
-"""LoRA adapters (inferd.model.lora, inferd.engine.lora, inferd.loading.lora) held to `peft`: four
+"""LoRA adapters (inferd.model.lora, inferd.worker.lora, inferd.loading.lora) held to `peft`: four
 random adapters made by peft for the default model, each merged into it by peft + transformers as
 the oracle; rows of several adapters and of the base model in one step; slots, the scheduler's
 limit, prefix-cache isolation, and the refusals."""
@@ -297,3 +297,20 @@ def test_the_lora_kernel_on_every_variant():
         return y
 
     check_on_every_variant(layer, x, want.float(), bound, 1e-6, rows=(1, 2, 7, 16))
+
+
+def test_tensor_parallel_ranks_hold_their_share_of_each_adapter(adapters):
+    """TP=2: A cut as the base layer's input (o, down), B as its output (q, k, v, gate, up); rank 0's
+    slot writes repeated on rank 1; an adapter loaded at run time reaches both ranks. Tokens: peft's."""
+    paths, refs = adapters
+    eng = engine({n: paths[n] for n in NAMES[:3]}, tensor_parallel_size=2, max_loras=2)
+    try:
+        jobs = [(a, p) for a in [None, *NAMES[:3]] for p in PROMPTS]
+        got = run(eng, jobs)
+        for i, job in enumerate(jobs):
+            same_or_near_tie(got[i], *refs[job])
+        assert eng.lora.multi_adapter_steps > 0 and eng.lora.slot_writes >= 3
+        eng.control("load_lora", name="ad3", path=paths["ad3"])
+        same_or_near_tie(run(eng, [("ad3", PROMPTS[0])])[0], *refs[("ad3", PROMPTS[0])])
+    finally:
+        eng.close()

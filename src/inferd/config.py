@@ -117,9 +117,6 @@ class EngineConfig:
                 raise InferdError("max_loras must be at least 1")
             if self.max_lora_rank is None or self.max_lora_rank < 1:
                 raise InferdError("max_lora_rank must be at least 1")
-            if self.tensor_parallel_size > 1:
-                raise InferdError("LoRA adapters with tensor parallelism are not supported yet: drop "
-                                  "--tensor-parallel-size or --enable-lora")
             if self.kv_transfer_config is not None or self.role is not None:
                 raise InferdError("LoRA adapters with disaggregated prefill/decode are not supported yet")
             if self.speculative_method is not None:

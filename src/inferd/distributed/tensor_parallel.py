@@ -249,3 +249,25 @@ def apply_tp(model: nn.Module, shard: Shard, comm) -> nn.Module:
     # every rank's slice of the vocabulary: what the runner's logits gather needs
     model.tp_vocab_widths = [s.vocab[1] - s.vocab[0] for s in plan_of(cfg, shard.world)]
     return model
+
+
+def shard_lora(weights: dict, shard: Shard, cfg) -> dict:
+    """A LoRA adapter's {(layer, projection): (A [r, in], B [out, r])} cut to `shard`'s share, as its
+    base layer is cut: a column-parallel projection (q, k, v, gate, up) keeps B's rows of its output
+    slice and all of A; a row-parallel one (o, down) keeps A's columns of its input slice and all of
+    B, so its delta is a partial sum that the layer's all-reduce completes."""
+    D = cfg.head_dim
+    q0, q1 = shard.q_heads[0] * D, (shard.q_heads[-1] + 1) * D
+    k0, k1 = shard.kv_heads[0] * D, (shard.kv_heads[-1] + 1) * D
+    f0, f1 = shard.ff
+    rows = {"q_proj": (q0, q1), "k_proj": (k0, k1), "v_proj": (k0, k1), "gate_proj": (f0, f1), "up_proj": (f0, f1)}
+    cols = {"o_proj": (q0, q1), "down_proj": (f0, f1)}
+    out = {}
+    for (layer, proj), (a, b) in weights.items():
+        if proj in rows:
+            lo, hi = rows[proj]
+            out[(layer, proj)] = (a, b[lo:hi].contiguous())
+        else:
+            lo, hi = cols[proj]
+            out[(layer, proj)] = (a[:, lo:hi].contiguous(), b)
+    return out

@@ -67,7 +67,17 @@ def serve(spec: dict) -> int:
         attention = SpecPagedAttention if setup["speculative"] else PagedAttention
         attn = attention(pool, mcfg.head_dim, setup["window"], scale=attention_scale(mcfg), layout=layout,
                          softcap=mcfg.attn_logit_softcapping)
-        runner = ModelRunner(model, attn, enforce_eager=True, comm=comm)
+        lora = None
+        if cfg.enable_lora:  # this rank's share of every adapter; rank 0 sends the slot writes
+            from inferd.config import lora_module
+            from inferd.distributed.tensor_parallel import shard_lora
+            from inferd.worker.lora import LoRAManager
+
+            mine = shard_of(mcfg, rank, world)
+            lora = LoRAManager(model, mcfg, cfg.max_loras, cfg.max_lora_rank, lambda w: shard_lora(w, mine, mcfg))
+            for m in cfg.lora_modules or []:
+                lora.add(*lora_module(m))
+        runner = ModelRunner(model, attn, enforce_eager=True, comm=comm, lora=lora)
         from inferd.distributed.tp_group import ready_counts
         from inferd.quant.linear import weight_bytes
 
@@ -78,6 +88,10 @@ def serve(spec: dict) -> int:
             step = comm.recv_obj(alive)
             if step is None:
                 return 0
+            if isinstance(step, tuple) and step[0] == "lora":  # rank 0 loaded or dropped an adapter
+                _, op, name, path = step
+                lora.add(name, path) if op == "add" else lora.remove(name)
+                continue
             runner.run(step)
     except CollectiveError as e:
         if not alive():  # rank 0 went first: nothing to report

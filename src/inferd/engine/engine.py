@@ -109,11 +109,17 @@ class LLMEngine:
             self.tp.setup({"num_blocks": num_blocks, "block_size": cfg.block_size, "window": window,
                            "kv_dtype": str(kv_dtype).replace("torch.", ""),
                            "speculative": cfg.speculative_method is not None})
-        self.lora = None  # LoRAManager (inferd.engine.lora), with --enable-lora
+        self.lora = None  # LoRAManager (inferd.worker.lora), with --enable-lora
         if cfg.enable_lora:
-            from inferd.engine.lora import LoRAManager
+            from inferd.worker.lora import LoRAManager
 
-            self.lora = LoRAManager(self.model, mcfg, cfg.max_loras, cfg.max_lora_rank)
+            shard = None
+            if self.tp is not None:  # rank 0's share of each adapter, as of its layers
+                from inferd.distributed.tensor_parallel import shard_lora, shard_of
+
+                mine = shard_of(mcfg, 0, cfg.tensor_parallel_size)
+                shard = lambda w: shard_lora(w, mine, mcfg)  # noqa: E731
+            self.lora = LoRAManager(self.model, mcfg, cfg.max_loras, cfg.max_lora_rank, shard)
             for spec in cfg.lora_modules or []:
                 name, path = lora_module(spec)
                 self.lora.add(name, path)
@@ -235,6 +241,8 @@ class LLMEngine:
             raise InferdError("this model is served without LoRA adapters: start it with --enable-lora")
         if op == "load_lora":
             ad = self.lora.add(args.get("name"), args.get("path"))
+            if self.tp is not None:  # every rank holds its share of every adapter
+                self.tp.comm.send_obj(("lora", "add", ad.name, args.get("path")))
             return {"name": ad.name, "rank": ad.rank}
         if op == "unload_lora":
             name = args.get("name")
@@ -243,6 +251,8 @@ class LLMEngine:
             if using:
                 raise Busy(f"LoRA adapter {name!r} has {using} requests in flight: not unloaded")
             self.lora.remove(name)
+            if self.tp is not None:
+                self.tp.comm.send_obj(("lora", "remove", name, None))
             return {"name": name}
         if op == "list_loras":
             return sorted(self.lora.adapters)

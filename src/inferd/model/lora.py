@@ -129,7 +129,7 @@ def part_outs(layer, name: str) -> list[int]:
         return [nq * hd, nk * hd, nk * hd]
     if name == "gate_up_proj":
         return [lin.out_features // 2] * 2
-    return [lin.out_features]
+    return [getattr(lin, "inner", lin).out_features]
 
 
 def apply_lora(model: nn.Module, max_loras: int, max_rank: int) -> LoRAState:
@@ -144,6 +144,11 @@ def apply_lora(model: nn.Module, max_loras: int, max_rank: int) -> LoRAState:
                 if name in ("gate_up_proj", "down_proj"):  # routed experts (model/moe.py): not adapted
                     continue
                 raise ValueError(f"layer has no {name}")
+            if hasattr(base, "inner"):
+                # row-parallel (tensor parallelism): the delta of this rank's input slice joins the
+                # partial product before the all-reduce sums both
+                base.inner = WithLoRA(base.inner, state, part_outs(layer, name))
+                continue
             setattr(layer, name, WithLoRA(base, state, part_outs(layer, name)))
     model.lora = state
     return state

@@ -26,13 +26,14 @@ class StepPlan:
     prompt_spans: dict = field(default_factory=dict)  # batch index -> (first prompt position, row a, row b)
     kv_tables: list | None = None  # per request, its tables of KV groups 1.. (sliding-window layers)
     lora_slots: list[int] | None = None  # per request its LoRA slot (-1: none); None: no adapter in the step
+    lora_writes: list | None = None  # (slot, adapter) written for this step: the other ranks repeat them
 
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, attention: PagedAttention, enforce_eager: bool = False, comm=None,
                  lora=None):
         self.model = model
-        # LoRA adapters (inferd.engine.lora.LoRAManager, handed in): each step's rows -> slots; the
+        # LoRA adapters (inferd.worker.lora.LoRAManager, handed in): each step's rows -> slots; the
         # model's WithLoRA wrappers and the fused step add the deltas
         self.lora = lora
         self.lora_fused_steps = 0  # decode steps with adapter rows run as one C++ call
@@ -103,7 +104,8 @@ class ModelRunner:
                 sample_idx.append(i)
         return StepPlan(ids, [r.block_table for r in requests], starts, list(num_new), sample_rows, sample_idx,
                         prompt_spans, [r.kv_tables for r in requests] if self.attn.layout is not None else None,
-                        self.lora.slots_for(requests) if self.lora is not None else None)
+                        self.lora.slots_for(requests) if self.lora is not None else None,
+                        self.lora.take_writes() if self.lora is not None else None)
 
     @torch.inference_mode()
     def execute(self, requests: list, num_new: list[int]):
@@ -122,6 +124,8 @@ class ModelRunner:
         logits back)."""
         positions = self.attn.prepare(plan.block_tables, plan.starts, plan.num_new, plan.kv_tables)
         if self.lora is not None:
+            if plan.lora_writes:
+                self.lora.apply_writes(plan.lora_writes)
             self.lora.set_step(plan.lora_slots, plan.num_new)
         try:
             hidden = self.forward(torch.tensor(plan.ids, dtype=torch.long, device=self.device),

@@ -1,5 +1,9 @@
-"""The engine's LoRA adapters (vLLM's --enable-lora): which are loaded, which sit in the model's
+"""A rank's LoRA adapters (vLLM's --enable-lora): which are loaded, which sit in the model's
 `max_loras` slots (inferd.model.lora), and each step's rows -> slots.
+
+Under tensor parallelism every rank holds every adapter, cut to its share by the `shard` function it
+is handed (inferd.distributed.tensor_parallel.shard_lora); rank 0 decides the slots and its step
+plans carry the slot writes, which the other ranks repeat (`apply_writes`).
 
 Adapters live in this process's memory once loaded (any number); a step can hold rows of at most
 `max_loras` of them, which the scheduler enforces at admission. An adapter needed by a step and not
@@ -20,12 +24,14 @@ log = logging.getLogger("inferd")
 
 
 class LoRAManager:
-    def __init__(self, model, model_config, max_loras: int, max_rank: int):
+    def __init__(self, model, model_config, max_loras: int, max_rank: int, shard=None):
         if max_loras < 1:
             raise InferdError("--max-loras must be at least 1")
         if max_rank < 1:
             raise InferdError("--max-lora-rank must be at least 1")
         self.model, self.config = model, model_config
+        self.shard = shard  # adapter weights -> this rank's share (tensor parallelism), or None
+        self.writes: list[tuple[int, str]] = []  # slot writes since the last plan took them
         self.max_loras, self.max_rank = max_loras, max_rank
         self.state = apply_lora(model, max_loras, max_rank)
         self.adapters: dict[str, Adapter] = {}
@@ -42,6 +48,8 @@ class LoRAManager:
         if not name or name in self.adapters:
             raise InferdError(f"LoRA adapter {name!r} is already loaded" if name else "a LoRA adapter needs a name")
         ad = load_adapter(name, path, self.config, self.max_rank)
+        if self.shard is not None:
+            ad.weights = self.shard(ad.weights)
         self.adapters[name] = ad
         log.info("LoRA adapter %s: rank %d, %d projections, %.1f MiB (%s)", name, ad.rank, len(ad.weights),
                  ad.nbytes() / 2**20, path)
@@ -83,12 +91,25 @@ class LoRAManager:
         for i, layer in enumerate(self.model.layers):
             for mod_name, projs in PARTS.items():
                 mod = getattr(layer, mod_name, None)
+                mod = getattr(mod, "inner", mod)  # a row-parallel layer holds the wrapped one
                 if not isinstance(mod, WithLoRA):
                     continue
                 got = [ad.weights.get((i, p)) for p in projs]
                 mod.set_slot(slot, [g[0] if g else None for g in got], [g[1] if g else None for g in got])
         self.slots[slot] = ad.name
         self.slot_writes += 1
+        self.writes.append((slot, ad.name))
+
+    def take_writes(self) -> list[tuple[int, str]]:
+        out, self.writes = self.writes, []
+        return out
+
+    def apply_writes(self, writes: list[tuple[int, str]]):
+        """Repeat rank 0's slot writes (a no-op where they were made)."""
+        for slot, name in writes:
+            if self.slots[slot] != name:
+                self._write(slot, self.adapters[name])
+        self.writes.clear()
 
     def slots_for(self, requests: list) -> list[int] | None:
         """Per request its slot (-1: the base model), writing adapters in as needed; None when no
