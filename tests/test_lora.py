@@ -247,6 +247,8 @@ def test_served_adapters_by_model_name_and_their_routes(adapters, default_gguf_p
         t.start()
         wait_until(lambda: httpx.get(srv.base + "/v1/engine/state", params={"steps": 0}).json()["engines"][0]
                    .get("running"), 30, "the ad3 stream running")
+        wait_until(lambda: 'vllm:lora_requests_info{max_lora="2",running_lora_adapters="ad3"' in
+                   httpx.get(srv.base + "/metrics").text, 30, "vLLM's LoRA gauge naming ad3 as running")
         r = httpx.post(srv.base + "/v1/unload_lora_adapter", json={"lora_name": "ad3"}, timeout=30)
         assert r.status_code == 409 and r.json()["error"]["code"] == "adapter_busy"
         t.join(120)

@@ -324,9 +324,15 @@ class LLMEngine:
     def snapshot(self) -> EngineSnapshot:
         bm = self.block_manager
         kv = self.kv.snapshot() if self.kv is not None else None
+        lora = None
+        if self.lora is not None:
+            sched = self.scheduler
+            lora = {"running": sorted({r.lora for r in sched.running if r.lora is not None}),
+                    "waiting": sorted({r.lora for r in sched.waiting if r.lora is not None}),
+                    "max_loras": self.lora.max_loras}
         return EngineSnapshot(len(self.scheduler.running), self.num_waiting(), bm.num_used, bm.num_blocks,
                               bm.queries, bm.hits, self.stats.preemptions, self.spec_counters(), self.stats.steps, kv,
-                              self.stats.prefill_tokens)
+                              self.stats.prefill_tokens, lora)
 
     def num_waiting(self) -> int:
         """Queued requests, with those whose prompt KV is still on its way from a producer."""

@@ -51,3 +51,4 @@ class EngineSnapshot:
     steps: int = 0
     kv: dict | None = None  # KVTransfer counters, with --kv-transfer-config
     prefill_tokens: int = 0  # prompt tokens this engine computed (not cached, not received)
+    lora: dict | None = None  # with --enable-lora: {"running": [adapters], "waiting": [...], "max_loras": n}

@@ -27,6 +27,7 @@ VLLM_NAMES = {
     "inferd:prefix_cache_hits": ("vllm:prefix_cache_hits",),
     "inferd:num_preemptions": ("vllm:num_preemptions",),
     "inferd:request_success": ("vllm:request_success",),
+    "inferd:lora_requests_info": ("vllm:lora_requests_info",),
 }
 
 
@@ -76,6 +77,10 @@ class Metrics:
         self.requests = Counter("inferd:request_success", "Finished requests by reason.",
                                 L + ["finished_reason"], registry=r)
         self.steps = Counter("inferd:engine_steps", "Engine steps (forward passes) run.", L, registry=r)
+        # vLLM's: the adapters of running and waiting requests as labels, the value the time of the
+        # reading (LoRA-aware routers, e.g. the Gateway API Inference Extension, read the newest series)
+        self.lora_info = Gauge("inferd:lora_requests_info", "LoRA adapters of running and waiting requests.",
+                               ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
         self.cache_config = Gauge("inferd:cache_config_info", "KV cache configuration (value 1).",
                                   L + ["block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching"],
                                   registry=r)
@@ -206,6 +211,13 @@ class Metrics:
             for secs in snap.kv["seconds"]:
                 self.kv_seconds.labels(**kl).observe(secs)
             self.kv_leased.labels(**kl).set(snap.kv.get("leased_blocks", 0))
+        lo = getattr(snap, "lora", None)
+        if lo is not None:
+            import time
+
+            self.lora_info.clear()  # one series: the current sets
+            self.lora_info.labels(max_lora=str(lo["max_loras"]), running_lora_adapters=",".join(lo["running"]),
+                                  waiting_lora_adapters=",".join(lo["waiting"])).set(time.time())
         if self.spec is not None and snap.spec is not None:
             for key, counter in self.spec.items():
                 now = snap.spec[key]
