@@ -360,3 +360,15 @@ def tp_greedy(path, tp, prompts, max_tokens, formats):
         return [list(r.output_ids) for r in reqs]
     finally:
         eng.close()
+
+
+def same_or_near_tie(got: list[int], want: list[int], logits: torch.Tensor) -> int:
+    """Equal, or equal up to a step where transformers' own top-2 logits are within 1e-4; returns 1
+    for such a cut (counted by the caller), 0 for equal."""
+    for j, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            top2 = torch.topk(logits[j], 2).values
+            assert float(top2[0] - top2[1]) < 1e-4, f"token {j}: {a} vs transformers' {b}"
+            return 1
+    assert len(got) == len(want)
+    return 0

@@ -12,6 +12,7 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow  # a 253 MB model and its transformers reference: `make test`, not the inner loop
 
 from conftest import running_server  # noqa: E402
+from helpers import same_or_near_tie  # noqa: E402
 
 from inferd.errors import InferdError  # noqa: E402
 
@@ -52,18 +53,6 @@ def hf_gemma(gemma_path):
                                  output_scores=True, return_dict_in_generate=True)
             refs.append((ids[0].tolist(), out.sequences[0, ids.shape[1]:].tolist(), torch.stack(out.scores)[:, 0]))
     return tok, refs
-
-
-def same_or_near_tie(got: list[int], want: list[int], logits: torch.Tensor) -> int:
-    """Equal, or equal up to a step where transformers' own top-2 logits are within 1e-4; returns 1
-    for such a cut (counted by the caller), 0 for equal."""
-    for j, (a, b) in enumerate(zip(got, want)):
-        if a != b:
-            top2 = torch.topk(logits[j], 2).values
-            assert float(top2[0] - top2[1]) < 1e-4, f"token {j}: {a} vs transformers' {b}"
-            return 1
-    assert len(got) == len(want)
-    return 0
 
 
 def test_the_tokenizer_equals_transformers_on_the_file(hf_gemma, gemma_path):

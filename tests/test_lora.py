@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from helpers import assert_no_leaks
+from helpers import assert_no_leaks, same_or_near_tie
 
 from inferd.engine.engine import LLMEngine
 from inferd.engine.request import SamplingParams
@@ -59,16 +59,6 @@ def adapters(tmp_path_factory, default_gguf_path):
         greedy(merged, name)
         del m, merged
     return paths, refs
-
-
-def same_or_near_tie(got, want, logits) -> int:
-    for j, (a, b) in enumerate(zip(got, want)):
-        if a != b:
-            top2 = torch.topk(logits[j], 2).values
-            assert float(top2[0] - top2[1]) < 1e-4, f"token {j}: {a} vs peft-merged {b}"
-            return 1
-    assert len(got) == len(want)
-    return 0
 
 
 def engine(paths, **kw) -> LLMEngine:

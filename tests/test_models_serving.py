@@ -4,6 +4,7 @@ load/unload routes. Real servers on 127.0.0.1, real engine processes, the offici
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 
 import httpx
@@ -18,11 +19,12 @@ PROMPT = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def tiny_pair(tmp_path_factory):
-    """Two tiny chat GGUFs with SmolLM2's tokenizer and different random weights."""
+    """Two tiny chat GGUFs with SmolLM2's tokenizer: one file under two names (two engines all the
+    same: what these tests count is loads, unloads and answers, not which weights answer)."""
     d = tmp_path_factory.mktemp("models")
     a, b = str(d / "tiny-a.gguf"), str(d / "tiny-b.gguf")
     write_tiny_chat_gguf(a, seed=1)
-    write_tiny_chat_gguf(b, seed=2)
+    shutil.copyfile(a, b)
     return a, b
 
 
@@ -138,7 +140,7 @@ def test_one_loaded_model_and_eight_clients_lose_nothing(tiny_pair):
     answer or a 503 with Retry-After; none hangs, none is lost; the models took turns."""
     a, b = tiny_pair
     srv = serve(["--model", f"a={a}", "--model", f"b={b}", "--max-loaded-models", "1"])
-    per_client, results, lock = 6, [], threading.Lock()
+    per_client, results, lock = 4, [], threading.Lock()
 
     def run(i):
         with httpx.Client(base_url=srv.base, timeout=HTTP_TIMEOUT) as c:

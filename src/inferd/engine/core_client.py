@@ -142,10 +142,9 @@ class EngineCoreClient:
             except EngineDead:  # it died meanwhile: nothing left to abort
                 pass
 
-    async def state(self, steps: int = STEP_HISTORY) -> list[dict]:
-        """The core's dashboard state, asked over the pipe and answered between two of its steps."""
-        if self.dead:
-            return [{"engine": 0, "dead": self.dead}]
+    async def _ask(self, make, timeout: float | None = None):
+        """Send make(seq) and wait for the core's answer to it (a StateReply's state, a ControlReply),
+        or {"dead": reason} when the core died meanwhile."""
         loop = asyncio.get_running_loop()
         self._attach(loop)
         self._state_seq += 1
@@ -153,12 +152,19 @@ class EngineCoreClient:
         fut = loop.create_future()
         self._state_waits[seq] = fut
         try:
-            self._send(StateQuery(seq, steps))
-            st = await asyncio.wait_for(fut, STATE_TIMEOUT_S)
-        except EngineDead as e:
-            return [{"engine": 0, "dead": str(e)}]
+            self._send(make(seq))
+            return await asyncio.wait_for(fut, timeout)
         finally:
             self._state_waits.pop(seq, None)
+
+    async def state(self, steps: int = STEP_HISTORY) -> list[dict]:
+        """The core's dashboard state, asked over the pipe and answered between two of its steps."""
+        if self.dead:
+            return [{"engine": 0, "dead": self.dead}]
+        try:
+            st = await self._ask(lambda seq: StateQuery(seq, steps), STATE_TIMEOUT_S)
+        except EngineDead as e:
+            return [{"engine": 0, "dead": str(e)}]
         return [{"engine": 0, **st}]
 
     async def control(self, op: str, **args):
@@ -166,19 +172,9 @@ class EngineCoreClient:
         refusal (InferdError) is raised here."""
         if self.dead:
             raise EngineDead(f"engine stopped: {self.dead}")
-        loop = asyncio.get_running_loop()
-        self._attach(loop)
-        self._state_seq += 1
-        seq = self._state_seq
-        fut = loop.create_future()
-        self._state_waits[seq] = fut
-        try:
-            self._send(Control(seq, op, args))
-            reply = await fut
-        finally:
-            self._state_waits.pop(seq, None)
-        if isinstance(reply, dict) and "dead" in reply and len(reply) == 1:
-            raise EngineDead(f"engine stopped: {reply['dead']}")
+        reply = await self._ask(lambda seq: Control(seq, op, args))
+        if isinstance(reply, dict):  # {"dead": reason}
+            raise EngineDead(f"engine stopped: {reply.get('dead')}")
         if reply.error is not None:
             raise reply.error
         return reply.result
