@@ -173,6 +173,14 @@ def running_server(args: list[str], log_path=None, timeout: float = 240):
 
 
 @pytest.fixture(scope="session")
+def tiny_chat_gguf(tmp_path_factory) -> str:
+    """helpers.write_tiny_chat_gguf with its defaults, written once for every module that serves it."""
+    from helpers import write_tiny_chat_gguf
+
+    return write_tiny_chat_gguf(tmp_path_factory.mktemp("tiny") / "tiny-chat.gguf")
+
+
+@pytest.fixture(scope="session")
 def gemma_path():
     """The second embedded model's GGUF (Gemma 3 270M Q4_K_M), assembled from its PyPI chunks; skip without it."""
     from inferd.errors import InferdError

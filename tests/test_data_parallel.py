@@ -12,7 +12,7 @@ import pytest
 
 import conftest
 from conftest import ServerProc
-from helpers import compare_texts, wait_until, write_tiny_chat_gguf
+from helpers import compare_texts, wait_until
 
 
 def samples(text: str) -> dict[tuple, float]:
@@ -43,8 +43,8 @@ def engine_pids(srv: ServerProc) -> dict[int, tuple[int, str]]:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    gguf = write_tiny_chat_gguf(tmp_path_factory.mktemp("tiny") / "tiny-chat.gguf")
+def tiny(tiny_chat_gguf):
+    gguf = tiny_chat_gguf
     srv = ServerProc(["--model", gguf, "--data-parallel-size", "2", "--max-model-len", "2048",
                       "--kv-cache-memory", "64MiB"])
     try:

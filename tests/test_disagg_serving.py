@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from conftest import ServerProc, free_port
-from helpers import wait_until, write_tiny_chat_gguf
+from helpers import wait_until
 
 openai = pytest.importorskip("openai")
 
@@ -193,8 +193,8 @@ def test_1p1d_equals_colocated_on_the_default_model_through_router_and_openai(de
 # -- tiny model: faults --------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory):
-    return str(write_tiny_chat_gguf(tmp_path_factory.mktemp("tiny") / "tiny-chat.gguf"))
+def tiny_gguf(tiny_chat_gguf):
+    return tiny_chat_gguf
 
 
 def tiny_args(gguf):

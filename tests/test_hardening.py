@@ -17,14 +17,9 @@ import httpx
 import pytest
 
 from conftest import ServerProc, make_tiny_model
-from helpers import wait_until, write_tiny_chat_gguf
+from helpers import wait_until
 
 LIMIT = 64 * 1024
-
-
-@pytest.fixture(scope="module")
-def tiny_chat_gguf(tmp_path_factory):
-    return write_tiny_chat_gguf(tmp_path_factory.mktemp("tiny") / "tiny-chat.gguf")
 
 
 @pytest.fixture(scope="module")

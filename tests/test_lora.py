@@ -186,7 +186,7 @@ def test_runtime_load_unload_and_refusals(adapters, tmp_path):
         LLMEngine(dtype="float32", quantization="none", kv_cache_memory="32MiB").control("list_loras")
 
 
-def test_served_adapters_by_model_name_and_their_routes(adapters, default_gguf_path):
+def test_served_adapters_by_model_name_and_their_routes(adapters):
     """`inferd serve --lora-modules`: the official client names an adapter as its `model`; /v1/models
     lists adapters with their parent; vLLM's load/unload routes, with their refusals."""
     import threading
@@ -197,12 +197,13 @@ def test_served_adapters_by_model_name_and_their_routes(adapters, default_gguf_p
     from helpers import wait_until
 
     paths, refs = adapters
-    d, f = os.path.split(default_gguf_path)
-    tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
     srv = ServerProc(["--quantization", "none", "--dtype", "float32", "--kv-cache-memory", "64MiB",
                       "--lora-modules", f"ad0={paths['ad0']}", f"ad1={paths['ad1']}", "--max-loras", "2",
                       "--max-lora-rank", "8"]).wait_ready()
     client = openai.OpenAI(base_url=srv.base + "/v1", api_key="x", timeout=120, max_retries=0)
+
+    def decode(ids):  # the server's own detokenizer (its tokenizer equals transformers': test_tokenizer.py)
+        return httpx.post(srv.base + "/detokenize", json={"tokens": ids}, timeout=30).json()["prompt"]
 
     def text(model, prompt=PROMPTS[0]):
         r = client.completions.create(model=model, prompt=prompt, max_tokens=N_NEW, temperature=0)
@@ -213,7 +214,7 @@ def test_served_adapters_by_model_name_and_their_routes(adapters, default_gguf_p
         cards = {c.id: c for c in client.models.list().data}
         assert {"ad0", "ad1"} <= set(cards) and cards["ad0"].parent == cards["ad1"].parent != "ad0"
         for name in ("ad0", "ad1", None):
-            want = tok.decode(refs[(name, PROMPTS[0])][0])
+            want = decode(refs[(name, PROMPTS[0])][0])
             assert text(name or cards["ad0"].parent) == want, name
         with pytest.raises(openai.NotFoundError) as e:
             text("ad9")
@@ -224,12 +225,12 @@ def test_served_adapters_by_model_name_and_their_routes(adapters, default_gguf_p
         r = httpx.post(srv.base + "/v1/load_lora_adapter", json={"lora_name": "ad3", "lora_path": paths["ad3"]},
                        timeout=60)
         assert r.status_code == 200, r.text
-        assert text("ad3") == tok.decode(refs[("ad3", PROMPTS[0])][0])
+        assert text("ad3") == decode(refs[("ad3", PROMPTS[0])][0])
         done = {}
 
         def stream():  # a long request of ad3 in flight while its unload is asked for
             with httpx.stream("POST", srv.base + "/v1/completions", timeout=120,
-                              json={"model": "ad3", "prompt": PROMPTS[1], "max_tokens": 200, "stream": True,
+                              json={"model": "ad3", "prompt": PROMPTS[1], "max_tokens": 100, "stream": True,
                                     "ignore_eos": True}) as resp:
                 done["lines"] = [x for x in resp.iter_lines() if x.startswith("data: ")]
 
@@ -242,7 +243,7 @@ def test_served_adapters_by_model_name_and_their_routes(adapters, default_gguf_p
         r = httpx.post(srv.base + "/v1/unload_lora_adapter", json={"lora_name": "ad3"}, timeout=30)
         assert r.status_code == 409 and r.json()["error"]["code"] == "adapter_busy"
         t.join(120)
-        assert done["lines"][-1] == "data: [DONE]" and len(done["lines"]) > 100  # not dropped
+        assert done["lines"][-1] == "data: [DONE]" and len(done["lines"]) > 50  # not dropped
         r = httpx.post(srv.base + "/v1/unload_lora_adapter", json={"lora_name": "ad3"}, timeout=30)
         assert r.status_code == 200
         with pytest.raises(openai.NotFoundError):

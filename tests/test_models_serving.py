@@ -11,20 +11,20 @@ import httpx
 import openai
 import pytest
 from conftest import ServerProc
-from helpers import wait_until, write_tiny_chat_gguf
+from helpers import wait_until
 
 HTTP_TIMEOUT = 120
 PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def tiny_pair(tmp_path_factory):
+def tiny_pair(tmp_path_factory, tiny_chat_gguf):
     """Two tiny chat GGUFs with SmolLM2's tokenizer: one file under two names (two engines all the
     same: what these tests count is loads, unloads and answers, not which weights answer)."""
     d = tmp_path_factory.mktemp("models")
     a, b = str(d / "tiny-a.gguf"), str(d / "tiny-b.gguf")
-    write_tiny_chat_gguf(a, seed=1)
-    shutil.copyfile(a, b)
+    shutil.copyfile(tiny_chat_gguf, a)
+    shutil.copyfile(tiny_chat_gguf, b)
     return a, b
 
 
@@ -250,9 +250,30 @@ def test_bad_models_configuration_is_one_line(tmp_path, tiny_pair):
     a, _ = tiny_pair
     cfg = tmp_path / "bad.yaml"
     cfg.write_text(f"models:\n  - model: {a}\n    warp_speed: 9\n")
-    for args, want in ((["--config", str(cfg)], "unknown option 'warp_speed'"),
-                       (["--model", f"x={a}", "--model", f"x={a}"], "two models are named 'x'"),
+    r = subprocess.run([sys.executable, "-m", "inferd", "serve", "--config", str(cfg)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "unknown option 'warp_speed'" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    from inferd.cli import build_parser
+    from inferd.errors import InferdError
+    from inferd.server.serve import model_specs
+
+    for args, want in ((["--model", f"x={a}", "--model", f"x={a}"], "two models are named 'x'"),
                        (["--model", a, "--model", a, "--served-model-name", "y"], "--served-model-name names one")):
-        r = subprocess.run([sys.executable, "-m", "inferd", "serve", *args], capture_output=True, text=True,
-                           timeout=60)
-        assert r.returncode == 2 and want in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        with pytest.raises(InferdError, match=want):  # what the command prints as its one line
+            model_specs(build_parser().parse_args(["serve", *args]))
+
+
+def test_a_memory_budget_unloads_the_least_recently_used_idle_model(tiny_pair):
+    """--models-memory-budget: loading past it unloads the least recently used idle model first (a
+    1-byte budget leaves room for one model at a time: the first always loads)."""
+    a, b = tiny_pair
+    srv = serve(["--model", f"a={a}", "--model", f"b={b}", "--models-memory-budget", "1"])
+    try:
+        complete(srv, "a")
+        complete(srv, "b")
+        assert status(srv, "a") == "unloaded" and status(srv, "b") == "loaded"
+        complete(srv, "a")
+        assert status(srv, "b") == "unloaded"
+        assert metric(srv, "inferd:model_unloads_total", reason="evicted") == 2
+    finally:
+        srv.stop()

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from conftest import ServerProc, free_port
-from helpers import wait_until, write_tiny_chat_gguf
+from helpers import wait_until
 from inferd.router.backends import parse_backends, parse_load
 from inferd.distributed.policy import Balancer, PrefixIndex, chunk_hashes
 
@@ -264,11 +264,6 @@ def test_no_healthy_backend_is_a_503_with_retry_after():
 # -- processes: inferd backends, what prefix routing buys -----------------------------------------
 
 FAMILIES, SYSTEM_TOKENS, REQUESTS = 8, 256, 160
-
-
-@pytest.fixture(scope="module")
-def tiny_chat_gguf(tmp_path_factory):
-    return write_tiny_chat_gguf(tmp_path_factory.mktemp("tiny") / "tiny-chat.gguf")
 
 
 def hit_rate(backends: list[ServerProc]) -> float:

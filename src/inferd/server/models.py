@@ -78,11 +78,12 @@ class Entry:
     def busy(self) -> bool:
         return self.leases > 0 or (self.served is not None and self.served.llm.open_requests() > 0)
 
-    def estimate(self) -> int:
-        """Bytes this model will hold once loaded: what it held last time, else its files' size."""
+    def estimate(self, baseline: int = 0) -> int:
+        """Bytes this model will hold once loaded: what it held last time, else its files' size plus
+        `baseline` (what an engine process holds besides its weights, as measured on others)."""
         if self.rss:
             return self.rss
-        return path_bytes(self.spec.source_path)
+        return path_bytes(self.spec.source_path) + baseline
 
 
 class Models:
@@ -231,8 +232,9 @@ class Models:
         while True:
             held = [e for e in self.entries if e is not want and e.state in (LOADED, LOADING, UNLOADING)]
             over_count = self.max_loaded and len(held) >= self.max_loaded
+            base = self.baseline()
             over_memory = (self.memory_budget is not None and held
-                           and sum(e.estimate() for e in held) + want.estimate() > self.memory_budget)
+                           and sum(e.estimate(base) for e in held) + want.estimate(base) > self.memory_budget)
             if not over_count and not over_memory:
                 return
             going = [e for e in held if e.state == UNLOADING]
@@ -249,6 +251,11 @@ class Models:
             victim = min(idle, key=lambda e: e.last_used)
             log.info("unloading model %s (least recently used) to load %s", victim.name, want.name)
             await self.unload(victim, "evicted")
+
+    def baseline(self) -> int:
+        """What an engine process holds besides its model's files: the least any measured one did."""
+        seen = [e.rss - path_bytes(e.spec.source_path) for e in self.entries if e.rss]
+        return max(0, min(seen)) if seen else 0
 
     # -- unloading -----------------------------------------------------------------------------------
     async def unload(self, e: Entry, reason: str, wait_s: float | None = None) -> bool:

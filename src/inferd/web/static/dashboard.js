@@ -116,7 +116,8 @@
 
   function draw(v) {
     const st = v.state, n = v.node;
-    const where = st.backend ? ' (' + st.backend + ', its engine ' + st.backend_engine + ')' : '';
+    const where = (st.model ? ' (model ' + st.model + ')' : '')
+      + (st.backend ? ' (' + st.backend + ', its engine ' + st.backend_engine + ')' : '');
     if (st.dead || st.error) {
       n.classList.add('dead');
       text(n, 'engine-title', 'engine ' + (st.engine || 0) + where + ': ' + (st.dead || st.error));
