@@ -13,6 +13,8 @@ import pytest
 from conftest import ServerProc
 from helpers import wait_until
 
+from inferd.server.models import process_rss
+
 HTTP_TIMEOUT = 120
 PROMPT = "The capital of France is"
 
@@ -52,14 +54,6 @@ def engine_pids(srv, key: str | None = None) -> dict[str, int]:
     h = {"Authorization": f"Bearer {key}"} if key else {}
     st = httpx.get(srv.base + "/v1/engine/state", params={"steps": 0}, headers=h, timeout=10).json()
     return {e["model"]: e["pid"] for e in st["engines"]}
-
-
-def rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def pid_gone(pid: int) -> bool:
@@ -121,13 +115,13 @@ def test_keep_alive_unloads_an_idle_model_and_frees_its_memory(tiny_pair):
     try:
         complete(srv, "a")  # one round first: what the API process keeps for good (imports, pools)
         wait_until(lambda: status(srv, "a") == "unloaded", 60, "model a unloaded after its keep-alive")
-        before = rss(srv.proc.pid)
+        before = process_rss(srv.proc.pid)
         complete(srv, "b")
         pid = engine_pids(srv)["b"]
-        assert rss(pid) > 0
+        assert process_rss(pid) > 0
         wait_until(lambda: status(srv, "b") == "unloaded", 60, "model b unloaded after its keep-alive")
         wait_until(lambda: pid_gone(pid), 30, "model b's engine process gone")
-        after = rss(srv.proc.pid)
+        after = process_rss(srv.proc.pid)
         assert abs(after - before) <= 0.05 * before, (before, after)
         assert metric(srv, "inferd:model_unloads_total", model_name="b", reason="keep_alive") == 1
         assert complete(srv, "b")  # and it loads again

@@ -60,7 +60,6 @@ class DecodeStack {
                 part_n.size() == a.size(), "DecodeStack: one LoRA operand set per linear");
     lora_a_ = std::move(a), lora_b_ = std::move(b), lora_ranks_ = std::move(ranks), lora_parts_ = std::move(part_n);
   }
-  std::vector<std::vector<int64_t>> lora_parts() const { return lora_parts_; }
 
   // x [M, hidden] float32 embeddings (updated in place: the residual stream); cos/sin [M, head_dim];
   // kcache/vcache [layers, slots, kv_heads, head_dim], float32 or bfloat16; the rest as for
@@ -157,6 +156,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<std::vector<Tensor>, std::vector<Tensor>, std::vector<int64_t>, std::vector<int64_t>,
                           std::vector<int64_t>, std::vector<Tensor>, int64_t, int64_t, int64_t, int64_t, double>())
       .def("set_lora", &DecodeStack::set_lora)
-      .def("lora_parts", &DecodeStack::lora_parts)
       .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -29,6 +29,7 @@ class FusedDecode:
         self.stack = stack
         self.n_layers = model.cfg.num_hidden_layers
         self.steps = 0  # steps served (tests check the fused path ran)
+        self.lora_products = 0  # LoRA products a step with adapter rows makes (one per adapted projection)
         self.max_rows = 0  # most rows in one fused step (speculative verify rows count one each)
 
     @staticmethod
@@ -60,7 +61,7 @@ class FusedDecode:
         rows = lora.rows if lora is not None and lora.rows is not None else torch.empty(0, dtype=torch.int64)
         h = self.stack.forward(x, cos, sin, *args, rows)
         if rows.numel():
-            lora.applies += sum(len(o) for o in self.stack.lora_parts())
+            lora.applies += self.lora_products
         attn.kernel_calls += self.n_layers
         self.steps += 1
         self.max_rows = max(self.max_rows, x.shape[0])
@@ -128,4 +129,7 @@ def build(model) -> FusedDecode | None:
         ops = [lin.fused_operands() for layer in model.layers
                for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
         stack.set_lora([o[0] for o in ops], [o[1] for o in ops], [o[2] for o in ops], [o[3] for o in ops])
-    return FusedDecode(model, stack)
+    fused = FusedDecode(model, stack)
+    if lora is not None:
+        fused.lora_products = sum(len(o[3]) for o in ops)
+    return fused

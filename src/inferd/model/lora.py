@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from inferd.model.layers import fused_ops
+
 # our fused module -> the projections it holds, in its output order (PEFT's target names)
 PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
          "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
@@ -88,7 +90,7 @@ class WithLoRA(nn.Module):
         self.state.applies += len(self.part_outs)
         yf = y if y.dtype == torch.float32 and y.is_contiguous() else y.float().contiguous()
         xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
-        ops = native_ops(x)
+        ops = fused_ops(xf)
         if ops is not None and xf.shape[1] % 16 == 0:
             ops.lora_add_(yf, xf, self.lora_a, self.lora_b, rows, self.lora_ranks, self.part_outs)
         else:
@@ -111,14 +113,6 @@ class WithLoRA(nn.Module):
     def fused_operands(self):
         """What the fused decode step needs to call the same op after this layer."""
         return self.lora_a, self.lora_b, self.lora_ranks, self.part_outs
-
-
-def native_ops(x: torch.Tensor):
-    if x.device.type != "cpu":
-        return None
-    from inferd.kernels import native
-
-    return native.ops()
 
 
 def part_outs(layer, name: str) -> list[int]:

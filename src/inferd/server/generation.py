@@ -34,13 +34,12 @@ Chunk = dict[str, Any]
 class Served:
     """The model behind the API: its names, tokenizer, context length and engine."""
 
-    def __init__(self, llm: EngineClient, name: str, aliases: set[str] | None = None, limits=None):
+    def __init__(self, llm: EngineClient, name: str, limits=None):
         self.llm = llm
         self.limits = limits
         self.info = llm.info
         self.tok = self.info.tokenizer
         self.name = name
-        self.aliases = set(aliases or ())
         self.max_len = self.info.max_model_len
         self.stall_timeout = limits.stall_timeout_s if limits is not None else None
         self.prompt_details = False  # usage.prompt_tokens_details (--enable-prompt-tokens-details)

@@ -7,6 +7,8 @@ they expect vLLM: see VLLM_NAMES.
 """
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import Metric
 
@@ -213,8 +215,6 @@ class Metrics:
             self.kv_leased.labels(**kl).set(snap.kv.get("leased_blocks", 0))
         lo = getattr(snap, "lora", None)
         if lo is not None:
-            import time
-
             self.lora_info.clear()  # one series: the current sets
             self.lora_info.labels(max_lora=str(lo["max_loras"]), running_lora_adapters=",".join(lo["running"]),
                                   waiting_lora_adapters=",".join(lo["waiting"])).set(time.time())

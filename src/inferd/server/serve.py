@@ -112,14 +112,17 @@ def serve(args) -> int:
         if single:  # named by the model itself once loaded (unless --served-model-name), answering to both
             spec.name = args.served_model_name or client.info.model_name
             spec.aliases.add(client.info.model_name)
-        srv = Served(client, spec.name, spec.aliases, limits)
+        srv = Served(client, spec.name, limits)
         srv.prompt_details = args.enable_prompt_tokens_details
         if "m" in box:
-            for i, c in enumerate(getattr(client, "clients", [client])):
-                cache = c.info.cache
-                box["m"].cache_info(i, cache["block_size"], cache["num_blocks"], cache["dtype"],
-                                    cache["prefix_caching"], None if single else spec.name)
+            cache_series(spec, client)
         return srv
+
+    def cache_series(spec, client):
+        for i, c in enumerate(getattr(client, "clients", [client])):
+            cache = c.info.cache
+            box["m"].cache_info(i, cache["block_size"], cache["num_blocks"], cache["dtype"],
+                                cache["prefix_caching"], None if single else spec.name)
 
     def on_change(entry, event):
         if "m" in box:
@@ -141,8 +144,8 @@ def serve(args) -> int:
     for s in specs[1:]:
         metrics.add_model(s.name, dp)
     box["m"] = metrics
-    for e, srv in models.loaded_served():
-        served(e.spec, srv.llm)  # the cache series of models loaded before the metrics existed
+    for e, srv in models.loaded_served():  # models loaded before the metrics existed
+        cache_series(e.spec, srv.llm)
         on_change(e, "loaded")
 
     async def started():
