@@ -372,3 +372,103 @@ def same_or_near_tie(got: list[int], want: list[int], logits: torch.Tensor) -> i
             return 1
     assert len(got) == len(want)
     return 0
+
+
+def run_recording(eng, reqs):
+    """Greedy outputs of `reqs` with the logits each token was sampled from, per request: the form
+    `compare_texts` takes as its reference (no speculation: one sampled row per request and step)."""
+    rows: dict = {}
+    execute = eng.runner.execute
+
+    def keep(requests, num_new):  # the logits rank 0 samples from, as they leave the runner
+        out = execute(requests, num_new)
+        for j, i in enumerate(out[1]):
+            rows.setdefault(requests[i].request_id, []).append(out[0][j].clone())
+        return out
+    eng.runner.execute = keep
+    rids = [eng.add_request(p, SamplingParams(max_tokens=n, temperature=0)) for p, n in reqs]
+    outs = {r: [] for r in rids}
+    while eng.has_unfinished():
+        for o in eng.step():
+            outs[o.request_id].extend(o.new_token_ids)
+    return [(outs[r], torch.stack(rows[r])) for r in rids]
+
+
+# -- two machines on one: network namespaces joined by a veth pair ----------------------------------
+
+def netns_unavailable() -> str | None:
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0:
+        return "needs root to make network namespaces (ip netns)"
+    if shutil.which("ip") is None:
+        return "needs iproute2's `ip` for network namespaces"
+    probe = f"inferd-probe-{os.getpid()}"
+    r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if r.returncode != 0:
+        return f"`ip netns add` fails here: {r.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+class TwoHosts:
+    """Namespaces `a` and `b` (addresses `ip_a`, `ip_b`; veth ends `dev_a`, `dev_b`), each with its
+    loopback up; `run(ns, argv)` starts a process in one; `bytes(ns)` counts what crossed its veth
+    end, both ways. Everything started and both namespaces go at `close()`."""
+
+    def __init__(self, tag: str = "x"):
+        import subprocess
+
+        n = os.getpid() % 10000
+        self.a, self.b, self.dev_a, self.dev_b = f"inferd-{tag}a{n}", f"inferd-{tag}b{n}", f"if{tag}a{n}", f"if{tag}b{n}"
+        net = 200 + (os.getpid() + sum(map(ord, tag))) % 50
+        self.ip_a, self.ip_b = f"10.231.{net}.1", f"10.231.{net}.2"
+        self.procs = []
+
+        def sh(*c):
+            subprocess.run(c, check=True, capture_output=True)
+        try:
+            sh("ip", "netns", "add", self.a)
+            sh("ip", "netns", "add", self.b)
+            sh("ip", "link", "add", self.dev_a, "type", "veth", "peer", "name", self.dev_b)
+            for ns, dev, ip in ((self.a, self.dev_a, self.ip_a), (self.b, self.dev_b, self.ip_b)):
+                sh("ip", "link", "set", dev, "netns", ns)
+                sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
+                sh("ip", "-n", ns, "link", "set", dev, "up")
+                sh("ip", "-n", ns, "link", "set", "lo", "up")
+        except BaseException:
+            self.close()
+            raise
+
+    def run(self, ns: str, argv: list[str], log=None, env=None, **kw):
+        import subprocess
+
+        kw.setdefault("stderr", subprocess.STDOUT if log else None)
+        p = subprocess.Popen(["ip", "netns", "exec", ns, *argv], stdout=log, env=env, **kw)
+        self.procs.append(p)
+        return p
+
+    def bytes(self, ns: str) -> int:
+        import subprocess
+
+        dev = self.dev_a if ns == self.a else self.dev_b
+        out = subprocess.run(["ip", "netns", "exec", ns, "cat", f"/sys/class/net/{dev}/statistics/rx_bytes",
+                              f"/sys/class/net/{dev}/statistics/tx_bytes"], capture_output=True, text=True, check=True)
+        return sum(int(x) for x in out.stdout.split())
+
+    def close(self):
+        import signal
+        import subprocess
+
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+        for ns in (self.a, self.b):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)

@@ -11,7 +11,6 @@ import json
 import os
 import random
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +20,7 @@ import httpx
 import pytest
 
 from conftest import ServerProc, free_port
-from helpers import wait_until
+from helpers import TwoHosts, netns_unavailable, wait_until
 
 openai = pytest.importorskip("openai")
 
@@ -327,19 +326,6 @@ def test_a_malformed_transfer_config_is_one_line_at_start():
 
 # -- across hosts: two network namespaces, the network connector ----------------------------------
 
-def _netns_unavailable() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root to make network namespaces (ip netns)"
-    if shutil.which("ip") is None:
-        return "needs iproute2's `ip` for network namespaces"
-    probe = f"inferd-probe-{os.getpid()}"
-    r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if r.returncode != 0:
-        return f"`ip netns add` fails here: {r.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return None
-
-
 CLIENT = textwrap.dedent('''
     import json, sys, time, httpx
     sys.path.insert(0, sys.argv[1])
@@ -380,38 +366,21 @@ CLIENT = textwrap.dedent('''
 
 
 def test_1p1d_across_two_network_namespaces_over_the_network_connector(tiny_gguf, tmp_path):
-    why = _netns_unavailable()
+    why = netns_unavailable()
     if why:
         pytest.skip(why)
-    tag = f"{os.getpid() % 10000}"
-    na, nb, va, vb = f"inferd-a{tag}", f"inferd-b{tag}", f"ifa{tag}", f"ifb{tag}"
-    net = 200 + os.getpid() % 50
-    ip_a, ip_b = f"10.231.{net}.1", f"10.231.{net}.2"
-    sh = lambda *c: subprocess.run(c, check=True, capture_output=True)  # noqa: E731
-    procs = []
+    hosts = TwoHosts("d")
+    na, nb, ip_a = hosts.a, hosts.b, hosts.ip_a
     try:
-        sh("ip", "netns", "add", na)
-        sh("ip", "netns", "add", nb)
-        sh("ip", "link", "add", va, "type", "veth", "peer", "name", vb)
-        sh("ip", "link", "set", va, "netns", na)
-        sh("ip", "link", "set", vb, "netns", nb)
-        for ns, dev, ip in ((na, va, ip_a), (nb, vb, ip_b)):
-            sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
-            sh("ip", "-n", ns, "link", "set", dev, "up")
-            sh("ip", "-n", ns, "link", "set", "lo", "up")
         hp, hd, hr = 8801, 8802, 8800  # each namespace has its own ports
         py = [sys.executable, "-m", "inferd"]
         logs = {k: open(tmp_path / f"{k}.log", "wb") for k in ("p", "d", "r")}
-
-        def start(ns, args, log):
-            procs.append(subprocess.Popen(["ip", "netns", "exec", ns, *py, *args], stdout=log, stderr=subprocess.STDOUT))
-
-        start(na, ["serve", *tiny_args(tiny_gguf), "--host", ip_a, "--port", str(hp), "--kv-transfer-config",
-                   json.dumps({"kv_connector": "ZmqConnector", "kv_role": "kv_producer", "kv_ip": ip_a})], logs["p"])
-        start(nb, ["serve", *tiny_args(tiny_gguf), "--port", str(hd), "--role", "decode",
-                   "--enable-prompt-tokens-details"], logs["d"])
-        start(nb, ["router", "--port", str(hr), "--prefill", f"http://{ip_a}:{hp}",
-                   "--decode", f"http://127.0.0.1:{hd}", "--health-interval", "0.3"], logs["r"])
+        hosts.run(na, [*py, "serve", *tiny_args(tiny_gguf), "--host", ip_a, "--port", str(hp), "--kv-transfer-config",
+                       json.dumps({"kv_connector": "ZmqConnector", "kv_role": "kv_producer", "kv_ip": ip_a})], logs["p"])
+        hosts.run(nb, [*py, "serve", *tiny_args(tiny_gguf), "--port", str(hd), "--role", "decode",
+                       "--enable-prompt-tokens-details"], logs["d"])
+        hosts.run(nb, [*py, "router", "--port", str(hr), "--prefill", f"http://{ip_a}:{hp}",
+                       "--decode", f"http://127.0.0.1:{hd}", "--health-interval", "0.3"], logs["r"])
         script = tmp_path / "client.py"
         script.write_text(CLIENT)
         tests_dir = os.path.dirname(os.path.abspath(__file__))
@@ -429,12 +398,4 @@ def test_1p1d_across_two_network_namespaces_over_the_network_connector(tiny_gguf
         assert all(c == p - 1 for c, p in zip(res["cached"], res["prompt"]))
         assert assert_same([(*g, None) for g in res["got"]], [(*w, None) for w in res["want"]]) <= 1
     finally:
-        for pr in procs:
-            pr.send_signal(signal.SIGTERM)
-        for pr in procs:
-            try:
-                pr.wait(20)
-            except subprocess.TimeoutExpired:
-                pr.kill()
-        subprocess.run(["ip", "netns", "del", na], capture_output=True)
-        subprocess.run(["ip", "netns", "del", nb], capture_output=True)
+        hosts.close()

@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import make_tiny_model
-from helpers import assert_no_leaks, compare, compare_texts, make_requests, reference_outputs, stream_then_kill
+from helpers import (assert_no_leaks, compare, compare_texts, make_requests, reference_outputs, run_recording,
+                     stream_then_kill)
 
 from inferd.engine.engine import LLMEngine
 from inferd.distributed.comm import CollectiveError
@@ -232,7 +233,7 @@ def step_after_killing_rank_1(tmp_path) -> tuple[pytest.ExceptionInfo, float]:
     try:
         eng.add_request(list(range(1, 30)), SamplingParams(max_tokens=200, temperature=0))
         eng.step()
-        os.kill(eng.tp.procs[0].pid, signal.SIGKILL)
+        os.kill(eng.tp.executor.procs[1].pid, signal.SIGKILL)
         t0 = time.monotonic()
         with pytest.raises(CollectiveError, match="rank 1|a rank stopped") as err:
             while eng.has_unfinished():
@@ -272,26 +273,6 @@ PROMPTS = [f"{q} {i}" for i, q in enumerate([
     "A good night's sleep helps", "The largest ocean on Earth is", "To be or not to be,",
     "List three prime numbers:"])]
 
-
-
-def run_recording(eng, reqs):
-    """Greedy outputs of `reqs` with the logits each token was sampled from, per request: the form
-    `compare` takes as its reference (no speculation: one sampled row per request and step)."""
-    rows: dict = {}
-    execute = eng.runner.execute
-
-    def keep(requests, num_new):  # the logits rank 0 samples from, as they leave the runner
-        out = execute(requests, num_new)
-        for j, i in enumerate(out[1]):
-            rows.setdefault(requests[i].request_id, []).append(out[0][j].clone())
-        return out
-    eng.runner.execute = keep
-    rids = [eng.add_request(p, SamplingParams(max_tokens=n, temperature=0)) for p, n in reqs]
-    outs = {r: [] for r in rids}
-    while eng.has_unfinished():
-        for o in eng.step():
-            outs[o.request_id].extend(o.new_token_ids)
-    return [(outs[r], torch.stack(rows[r])) for r in rids]
 
 
 @pytest.fixture(scope="module")

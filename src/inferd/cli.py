@@ -60,6 +60,14 @@ def add_parallel_args(p: argparse.ArgumentParser):
     g.add_argument("--tensor-parallel-backend", default="auto", choices=["auto", "shm", "gloo", "nccl"],
                    help="how ranks all-reduce: auto = shm (shared memory, one host) on CPU, nccl on CUDA; "
                         "gloo = torch.distributed over TCP")
+    g.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "ray"],
+                   help="who starts ranks 1..N-1: mp = processes on this host; ray = Ray actors in a placement "
+                        "group on the cluster at RAY_ADDRESS (or a local one), gloo between nodes, shared "
+                        "memory when every rank lands on this node (pip install 'inferd[ray]')")
+    g.add_argument("--ray-placement-strategy", default="PACK", type=str.upper,
+                   choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"],
+                   help="how the placement group places ranks: PACK = on this node where they fit, SPREAD = one "
+                        "per node where possible (STRICT_*: or fail)")
 
 
 def add_lora_args(p: argparse.ArgumentParser):

@@ -67,6 +67,9 @@ class EngineConfig:
     # tensor parallelism (inferd.distributed): ranks, and how they talk (auto: shm on CPU, nccl on CUDA)
     tensor_parallel_size: int = 1
     tensor_parallel_backend: str = "auto"  # auto | shm | gloo | nccl
+    # who starts ranks 1..N-1: mp (processes on this host) or ray (actors a Ray placement group puts on nodes)
+    distributed_executor_backend: str = "mp"
+    ray_placement_strategy: str = "PACK"  # PACK: one node where they fit; SPREAD: one rank per node where possible
     # LoRA adapters (vLLM's flags): name=path PEFT folders loaded at start, slots per step, largest rank
     enable_lora: bool = False
     lora_modules: list | str | None = None
@@ -106,6 +109,13 @@ class EngineConfig:
         if self.tensor_parallel_backend not in ("auto", "shm", "gloo", "nccl"):
             raise InferdError(f"unknown tensor-parallel backend {self.tensor_parallel_backend!r} "
                               "(choose auto, shm, gloo, nccl)")
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise InferdError(f"unknown distributed executor backend {self.distributed_executor_backend!r} "
+                              "(choose mp, ray)")
+        self.ray_placement_strategy = str(self.ray_placement_strategy).upper()
+        if self.ray_placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
+            raise InferdError(f"unknown Ray placement strategy {self.ray_placement_strategy!r} "
+                              "(choose PACK, SPREAD, STRICT_PACK, STRICT_SPREAD)")
         if isinstance(self.lora_modules, (str, dict)):
             self.lora_modules = [self.lora_modules]
         for spec in self.lora_modules or []:

@@ -173,6 +173,16 @@ class ShmComm(Comm):
         os.close(self._fd)
 
 
+def short_error(e: BaseException) -> str:
+    """gloo's one-line message without its source location and advice: 'Read error [10.0.0.2]:2178:
+    Connection reset by peer' names the peer that went away."""
+    import re
+
+    line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    line = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", line)
+    return line.split(". This is typically caused")[0]
+
+
 class DistComm(Comm):
     """torch.distributed collectives on a process group of our own (gloo on CPU, nccl on CUDA): no
     global default group, so one process may hold more than one engine."""
@@ -185,7 +195,7 @@ class DistComm(Comm):
         try:
             work_fn().wait()
         except RuntimeError as e:
-            raise CollectiveError(self.abort_reason or f"tensor-parallel {what} failed: {str(e).splitlines()[0]}") from None
+            raise CollectiveError(self.abort_reason or f"tensor-parallel {what} failed: {short_error(e)}") from None
 
     def all_reduce_(self, x: torch.Tensor) -> None:
         self.counts["all_reduce"] += 1
@@ -226,7 +236,7 @@ class DistComm(Comm):
         except RuntimeError as e:
             if alive is not None and not alive():
                 return None
-            raise CollectiveError(f"tensor-parallel broadcast failed: {str(e).splitlines()[0]}") from None
+            raise CollectiveError(f"tensor-parallel broadcast failed: {short_error(e)}") from None
         data = torch.empty(int(n.item()), dtype=torch.uint8, device=self.device)
         self._run("broadcast", lambda: self.pg.broadcast(data, 0))
         return pickle.loads(data.cpu().numpy().tobytes())
@@ -244,8 +254,10 @@ class DistComm(Comm):
             pass
 
 
-def process_group(backend: str, store, rank: int, world: int, timeout: float, interface: str | None):
-    """A gloo (CPU) or nccl (CUDA) process group over `store`, not registered as torch's default."""
+def process_group(backend: str, store, rank: int, world: int, timeout: float, interface: str | None,
+                  hostname: str | None = None):
+    """A gloo (CPU) or nccl (CUDA) process group over `store`, not registered as torch's default;
+    gloo binds `interface` by name, or the one that holds `hostname` (an address)."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -254,6 +266,7 @@ def process_group(backend: str, store, rank: int, world: int, timeout: float, in
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = timedelta(seconds=timeout)
         opts._devices = [dist.ProcessGroupGloo.create_device(interface=interface) if interface
+                         else dist.ProcessGroupGloo.create_device(hostname=hostname) if hostname
                          else dist.ProcessGroupGloo.create_default_device()]
         return dist.ProcessGroupGloo(store, rank, world, opts)
     if backend == "nccl":  # coded to the API, never run here (no GPU)
@@ -266,9 +279,13 @@ def process_group(backend: str, store, rank: int, world: int, timeout: float, in
 BACKENDS = ("auto", "shm", "gloo", "nccl")
 
 
-def resolve_backend(backend: str, device: str) -> str:
+def resolve_backend(backend: str, device: str, nodes: int = 1) -> str:
+    """The backend for `backend` (a flag's value) with ranks on `nodes` machines."""
     if backend not in BACKENDS:
         raise InferdError(f"unknown tensor-parallel backend {backend!r} (choose {', '.join(BACKENDS)})")
+    if nodes > 1 and backend == "shm":
+        raise InferdError(f"the shared-memory all-reduce needs every rank on one node, and the ranks were placed on "
+                          f"{nodes}: use --tensor-parallel-backend gloo (or auto)")
     if device.startswith("cuda"):
         if backend not in ("auto", "nccl"):
             raise InferdError("on CUDA tensor parallelism runs over nccl")
@@ -278,7 +295,7 @@ def resolve_backend(backend: str, device: str) -> str:
     if backend == "auto":
         from inferd.kernels import native
 
-        return "shm" if native.ops() is not None else "gloo"
+        return "shm" if native.ops() is not None and nodes == 1 else "gloo"
     return backend
 
 
@@ -300,21 +317,37 @@ def torchrun_rank() -> tuple[int, int] | None:
     return None
 
 
-def connect(backend: str, rank: int, world: int, store_path: str | None, shm_path: str | None, device: torch.device,
-            timeout: float = DEFAULT_TIMEOUT):
-    """(process group, comm) of one rank; every rank calls it. store_path None: torchrun's env://
+def tcp_store(ip: str, world: int, timeout: float = DEFAULT_TIMEOUT):
+    """Rank 0's rendezvous store for ranks on other nodes, a TCP store on `ip` at a free port, and
+    its URL (tcp://ip:port) for the other ranks."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore(ip, 0, world, is_master=True, timeout=timedelta(seconds=timeout), wait_for_workers=False)
+    return store, f"tcp://{ip}:{store.port}"
+
+
+def connect(backend: str, rank: int, world: int, store, shm_path: str | None, device: torch.device,
+            timeout: float = DEFAULT_TIMEOUT, ip: str | None = None):
+    """(process group, comm) of one rank; every rank calls it. `store`: None for torchrun's env://
     rendezvous (ranks possibly on other hosts: gloo picks the interface from GLOO_SOCKET_IFNAME or
-    the hostname); else a file store of ranks inferd started on this host (loopback)."""
+    the hostname); a path for a file store of ranks inferd started on this host (loopback); a
+    tcp://ip:port URL (or rank 0's own store) for ranks an executor placed on several nodes, each
+    binding gloo to its node's `ip`."""
+    from datetime import timedelta
+
     import torch.distributed as dist
 
     if backend == "shm":  # the segment is the rendezvous: nothing to wait for before loading
         return None, ShmComm(rank, world, shm_path, timeout=timeout)
-    if store_path is None:
-        from datetime import timedelta
-
+    interface = os.environ.get("GLOO_SOCKET_IFNAME")
+    if store is None:
         store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timedelta(seconds=timeout)))
-        interface = os.environ.get("GLOO_SOCKET_IFNAME")
-    else:
-        store, interface = dist.FileStore(store_path, world), os.environ.get("GLOO_SOCKET_IFNAME", "lo")
-    pg = process_group(backend, store, rank, world, timeout, interface)
+    elif isinstance(store, str) and store.startswith("tcp://"):
+        host, port = store[len("tcp://"):].rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), world, is_master=False, timeout=timedelta(seconds=timeout))
+    elif isinstance(store, str):
+        store, interface = dist.FileStore(store, world), interface or "lo"
+    pg = process_group(backend, store, rank, world, timeout, interface, None if interface else ip)
     return pg, DistComm(pg, rank, world, device)

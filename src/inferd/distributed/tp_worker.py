@@ -43,7 +43,7 @@ def serve(spec: dict) -> int:
     torch.set_num_threads(spec["threads"])
     device = torch.device(f"cuda:{rank}" if cfg.device.startswith("cuda") else "cpu")
     try:
-        _, comm = connect(spec["backend"], rank, world, spec["store"], spec["shm"], device)
+        _, comm = connect(spec["backend"], rank, world, spec["store"], spec["shm"], device, ip=spec.get("ip"))
         from inferd.distributed.tensor_parallel import apply_tp, shard_of
         from inferd.loading.loader import load_model, resolve_dtype
         from inferd.model.config import attention_scale
