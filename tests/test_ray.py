@@ -71,6 +71,204 @@ def two_nodes(tmp_path_factory):
         hosts.close()
 
 
+# -- the Ray Serve application ----------------------------------------------------------------------
+
+STATUS = textwrap.dedent('''
+    import json, sys, time, ray
+    from ray import serve
+    ray.init(address=sys.argv[1], logging_level="ERROR")
+    while True:
+        app = serve.status().applications.get("inferd")
+        deps = app.deployments if app else {}
+        print(json.dumps({d: dict(s.replica_states) for d, s in deps.items()}), flush=True)
+        time.sleep(0.3)
+''')
+
+
+def engine_replica_pids(deployment: str = "InferdEngine") -> set[int]:
+    pids = set()
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    if f"ServeReplica:inferd:{deployment}".encode() in f.read():
+                        pids.add(int(d))
+            except OSError:
+                pass
+    return pids
+
+
+class ServeApp:
+    """`serve run` of a config over a Ray cluster, the statuses Serve reports as they change, and
+    the HTTP root of the application."""
+
+    def __init__(self, args: dict, tmp_path, address: str, env: dict, ns: list[str] = (), port: int = 8000):
+        import yaml
+
+        cfg = {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": port},
+               "applications": [{"name": "inferd", "route_prefix": "/", "import_path": "inferd.ray.serve:build_app",
+                                 "args": args}]}
+        (tmp_path / "serve.yaml").write_text(yaml.safe_dump(cfg))
+        self.base, self.log = f"http://127.0.0.1:{port}", tmp_path / "serve-run.log"
+        serve_cli = os.path.join(os.path.dirname(sys.executable), "serve")
+        self.proc = subprocess.Popen([*ns, serve_cli, "run", "--address", address, str(tmp_path / "serve.yaml")],
+                                     stdout=open(self.log, "wb"), stderr=subprocess.STDOUT, env=env)
+        self.statuses: list[dict] = []
+        self.watch = subprocess.Popen([*ns, sys.executable, "-c", STATUS, address], stdout=subprocess.PIPE,
+                                      stderr=subprocess.DEVNULL, env=env, text=True)
+        import threading
+
+        def read():
+            for line in self.watch.stdout:
+                self.statuses.append(json.loads(line))
+        threading.Thread(target=read, daemon=True).start()
+
+    def running(self, deployment: str = "InferdEngine") -> int:
+        return self.statuses[-1].get(deployment, {}).get("RUNNING", 0) if self.statuses else 0
+
+    def wait(self, predicate, timeout: float, what: str):
+        t0 = time.monotonic()
+        while not predicate():
+            if time.monotonic() - t0 > timeout:
+                raise AssertionError(f"timed out waiting for {what}; statuses {self.statuses[-3:]}; "
+                                     f"log: {self.log.read_text()[-3000:]}")
+            if self.proc.poll() is not None:
+                raise AssertionError(f"serve run exited {self.proc.returncode}: {self.log.read_text()[-3000:]}")
+            time.sleep(0.3)
+
+    def close(self):
+        for p in (self.watch, self.proc):
+            if p.poll() is None:
+                p.send_signal(2)
+        for p in (self.watch, self.proc):
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+@pytest.fixture
+def one_node(tmp_path):
+    """A one-node Ray cluster on loopback with two CPUs (room for two engine replicas)."""
+    from conftest import free_port
+
+    port = free_port()
+    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=os.urandom(16).hex(), RAY_ADDRESS=f"127.0.0.1:{port}")
+    out = subprocess.run([RAY, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port), "--num-cpus", "2",
+                          "--object-store-memory", str(80 << 20), "--include-dashboard=false", "--disable-usage-stats"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    try:
+        yield env
+    finally:
+        subprocess.run([RAY, "stop", "--force"], capture_output=True, timeout=60, env=env)
+
+
+def test_serve_app_autoscales_answers_the_openai_client_and_replaces_a_killed_replica(one_node, tmp_path):
+    """The Ray Serve application, min 1 and max 2 engine replicas:
+    1. the official openai client gets the same greedy text streamed and not;
+    2. under a sustained `inferd bench` load Serve's status shows 2 replicas running;
+    3. one replica SIGKILLed mid-load: a new replica process takes its place, every request of the
+       load is answered or failed with a clear error (no hang), and the failures the bench counts are
+       the ones the ingress counted;
+    4. idle again, Serve's status goes back to 1 replica."""
+    import httpx
+    import openai
+
+    from conftest import free_port
+
+    port = free_port()
+    app = ServeApp({"engine": {"kv_cache_memory": SMALL_KV},
+                    "autoscaling_config": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2,
+                                           "upscale_delay_s": 0.5, "downscale_delay_s": 3, "metrics_interval_s": 0.5,
+                                           "look_back_period_s": 1}},
+                   tmp_path, one_node["RAY_ADDRESS"], one_node, port=port)
+    try:
+        app.wait(lambda: app.running() == 1 and app.running("InferdIngress") == 1, 120, "the application")
+        client = openai.OpenAI(base_url=app.base + "/v1", api_key="none", max_retries=0, timeout=60)
+        model = client.models.list().data[0].id
+        whole = client.completions.create(model=model, prompt="The capital of France is", max_tokens=12,
+                                          temperature=0).choices[0].text
+        parts = client.completions.create(model=model, prompt="The capital of France is", max_tokens=12,
+                                          temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in parts) == whole and whole
+        n = 48
+        bench = subprocess.Popen([sys.executable, "-m", "inferd", "bench", "--base-url", app.base, "--dataset", "random",
+                                  "--input-len", "32", "--output-len", "64", "--num-prompts", str(n),
+                                  "--max-concurrency", "8", "--timeout", "120", "--no-progress", "--no-server-metrics",
+                                  "--result-json", str(tmp_path / "bench.json")],
+                                 stdout=open(tmp_path / "bench.log", "wb"), stderr=subprocess.STDOUT)
+        app.wait(lambda: app.running() == 2, 90, "a second replica under load")
+        first = engine_replica_pids()
+        victim = min(first)
+        os.kill(victim, 9)
+        app.wait(lambda: len(engine_replica_pids() - first) >= 1 and app.running() == 2, 90,
+                 "a replica in place of the killed one")
+        bench.wait(300)
+        res = json.loads((tmp_path / "bench.json").read_text())
+        failures = httpx.get(app.base + "/v1/ray/replica_failures", timeout=10).json()["failures"]
+        print(f"Ray Serve: {res['completed']} of {n} requests answered, {res['failed']} failed with an error "
+              f"(the ingress counted {failures}) after replica {victim} was killed")
+        assert res["completed"] + res["failed"] == n and res["completed"] > 0
+        assert res["failed"] == failures
+        app.wait(lambda: app.running() == 1 and not app.statuses[-1]["InferdEngine"].get("STOPPING"), 90,
+                 "scaling back to one replica when idle")
+        assert any(s.get("InferdEngine", {}).get("RUNNING") == 2 for s in app.statuses)
+        assert all("engine replica failed: ActorDiedError" in e for e in res["errors"]), res["errors"]
+    finally:
+        app.close()
+
+
+PD_CLIENT = textwrap.dedent('''
+    import json, sys, httpx, openai
+    base, prompts = sys.argv[1], json.loads(sys.argv[2])
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    out = []
+    for p in prompts:
+        r = client.completions.create(model=model, prompt=p, max_tokens=12, temperature=0)
+        out.append([r.choices[0].text, r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens])
+    print(json.dumps({"out": out, "ingress": httpx.get(base + "/v1/ray/replica_failures").json()}), flush=True)
+''')
+
+
+def test_disaggregated_prefill_and_decode_deployments_on_two_nodes(two_nodes, default_gguf_path, tmp_path):
+    """The application with a `prefill` deployment: its replica and the decode replica land on the
+    two nodes (one CPU each), the greedy texts are a colocated engine's, every request took the
+    disaggregated path, and the decode replica computed 1 prompt token of each (the rest came over
+    the network connector: cached_tokens = prompt_tokens - 1)."""
+    from inferd.engine.engine import LLMEngine
+
+    hosts = two_nodes
+    eng = LLMEngine(model=default_gguf_path, dtype="float32", kv_cache_memory=SMALL_KV, threads=1)
+    tok = eng.tokenizer
+    ref = run_recording(eng, [(tok.encode(p), 12) for p in PROMPTS])
+    eng.close()
+    app = ServeApp({"engine": {"kv_cache_memory": SMALL_KV, "dtype": "float32"}, "prefill": {},
+                    "enable_prompt_tokens_details": True},
+                   tmp_path, hosts.address, hosts.env, ns=["ip", "netns", "exec", hosts.a])
+    try:
+        app.wait(lambda: app.running() == 1 and app.running("InferdPrefill") == 1
+                 and app.running("InferdIngress") == 1, 180, "the prefill, decode and ingress deployments")
+        nodes = {d: {subprocess.run(["ip", "netns", "identify", str(p)], capture_output=True, text=True).stdout.strip()
+                     for p in engine_replica_pids(d)} for d in ("InferdPrefill", "InferdEngine")}
+        assert nodes["InferdPrefill"] | nodes["InferdEngine"] == {hosts.a, hosts.b}, nodes
+        out = subprocess.run(["ip", "netns", "exec", hosts.a, sys.executable, "-c", PD_CLIENT, app.base,
+                              json.dumps(PROMPTS)], capture_output=True, text=True, timeout=300, env=hosts.env)
+        assert out.returncode == 0, out.stderr[-3000:] + app.log.read_text()[-3000:]
+        res = json.loads(out.stdout.strip().splitlines()[-1])
+        texts = {i: t for i, (t, _, _) in enumerate(res["out"])}
+        assert compare_texts(texts, ref, tok) <= 1
+        assert all(cached == prompt - 1 for _, prompt, cached in res["out"]), res["out"]
+        assert res["ingress"]["paths"] == {"disagg": len(PROMPTS), "fallback": 0, "ineligible": 0}
+        print(f"disaggregated on Ray: prefill on {nodes['InferdPrefill']}, decode on {nodes['InferdEngine']}; "
+              f"{sum(p for _, p, _ in res['out'])} prompt tokens, {len(PROMPTS)} computed by the decode replica")
+    finally:
+        app.close()
+
+
+# -- tensor parallelism over two nodes (last: it kills the worker node) ------------------------------
+
 CLIENT = textwrap.dedent('''
     import json, sys, time, httpx, openai, ray
     base, address, prompts, dev = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]

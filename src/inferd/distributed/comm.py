@@ -29,6 +29,18 @@ DEFAULT_SLOT_BYTES = 4 << 20  # a chunk of one collective: 512 tokens x 576 fp32
 DEFAULT_TIMEOUT = float(os.environ.get("INFERD_TP_TIMEOUT", "120"))
 
 
+def ready_counts(rank: int, world: int, nbytes: int) -> torch.Tensor:
+    """The all-reduce every rank makes when ready, carrying its weight bytes: MiB and the rest in two
+    float32 lanes (exact below 16 TiB; one float32 holds integers exactly only up to 2^24)."""
+    t = torch.zeros(world, 2)
+    t[rank, 0], t[rank, 1] = divmod(nbytes, 1 << 20)
+    return t
+
+
+def weights_of(ready: torch.Tensor) -> list[int]:
+    return [(int(hi) << 20) + int(lo) for hi, lo in ready.tolist()]
+
+
 class CollectiveError(RuntimeError):
     """A collective could not complete (a rank died, or timed out): the engine cannot go on."""
 

@@ -92,12 +92,3 @@ class MpExecutor(Executor):
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(5)
-
-
-def make_executor(cfg, world: int, local_world: int | None = None) -> Executor:
-    if cfg.distributed_executor_backend == "ray":
-        from inferd.distributed.ray_executor import RayExecutor
-
-        return RayExecutor(cfg, world)
-    return MpExecutor(world, cfg.threads, local_world)
-

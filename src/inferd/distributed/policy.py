@@ -86,6 +86,7 @@ class Balancer:
         self.policy = policy
         self.chunk = chunk
         self.cache_threshold, self.balance_abs, self.balance_rel = cache_threshold, balance_abs, balance_rel
+        self.capacity = capacity
         self.index = {t: PrefixIndex(capacity) for t in self.targets}
         self._rr = 0
 
@@ -128,6 +129,13 @@ class Balancer:
     def _record(self, pick: Pick, hashes: list[int]) -> Pick:
         self.index[pick.target].insert(hashes)
         return pick
+
+    def add_targets(self, targets: Sequence[Hashable]):
+        """Targets that came up since (replicas a cluster scaled out): they start with empty indexes."""
+        for t in targets:
+            if t not in self.index:
+                self.targets.append(t)
+                self.index[t] = PrefixIndex(self.capacity)
 
     def forget(self, target: Hashable):
         """A target restarted (its cache is empty) or was marked down."""

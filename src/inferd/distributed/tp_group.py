@@ -23,23 +23,22 @@ import time
 
 import torch
 
-from inferd.distributed.comm import ShmComm, connect, resolve_backend, tcp_store, torchrun_backend, torchrun_rank
-from inferd.distributed.executor import MpExecutor, make_executor
+from inferd.distributed.comm import (ShmComm, connect, ready_counts, resolve_backend, tcp_store, torchrun_backend,
+                                    torchrun_rank, weights_of)
+from inferd.distributed.executor import Executor, MpExecutor
 from inferd.errors import InferdError
 from inferd.quant.linear import weight_bytes
 
 log = logging.getLogger("inferd")
 
-def ready_counts(rank: int, world: int, nbytes: int) -> torch.Tensor:
-    """The all-reduce every rank makes when ready, carrying its weight bytes: MiB and the rest in two
-    float32 lanes (exact below 16 TiB; one float32 holds integers exactly only up to 2^24)."""
-    t = torch.zeros(world, 2)
-    t[rank, 0], t[rank, 1] = divmod(nbytes, 1 << 20)
-    return t
-
-
-def weights_of(ready: torch.Tensor) -> list[int]:
-    return [(int(hi) << 20) + int(lo) for hi, lo in ready.tolist()]
+def make_executor(cfg, world: int) -> Executor:
+    if cfg.distributed_executor_backend == "ray":
+        try:
+            from inferd.distributed.ray_executor import RayExecutor
+        except ImportError:
+            raise InferdError("--distributed-executor-backend ray needs Ray: pip install 'inferd[ray]'") from None
+        return RayExecutor(cfg, world)
+    return MpExecutor(world, cfg.threads)
 
 
 class TensorParallelGroup:

@@ -78,7 +78,7 @@ def serve(spec: dict) -> int:
             for m in cfg.lora_modules or []:
                 lora.add(*lora_module(m))
         runner = ModelRunner(model, attn, enforce_eager=True, comm=comm, lora=lora)
-        from inferd.distributed.tp_group import ready_counts
+        from inferd.distributed.comm import ready_counts
         from inferd.quant.linear import weight_bytes
 
         comm.all_reduce_(ready_counts(rank, world, weight_bytes(model)))  # rank 0 learns every rank is ready
