@@ -73,6 +73,28 @@ def two_nodes(tmp_path_factory):
 
 # -- the Ray Serve application ----------------------------------------------------------------------
 
+def test_the_kuberay_manifest_builds_the_application():
+    """deploy/kuberay/rayservice.yaml on paper: a RayService whose serveConfigV2 names the builder and
+    args this module tests, which build (options checked, no model loaded); bad args are one line."""
+    import yaml
+
+    from inferd.errors import InferdError
+    from inferd.ray.serve import build_app
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "deploy", "kuberay", "rayservice.yaml")) as f:
+        svc = yaml.safe_load(f)
+    assert svc["kind"] == "RayService" and svc["apiVersion"] == "ray.io/v1"
+    apps = yaml.safe_load(svc["spec"]["serveConfigV2"])["applications"]
+    assert [a["import_path"] for a in apps] == ["inferd.ray.serve:build_app"]
+    build_app(apps[0]["args"])
+    for bad, words in (({"engine": {"kv_cache_memroy": "1GiB"}}, "unknown option 'kv_cache_memroy'"),
+                       ({"routing": "random"}, "routing"), ({"replicas": 2}, "unknown option 'replicas'"),
+                       ({"prefill": {"engine": {}, "nodes": 1}}, "prefill: unknown option 'nodes'")):
+        with pytest.raises(InferdError, match=words):
+            build_app(bad)
+
+
 STATUS = textwrap.dedent('''
     import json, sys, time, ray
     from ray import serve
@@ -178,7 +200,8 @@ def test_serve_app_autoscales_answers_the_openai_client_and_replaces_a_killed_re
     from conftest import free_port
 
     port = free_port()
-    app = ServeApp({"engine": {"kv_cache_memory": SMALL_KV},
+    # dense fp32 weights: a slower engine, so that a short load lasts past a scale-up and a replacement
+    app = ServeApp({"engine": {"kv_cache_memory": SMALL_KV, "quantization": "none", "dtype": "float32"},
                     "autoscaling_config": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2,
                                            "upscale_delay_s": 0.5, "downscale_delay_s": 3, "metrics_interval_s": 0.5,
                                            "look_back_period_s": 1}},
@@ -192,9 +215,9 @@ def test_serve_app_autoscales_answers_the_openai_client_and_replaces_a_killed_re
         parts = client.completions.create(model=model, prompt="The capital of France is", max_tokens=12,
                                           temperature=0, stream=True)
         assert "".join(c.choices[0].text for c in parts) == whole and whole
-        n = 48
+        n = 32
         bench = subprocess.Popen([sys.executable, "-m", "inferd", "bench", "--base-url", app.base, "--dataset", "random",
-                                  "--input-len", "32", "--output-len", "64", "--num-prompts", str(n),
+                                  "--input-len", "32", "--output-len", "48", "--num-prompts", str(n),
                                   "--max-concurrency", "8", "--timeout", "120", "--no-progress", "--no-server-metrics",
                                   "--result-json", str(tmp_path / "bench.json")],
                                  stdout=open(tmp_path / "bench.log", "wb"), stderr=subprocess.STDOUT)
@@ -244,7 +267,7 @@ def test_disaggregated_prefill_and_decode_deployments_on_two_nodes(two_nodes, de
     tok = eng.tokenizer
     ref = run_recording(eng, [(tok.encode(p), 12) for p in PROMPTS])
     eng.close()
-    app = ServeApp({"engine": {"kv_cache_memory": SMALL_KV, "dtype": "float32"}, "prefill": {},
+    app = ServeApp({"engine": {"kv_cache_memory": SMALL_KV, "quantization": "none", "dtype": "float32"}, "prefill": {},
                     "enable_prompt_tokens_details": True},
                    tmp_path, hosts.address, hosts.env, ns=["ip", "netns", "exec", hosts.a])
     try:
@@ -327,7 +350,7 @@ def test_tensor_parallel_ranks_on_two_ray_nodes(two_nodes, default_gguf_path, tm
     eng.close()
     log_path = tmp_path / "serve.log"
     env = hosts.env
-    srv = hosts.run(hosts.a, [sys.executable, "-m", "inferd", "serve", "--model", default_gguf_path, "--dtype", "float32",
+    srv = hosts.run(hosts.a, [sys.executable, "-m", "inferd", "serve", "--model", default_gguf_path, "--quantization", "none", "--dtype", "float32",
                               "-tp", "2", "--distributed-executor-backend", "ray", "--kv-cache-memory", SMALL_KV,
                               "--port", "8000"], open(log_path, "wb"), env=env)
     client = hosts.run(hosts.a, [sys.executable, "-c", CLIENT, "http://127.0.0.1:8000", hosts.address,

@@ -58,10 +58,11 @@ class RayEngineClient:
         try:
             outs = self.stream.generate.remote(list(prompt_ids), params, request_id,
                                                kv_transfer_params=kv_transfer_params, lora=lora)
-            async for out in outs:
-                if self.on_finish is not None and out.finished:
-                    self.on_finish(out)
-                yield out
+            async for batch in outs:  # a replica sends its outputs in lists (EngineReplica.generate)
+                for out in batch:
+                    if self.on_finish is not None and out.finished:
+                        self.on_finish(out)
+                    yield out
         except (ray.exceptions.RayError, ray.serve.exceptions.RayServeException) as e:
             self.failures += 1
             err = replica_error(e)

@@ -19,7 +19,7 @@ Two deployments (the shape of Ray Serve LLM's `build_openai_app`):
     num_replicas: N | autoscaling_config: {min_replicas, max_replicas, target_ongoing_requests, ...}
     ray_actor_options: {num_cpus: 1, ...}            max_ongoing_requests: 32
     routing: prefix | pow2                           api_key: KEY
-    enable_prompt_tokens_details: false
+    enable_prompt_tokens_details: false              stream_interval_ms: 50 (outputs sent together)
     prefill: {same keys}  (with it: disaggregated prefill/decode, inferd.ray.disagg)
 """
 from __future__ import annotations
@@ -34,29 +34,33 @@ log = logging.getLogger("inferd")
 
 DEFAULTS = {"model": None, "served_model_name": None, "engine": {}, "num_replicas": 1, "autoscaling_config": None,
             "ray_actor_options": {"num_cpus": 1}, "max_ongoing_requests": 32, "routing": "prefix", "api_key": None,
-            "prefill": None, "enable_prompt_tokens_details": False}
+            "prefill": None, "enable_prompt_tokens_details": False, "stream_interval_ms": 50}
 
 
 def engine_config(model: str | None, options: dict, cpus: float | None):
-    """The EngineConfig of a replica: `options` over the defaults, threads = the replica's CPUs."""
+    """The EngineConfig of a replica: `inferd serve`'s defaults (--quantization auto: a GGUF file
+    runs from its own blocks), `options` over them, threads = the replica's CPUs."""
+    from inferd.cli import build_parser
     from inferd.config import EngineConfig
+    from inferd.errors import InferdError
 
     opts = {str(k).replace("-", "_"): v for k, v in (options or {}).items()}
     bad = sorted(set(opts) - EngineConfig.field_names())
     if bad:
-        from inferd.errors import InferdError
-
         raise InferdError(f"engine: unknown option {bad[0]!r}")
-    cfg = replace(EngineConfig(), model=model, **opts)
+    cfg = replace(EngineConfig.from_args(build_parser().parse_args(["serve"])), model=model, **opts)
     if not cfg.threads and cpus:
         cfg.threads = max(1, int(cpus))
     return cfg.validate()
 
 
 class EngineReplica:
-    """One engine: generate streams RequestOutputs back to the ingress."""
+    """One engine: generate streams RequestOutputs back to the ingress, in lists: every item of a
+    Ray streaming call costs a message and a wake-up in two processes, so after the first output
+    the ones that come within `stream_interval_ms` travel together (Ray Serve LLM batches its
+    streams the same way); a finished output goes at once."""
 
-    def __init__(self, model: str | None, options: dict):
+    def __init__(self, model: str | None, options: dict, stream_interval_ms: float = 50):
         import ray
 
         from inferd.engine.async_engine import AsyncLLM
@@ -67,14 +71,24 @@ class EngineReplica:
         cpus = ray.get_runtime_context().get_assigned_resources().get("CPU")
         options = producer_on_this_node(options, ray.util.get_node_ip_address())
         self.llm = AsyncLLM.from_config(engine_config(model, options, cpus))
+        self.interval = max(0.0, float(stream_interval_ms)) / 1e3
 
     def info(self):
         return self.llm.info
 
     async def generate(self, prompt_ids: list[int], params, request_id: str, kv_transfer_params: dict | None = None,
                        lora: str | None = None):
+        import time
+
+        batch, sent = [], 0.0
         async for out in self.llm.generate(prompt_ids, params, request_id, None, kv_transfer_params, lora):
-            yield out
+            batch.append(out)
+            now = time.monotonic()
+            if out.finished or now - sent >= self.interval:
+                yield batch
+                batch, sent = [], now
+        if batch:
+            yield batch
 
     async def state(self, steps: int = 100) -> list[dict]:
         return await self.llm.state(steps)
@@ -146,7 +160,7 @@ def engine_deployment(name: str, a: dict):
 
         raise InferdError(f"routing: {a['routing']!r} (choose prefix, pow2)")
     engine_config(a["model"], a["engine"], None)  # a bad option fails here, at build time, in one line
-    return serve.deployment(EngineReplica).options(**opts).bind(a["model"], a["engine"])
+    return serve.deployment(EngineReplica).options(**opts).bind(a["model"], a["engine"], a["stream_interval_ms"])
 
 
 def build_app(args: dict | None = None):
