@@ -126,27 +126,36 @@ def main():
     ap.add_argument("--prompts", type=int, default=48)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--parts", default="tp,serving", help="which parts to run (tp, serving)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
     with ray_cluster() as env:
         # the ranks first: a Serve application's replicas, once stopped, give their CPUs back lazily
-        steps = {(ex, be): step_ms(ex, be, args.tokens) for be in ("shm", "gloo") for ex in ("mp", "ray")}
-        rows, paths = serving(args, env)
+        steps = {(ex, be): step_ms(ex, be, args.tokens) for be in ("shm", "gloo") for ex in ("mp", "ray")
+                 if "tp" in parts}
+        rows, paths = serving(args, env) if "serving" in parts else ([], {})
     setup = {"workload": f"random 64 in / 64 out, {args.prompts} prompts at concurrency {args.concurrency}",
              "probe": "20 one-token requests of 16 prompt tokens, one at a time",
              "tensor parallel": f"TP=2, 1 thread a rank, fp32, batch 1, {args.tokens} decode steps"}
     report_header("Ray's overhead: inferd's own processes vs the same work placed by Ray", setup, paths)
+    if rows:
+        serving_tables(rows)
+    if steps:
+        print_table("\nTensor parallelism: median decode step", ["backend", "mp, ms", "ray, ms", "ray - mp, ms"],
+                    [[be, f"{steps[('mp', be)]:.2f}", f"{steps[('ray', be)]:.2f}",
+                      f"{steps[('ray', be)] - steps[('mp', be)]:+.2f}"] for be in ("shm", "gloo")])
+    write_json(args.json, setup, [{k: v for k, v in r.items() if k in ("setup", "probe") or k in
+                                   {m[1] for m in METRICS}} for r in rows], paths,
+               tp_step_ms={f"{ex}/{be}": v for (ex, be), v in steps.items()})
+
+
+def serving_tables(rows: list[dict]) -> None:
     print_table("\nServing (one machine)", ["setup", *(m[0] for m in METRICS), "probe TTFT ms (median)"],
                 [[r["setup"], *(fmt(r.get(k), s) for _, k, s in METRICS), fmt(r["probe"].get("median_ttft_ms"), "{:.1f}")]
                  for r in rows])
     per_req = rows[1]["probe"]["median_ttft_ms"] - rows[0]["probe"]["median_ttft_ms"]
     print(f"Ray Serve's overhead per request (median one-token TTFT, Ray - dp): {per_req:+.1f} ms")
-    print_table("\nTensor parallelism: median decode step", ["backend", "mp, ms", "ray, ms", "ray - mp, ms"],
-                [[be, f"{steps[('mp', be)]:.2f}", f"{steps[('ray', be)]:.2f}",
-                  f"{steps[('ray', be)] - steps[('mp', be)]:+.2f}"] for be in ("shm", "gloo")])
-    write_json(args.json, setup, [{k: v for k, v in r.items() if k in ("setup", "probe") or k in
-                                   {m[1] for m in METRICS}} for r in rows], paths,
-               tp_step_ms={f"{ex}/{be}": v for (ex, be), v in steps.items()}, ray_per_request_ms=per_req)
 
 
 if __name__ == "__main__":

@@ -17,13 +17,17 @@ class PrefixRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, chunk: int = CHUNK, **_):
         self.balancer = Balancer([], policy="prefix", chunk=chunk)
         self.picks: dict[str, int] = {}  # reason -> requests (prefix, new, balance)
+        # requests this router has in flight on each replica: what the policy balances on (Serve's
+        # queue-length cache is filled only by probes, which a router that ranks replicas itself
+        # may never trigger, and a cache of zeros would pile every shared prefix onto one replica)
+        self.open: dict[str, int] = {}
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        loads = {k: self._replica_queue_len_cache.get(r.replica_id) or 0 for k, r in by_id.items()}
+        loads = {k: self.open.get(k, 0) for k in by_id}
         self.balancer.add_targets(list(by_id))
         ids = pending_request.args[0] if pending_request is not None and pending_request.args else None
         if not isinstance(ids, list):  # not a generate call (state, info): the least loaded
@@ -32,3 +36,10 @@ class PrefixRouter(FIFOMixin, RequestRouter):
         self.picks[pick.reason] = self.picks.get(pick.reason, 0) + 1
         rest = sorted((r for k, r in by_id.items() if k != pick.target), key=lambda r: loads[r.replica_id.unique_id])
         return [[by_id[pick.target]], rest] if rest else [[by_id[pick.target]]]
+
+    def on_request_routed(self, pending_request, replica_id, result) -> None:
+        self.open[replica_id.unique_id] = self.open.get(replica_id.unique_id, 0) + 1
+
+    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
+        k = replica_id.unique_id
+        self.open[k] = max(0, self.open.get(k, 0) - 1)

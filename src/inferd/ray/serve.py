@@ -7,8 +7,8 @@ Two deployments (the shape of Ray Serve LLM's `build_openai_app`):
 - `InferdIngress`: the same FastAPI app as `inferd serve` (inferd.server: completions, chat,
   streaming, errors, /metrics), holding a `RayEngineClient` instead of an engine process. It
   tokenizes, renders chat templates and detokenizes; it takes no CPU of its own from Ray.
-- `InferdEngine`: the replicas, each one engine (AsyncLLM: the engine on a thread of the replica's
-  process), scaled by Serve's `autoscaling_config` on ongoing requests, health-checked (a dead
+- `InferdEngine`: the replicas, each one engine (in a core process the replica starts, as
+  `inferd serve` does), scaled by Serve's `autoscaling_config` on ongoing requests, health-checked (a dead
   engine fails `check_health`, and Serve replaces the replica), and chosen per request by
   `inferd.ray.router.PrefixRouter` (the prefix policy of `inferd router`) unless `routing:
   pow2` asks for Serve's own power-of-two choices.
@@ -55,7 +55,9 @@ def engine_config(model: str | None, options: dict, cpus: float | None):
 
 
 class EngineReplica:
-    """One engine: generate streams RequestOutputs back to the ingress, in lists: every item of a
+    """One engine, in a core process of its own (inferd serve's EngineCoreClient): the replica's
+    event loop, which answers Serve's calls and queue-length probes and streams the outputs, does
+    not share a GIL with the scheduler. `generate` streams RequestOutputs back to the ingress, in lists: every item of a
     Ray streaming call costs a message and a wake-up in two processes, so after the first output
     the ones that come within `stream_interval_ms` travel together (Ray Serve LLM batches its
     streams the same way); a finished output goes at once."""
@@ -63,14 +65,14 @@ class EngineReplica:
     def __init__(self, model: str | None, options: dict, stream_interval_ms: float = 50):
         import ray
 
-        from inferd.engine.async_engine import AsyncLLM
+        from inferd.engine.core_client import EngineCoreClient
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         from inferd.ray.disagg import producer_on_this_node
 
         cpus = ray.get_runtime_context().get_assigned_resources().get("CPU")
         options = producer_on_this_node(options, ray.util.get_node_ip_address())
-        self.llm = AsyncLLM.from_config(engine_config(model, options, cpus))
+        self.llm = EngineCoreClient(engine_config(model, options, cpus))
         self.interval = max(0.0, float(stream_interval_ms)) / 1e3
 
     def info(self):
