@@ -300,6 +300,24 @@ def compare_texts(texts, refs, tok):
     return near_ties
 
 
+def wait_up(base: str, seconds: float = 120) -> None:
+    """Until `base`/health answers 200 (a server another process started); exits the process
+    (these are client scripts) with one line when it never does."""
+    import sys
+
+    import httpx
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    sys.exit(f"{base} never came up")
+
+
 def stream_then_kill(base: str, body: dict, pid: int, after: int = 3) -> list[str]:
     """Stream a completion, SIGKILL `pid` once `after` events have arrived; the stream's events."""
     import signal

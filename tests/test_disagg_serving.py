@@ -329,18 +329,11 @@ def test_a_malformed_transfer_config_is_one_line_at_start():
 CLIENT = textwrap.dedent('''
     import json, sys, time, httpx
     sys.path.insert(0, sys.argv[1])
+    from helpers import wait_up
     from test_disagg_serving import run_all, workload, prom
     router, decode, producer = sys.argv[2:5]
     for base in (producer, decode, router):
-        for _ in range(600):
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        else:
-            sys.exit(f"{base} never came up")
+        wait_up(base)
     for _ in range(100):  # the router's own health checks must have seen both workers (else: colocated)
         if prom(router, "inferd:router_backends_up") == 2:
             break

@@ -293,17 +293,11 @@ def test_disaggregated_prefill_and_decode_deployments_on_two_nodes(two_nodes, de
 # -- tensor parallelism over two nodes (last: it kills the worker node) ------------------------------
 
 CLIENT = textwrap.dedent('''
-    import json, sys, time, httpx, openai, ray
+    import json, sys, httpx, openai, ray
     base, address, prompts, dev = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
-    for _ in range(900):
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    else:
-        sys.exit("the server never came up")
+    sys.path.insert(0, sys.argv[5])
+    from helpers import wait_up
+    wait_up(base, 180)
 
     def veth():
         return sum(int(open(f"/sys/class/net/{dev}/statistics/{k}_bytes").read()) for k in ("rx", "tx"))
@@ -354,7 +348,8 @@ def test_tensor_parallel_ranks_on_two_ray_nodes(two_nodes, default_gguf_path, tm
                               "-tp", "2", "--distributed-executor-backend", "ray", "--kv-cache-memory", SMALL_KV,
                               "--port", "8000"], open(log_path, "wb"), env=env)
     client = hosts.run(hosts.a, [sys.executable, "-c", CLIENT, "http://127.0.0.1:8000", hosts.address,
-                                 json.dumps(PROMPTS), hosts.dev_a], subprocess.PIPE, env=env,
+                                 json.dumps(PROMPTS), hosts.dev_a, os.path.dirname(os.path.abspath(__file__))],
+                       subprocess.PIPE, env=env,
                        stderr=open(tmp_path / "client.log", "wb"))
     first = client.stdout.readline()
     if not first:
@@ -384,3 +379,43 @@ def test_tensor_parallel_ranks_on_two_ray_nodes(two_nodes, default_gguf_path, tm
           f"for {tokens} tokens")
     assert srv.returncode == 3
     assert "Traceback" not in log_path.read_text()
+
+
+def test_the_prefix_router_keeps_a_prefix_on_its_replica_and_balances_the_rest():
+    """PrefixRouter as Serve calls it (choose_replicas over the live replicas, then the routed and
+    completed hooks): requests sharing a 64-token prefix go to one replica while loads allow; new
+    prefixes go where the load is; a replica that comes up joins; a non-generate call goes to the
+    least loaded."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from ray.serve.request_router import PendingRequest
+
+    from inferd.ray.router import PrefixRouter
+
+    def replica(name):
+        return SimpleNamespace(replica_id=SimpleNamespace(unique_id=name))
+    router = PrefixRouter.__new__(PrefixRouter)  # no Serve router around it: the policy alone
+    router.initialize_state()
+    a, b, c = replica("a"), replica("b"), replica("c")
+
+    async def route(args, live):
+        req = PendingRequest(args=[args], kwargs={}, metadata=None)
+        first = (await router.choose_replicas(live, req))[0][0]
+        router.on_request_routed(req, first.replica_id, None)
+        return first.replica_id.unique_id
+
+    async def run():
+        shared = list(range(64))
+        homes = [await route(shared + [1000 + i], [a, b]) for i in range(4)]  # 4 open requests of one family
+        assert len(set(homes)) == 1
+        other = ({"a", "b"} - set(homes)).pop()
+        fresh = [await route([5000 + 100 * i + j for j in range(64)], [a, b]) for i in range(4)]
+        assert fresh == [other] * 4  # new prefixes go where the load is
+        for _ in range(8):  # the family's replica finishes its requests
+            router.on_request_completed(replica(homes[0]).replica_id, "x")
+        assert await route(shared + [2000], [a, b, c]) == homes[0]
+        assert await route([9000 + j for j in range(64)], [a, b, c]) == "c"  # the replica that just came up
+        assert await route(100, [a, b, c]) in {homes[0], "c"}  # not a generate call: the least loaded
+    asyncio.run(run())
+    assert router.picks == {"new": 6, "prefix": 4}
