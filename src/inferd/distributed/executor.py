@@ -57,6 +57,9 @@ class Executor:
 
 
 class MpExecutor(Executor):
+    """Ranks as processes started with `subprocess`, not multiprocessing: an engine core process is
+    itself a daemonic child, which multiprocessing forbids to have children."""
+
     def __init__(self, world: int, threads: int | None, local_world: int | None = None):
         cores = core_sets(local_world or world)
         self.threads = threads or (len(cores[0]) if cores[0] else 1)
