@@ -193,7 +193,9 @@ def test_serve_app_autoscales_answers_the_openai_client_and_replaces_a_killed_re
     3. one replica SIGKILLed mid-load: a new replica process takes its place, every request of the
        load is answered or failed with a clear error (no hang), and the failures the bench counts are
        the ones the ingress counted;
-    4. idle again, Serve's status goes back to 1 replica."""
+    4. idle again, Serve's status goes back to 1 replica;
+    5. a client that leaves a stream: its request is aborted in the replica (no request running, no
+       KV block held) long before its 4000 tokens would end."""
     import httpx
     import openai
 
@@ -237,6 +239,17 @@ def test_serve_app_autoscales_answers_the_openai_client_and_replaces_a_killed_re
         app.wait(lambda: app.running() == 1 and not app.statuses[-1]["InferdEngine"].get("STOPPING"), 90,
                  "scaling back to one replica when idle")
         assert any(s.get("InferdEngine", {}).get("RUNNING") == 2 for s in app.statuses)
+        with httpx.stream("POST", app.base + "/v1/completions", timeout=60, json={  # a client that leaves
+                "model": model, "prompt": "Count to a thousand:", "max_tokens": 4000, "ignore_eos": True,
+                "temperature": 0, "stream": True}) as r:
+            for k, _ in enumerate(r.iter_lines()):
+                if k == 6:
+                    break
+
+        def idle():
+            e = httpx.get(app.base + "/v1/engine/state", params={"steps": 0}, timeout=10).json()["engines"][0]
+            return e["num_running"] == 0 and e["kv"]["used_blocks"] == 0
+        app.wait(idle, 20, "the abandoned stream's request to be aborted in its replica (4000 tokens otherwise)")
         assert all("engine replica failed: ActorDiedError" in e for e in res["errors"]), res["errors"]
     finally:
         app.close()

@@ -55,6 +55,7 @@ class RayEngineClient:
                        kv_transfer_params: dict | None = None, lora: str | None = None) -> AsyncIterator:
         # `arrival` is this process's clock: the replica counts its latencies from its own add
         self._open += 1
+        outs, done = None, False
         try:
             outs = self.stream.generate.remote(list(prompt_ids), params, request_id,
                                                kv_transfer_params=kv_transfer_params, lora=lora)
@@ -63,16 +64,20 @@ class RayEngineClient:
                     if self.on_finish is not None and out.finished:
                         self.on_finish(out)
                     yield out
+            done = True
         except (ray.exceptions.RayError, ray.serve.exceptions.RayServeException) as e:
+            done = True
             self.failures += 1
             err = replica_error(e)
             log.warning("request %s: %s", request_id, err)
             raise err from None
         finally:
+            if outs is not None and not done:  # the client left: the replica's call is cancelled,
+                outs.cancel()                  # which aborts the request in its engine
             self._open -= 1
 
     def abort(self, request_id: str) -> None:
-        pass  # leaving generate's iterator cancels the replica's call, which aborts the request there
+        pass  # leaving generate's iterator cancels the replica's call (above)
 
     async def control(self, op: str, **args):
         raise InferdError(f"{op} is not supported on a Ray Serve deployment: change the deployment's config")
