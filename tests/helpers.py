@@ -432,8 +432,8 @@ def netns_unavailable() -> str | None:
 
 class TwoHosts:
     """Namespaces `a` and `b` (addresses `ip_a`, `ip_b`; veth ends `dev_a`, `dev_b`), each with its
-    loopback up; `run(ns, argv)` starts a process in one; `bytes(ns)` counts what crossed its veth
-    end, both ways. Everything started and both namespaces go at `close()`."""
+    loopback up; `run(ns, argv)` starts a process in one. Everything started and both namespaces
+    go at `close()`."""
 
     def __init__(self, tag: str = "x"):
         import subprocess
@@ -466,14 +466,6 @@ class TwoHosts:
         p = subprocess.Popen(["ip", "netns", "exec", ns, *argv], stdout=log, env=env, **kw)
         self.procs.append(p)
         return p
-
-    def bytes(self, ns: str) -> int:
-        import subprocess
-
-        dev = self.dev_a if ns == self.a else self.dev_b
-        out = subprocess.run(["ip", "netns", "exec", ns, "cat", f"/sys/class/net/{dev}/statistics/rx_bytes",
-                              f"/sys/class/net/{dev}/statistics/tx_bytes"], capture_output=True, text=True, check=True)
-        return sum(int(x) for x in out.stdout.split())
 
     def close(self):
         import signal
