@@ -85,9 +85,6 @@ class MpExecutor(Executor):
                 return f"tensor-parallel rank {r} exited with {code}"
         return None
 
-    def alive(self) -> bool:
-        return all(p.poll() is None for p in self.procs.values())
-
     def stop(self, timeout: float = 10) -> None:
         for p in self.procs.values():
             try:
