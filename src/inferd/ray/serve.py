@@ -25,12 +25,14 @@ Two deployments (the shape of Ray Serve LLM's `build_openai_app`):
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import replace
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 log = logging.getLogger("inferd")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # a replica's log lines, as inferd serve's
 
 DEFAULTS = {"model": None, "served_model_name": None, "engine": {}, "num_replicas": 1, "autoscaling_config": None,
             "ray_actor_options": {"num_cpus": 1}, "max_ongoing_requests": 32, "routing": "prefix", "api_key": None,
@@ -67,7 +69,7 @@ class EngineReplica:
 
         from inferd.engine.core_client import EngineCoreClient
 
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
         from inferd.ray.disagg import producer_on_this_node
 
         cpus = ray.get_runtime_context().get_assigned_resources().get("CPU")
@@ -80,8 +82,6 @@ class EngineReplica:
 
     async def generate(self, prompt_ids: list[int], params, request_id: str, kv_transfer_params: dict | None = None,
                        lora: str | None = None):
-        import time
-
         batch, sent = [], 0.0
         async for out in self.llm.generate(prompt_ids, params, request_id, None, kv_transfer_params, lora):
             batch.append(out)
@@ -117,7 +117,7 @@ class OpenAIIngress:
         from inferd.server.metrics import Metrics
         from inferd.server.models import Models, ModelSpec
 
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
         info = await engine.info.remote()
         name = args.get("served_model_name") or info.model_name
         metrics = Metrics(name)
@@ -129,6 +129,7 @@ class OpenAIIngress:
             client = DisaggregatedClient(RayEngineClient(prefill, await prefill.info.remote()), client)
         self.client = client
         spec = ModelSpec(name=name, config=None, aliases={info.model_name, str(args.get("model") or "")} - {""})
+
         def served(s, c):
             srv = Served(c, s.name, limits)
             srv.prompt_details = bool(args.get("enable_prompt_tokens_details"))
