@@ -64,6 +64,12 @@ class EngineConfig:
     # (parsed by inferd.distributed.kv_transfer.config, which this layer cannot import)
     kv_transfer_config: str | dict | None = None
     role: str | None = None  # prefill | decode | both
+    # the second KV tier (inferd.engine.kv_tier): a directory ("shm": one on /dev/shm) and its size limit
+    kv_tier: str | None = None
+    kv_tier_size: int | str = "4GiB"
+    # KV events in vLLM's format (inferd.distributed.kv_events): its --kv-events-config JSON
+    kv_events_config: str | dict | None = None
+    data_parallel_rank: int | None = None  # set per replica by --data-parallel-size: events' rank and port offset
     # tensor parallelism (inferd.distributed): ranks, and how they talk (auto: shm on CPU, nccl on CUDA)
     tensor_parallel_size: int = 1
     tensor_parallel_backend: str = "auto"  # auto | shm | gloo | nccl
@@ -104,6 +110,15 @@ class EngineConfig:
             raise InferdError(f"unknown draft quantization {self.draft_quantization!r} (choose none, int8, int4)")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        self.kv_tier_size = parse_bytes(self.kv_tier_size)
+        if self.kv_tier is not None:
+            if not self.enable_prefix_caching:
+                raise InferdError("--kv-tier keeps prefix-cache blocks: it needs prefix caching (drop --no-prefix-caching)")
+            if self.tensor_parallel_size > 1:
+                raise InferdError("--kv-tier with tensor parallelism is not supported yet (each rank holds a "
+                                  "share of every block): drop --tensor-parallel-size or --kv-tier")
+            if self.kv_tier_size < 1:
+                raise InferdError("--kv-tier-size must be positive")
         if self.tensor_parallel_size is None or self.tensor_parallel_size < 1:
             raise InferdError("tensor_parallel_size must be at least 1")
         if self.tensor_parallel_backend not in ("auto", "shm", "gloo", "nccl"):

@@ -142,6 +142,7 @@ class LLMEngine:
                  str(kv_dtype).replace("torch.", ""), num_blocks * per_block / 2**20,
                  f": up to {num_blocks * cfg.block_size} tokens in flight" if layout.num_groups == 1 else
                  f", {layout.num_groups} KV groups of {layout.group_size} layers (windows {list(layout.windows)})")
+        self._kv_beyond_pool(cfg, layout)
         self.kv = None  # KVTransfer: this engine's end of disaggregated prefill/decode
         if kv_cfg is not None:
             if cfg.speculative_method == "draft" and kv_cfg.consumer:
@@ -156,6 +157,41 @@ class LLMEngine:
             self.spec = SpecDecoder(self, draft_loaded)
             log.info("speculative decoding: %s, %d tokens%s", cfg.speculative_method, cfg.num_speculative_tokens,
                      f" (draft: {self.spec.draft_desc})" if self.spec.draft_desc else "")
+
+    def _kv_beyond_pool(self, cfg: EngineConfig, layout):
+        """The KV tier (--kv-tier) and the KV events publisher (--kv-events-config), both fed by the
+        block manager, the one place blocks are born and die."""
+        from inferd.distributed.kv_events import EventLog, EventPublisher, parse_kv_events_config
+
+        bm = self.block_manager
+        ev = parse_kv_events_config(cfg.kv_events_config)
+        self.publisher = None
+        if ev is not None:
+            bm.events = EventLog()
+            rank = cfg.data_parallel_rank
+            self.publisher = EventPublisher(ev.for_rank(rank or 0), rank)
+        self.tier = None
+        if cfg.kv_tier is not None:
+            if layout.num_groups > 1:
+                raise InferdError(f"--kv-tier does not keep sliding-window KV groups yet ({self.model_config.architecture}): "
+                                  "serve this model without --kv-tier")
+            from inferd.engine.kv_tier import KVTier, fingerprint_fields
+
+            bm.new_blocks = []
+            self.tier = KVTier(self.pool, bm, fingerprint_fields(self), cfg.kv_tier, cfg.kv_tier_size,
+                               events=ev is not None)
+            self.scheduler.tier = self.tier
+
+    def _after_step(self):
+        """What the block manager logged this step: blocks for the tier to write, events to publish."""
+        bm = self.block_manager
+        if self.tier is not None:
+            self.tier.write_through(bm.take_new_blocks())
+        if self.publisher is not None:
+            events = bm.events.take()
+            if self.tier is not None:
+                events += self.tier.take_events()
+            self.publisher.publish(events)
 
     def info(self) -> EngineInfo:
         """What a client of this engine knows of it (inferd.engine.client)."""
@@ -271,9 +307,15 @@ class LLMEngine:
     def housekeeping(self) -> bool:
         """Work outside steps (KV leases to free, pulled KV to admit); the serving loops call it
         when idle too. True if anything changed."""
-        return self.kv.housekeeping() if self.kv is not None else False
+        changed = self.kv.housekeeping() if self.kv is not None else False
+        self._after_step()
+        return changed
 
     def close(self):
+        if self.tier is not None:
+            self.tier.close()
+        if self.publisher is not None:
+            self.publisher.close()
         if self.structured is not None:
             self.structured.close()
         if self.kv is not None:
@@ -330,14 +372,19 @@ class LLMEngine:
             lora = {"running": sorted({r.lora for r in sched.running if r.lora is not None}),
                     "waiting": sorted({r.lora for r in sched.waiting if r.lora is not None}),
                     "max_loras": self.lora.max_loras}
+        tier = self.tier.snapshot() if self.tier is not None else None
+        events = None
+        if self.publisher is not None:
+            events = {"batches": self.publisher.published, "dropped": self.publisher.dropped}
         return EngineSnapshot(len(self.scheduler.running), self.num_waiting(), bm.num_used, bm.num_blocks,
                               bm.queries, bm.hits, self.stats.preemptions, self.spec_counters(), self.stats.steps, kv,
-                              self.stats.prefill_tokens, lora)
+                              self.stats.prefill_tokens, lora, tier, events, bm.stored, bm.removed)
 
     def num_waiting(self) -> int:
         """Queued requests, with those whose prompt KV is still on its way from a producer."""
         pulls = self.kv is not None and self.kv.connector is not None
-        return len(self.scheduler.waiting) + (len(self.kv.blocked) + len(self.kv.pending) if pulls else 0)
+        loading = len(self.tier.loading) if self.tier is not None else 0
+        return len(self.scheduler.waiting) + loading + (len(self.kv.blocked) + len(self.kv.pending) if pulls else 0)
 
     def spec_counters(self) -> dict | None:
         if self.spec is None:
@@ -358,6 +405,7 @@ class LLMEngine:
     # -- the loop -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outs = self._step()
+        self._after_step()
         return self.take_aborted() + outs if self.aborted else outs
 
     def take_aborted(self) -> list[RequestOutput]:
@@ -377,6 +425,9 @@ class LLMEngine:
         if spec is not None:
             spec.after_schedule(batch)
         if not batch.requests:
+            if self.tier is not None and self.tier.busy():  # prompts loading from the tier: they will run
+                self.tier.wait(0.005)
+                return []
             if self.kv is not None and (self.kv.busy() or self.kv.leased_blocks()):
                 # KV on its way, or blocks held by leases a consumer will confirm (or that will
                 # expire): nothing can run now, but something will

@@ -2,9 +2,11 @@
 inferd.worker.kv_pool) to requests, ref-counted so that a prompt's blocks can be shared, and keeps
 full blocks findable by content for prefix caching.
 
-A full block's key is (parent key's hash, its token ids): equal keys mean equal tokens at equal
+A full block's key is (parent block's hash, its token ids): equal keys mean equal tokens at equal
 positions after an equal prefix, so the K/V stored there can be reused as is. Freed blocks that
-hold a key stay findable, in least-recently-freed order, until a new allocation needs them.
+hold a key stay findable, in least-recently-freed order, until a new allocation needs them. The
+hashes are inferd.distributed.kv_events.block_hash, stable across processes: the KV tier names its
+files by them, and the KV events this manager logs (blocks stored, blocks removed) carry them.
 
 KV groups (inferd.worker.kv_pool.KVLayout): a model with sliding-window layers keeps them in groups
 of their own, each with a block table per request (`req.kv_tables`, beside `req.block_table` for
@@ -17,15 +19,14 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 
+from inferd.distributed.kv_events import EventLog, block_hash, lora_id
 from inferd.engine.request import Request
 
 
-def block_key(parent_hash: int | None, tokens: tuple[int, ...]) -> tuple:
-    return (parent_hash, tokens)
-
-
-def lora_salt(req: Request):
-    return None if getattr(req, "lora", None) is None else ("lora", req.lora)
+def lora_seed(req: Request) -> int:
+    """What a request's hash chain starts from: an adapter's K/V differ from the base model's for
+    the same tokens, so its blocks are findable only by requests of that adapter."""
+    return lora_id(getattr(req, "lora", None))
 
 
 def first_visible_block(num_computed: int, window: int | None, block_size: int) -> int:
@@ -47,6 +48,7 @@ class BlockManager:
         self.NULL = num_blocks  # stands for a window group's released block; never allocated
         self.ref = [0] * num_blocks
         self.key_of: list[tuple | None] = [None] * num_blocks
+        self.hash_of: list[int | None] = [None] * num_blocks  # full-group blocks' chain hashes, for events
         self.free: deque[int] = deque(range(num_blocks))
         self.cached: dict[tuple, int] = {}
         self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 but findable; LRU first
@@ -55,6 +57,10 @@ class BlockManager:
         self.hits = 0
         self.recompute_hits = 0
         self.evictions = 0
+        self.stored = 0  # full-group blocks made findable (BlockStored's hashes)
+        self.removed = 0  # findable blocks evicted (BlockRemoved's hashes)
+        self.events: EventLog | None = None  # set: log every stored / removed block (--kv-events-config)
+        self.new_blocks: list | None = None  # set: newly findable blocks for the KV tier to write
 
     # -- capacity -----------------------------------------------------------------------------
     @property
@@ -85,7 +91,13 @@ class BlockManager:
             key = self.key_of[b]
             if self.cached.get(key) == b:
                 del self.cached[key]
+                h = self.hash_of[b]
+                if h is not None:
+                    self.removed += 1
+                    if self.events is not None:
+                        self.events.removed(h)
             self.key_of[b] = None
+            self.hash_of[b] = None
             self.evictions += 1
         self.ref[b] = 1
         return b
@@ -172,17 +184,23 @@ class BlockManager:
         child.num_computed = parent.num_computed if num_blocks is None else n * self.block_size
 
     # -- prefix caching -----------------------------------------------------------------------
-    def _keys(self, ids: list[int], start: int, end: int, hashes: list[int], salt=None):
-        """Yield (index, key) for full blocks start..end-1, extending the hash chain as it goes.
-        `salt` starts the chain: a LoRA adapter's K/V differ from the base model's for the same
-        tokens, so its blocks are findable only by requests of that adapter."""
+    def _keys(self, ids: list[int], start: int, end: int, hashes: list[int], seed: int = 0):
+        """Yield (index, key) for full blocks start..end-1, extending the hash chain as it goes;
+        `seed` starts the chain (lora_seed)."""
         bs = self.block_size
         for i in range(start, end):
-            parent = hashes[i - 1] if i > 0 else salt
-            key = block_key(parent, tuple(ids[i * bs:(i + 1) * bs]))
+            tokens = tuple(ids[i * bs:(i + 1) * bs])
+            key = (hashes[i - 1] if i > 0 else ("seed", seed), tokens)
             if i == len(hashes):
-                hashes.append(hash(key))
+                hashes.append(block_hash(hashes[i - 1] if i > 0 else None, tokens, seed))
             yield i, key
+
+    def extend_hashes(self, req: Request, n: int) -> list[int]:
+        """req's chain hashes of its first n full blocks (computing those it lacks)."""
+        if len(req.block_hashes) < n:
+            for _ in self._keys(req.all_ids, len(req.block_hashes), n, req.block_hashes, lora_seed(req)):
+                pass
+        return req.block_hashes
 
     def match_prefix(self, req: Request) -> int:
         """At admission of a request with no blocks: adopt cached blocks for its leading full
@@ -194,7 +212,7 @@ class BlockManager:
         n_full = (len(ids) - 1) // self.block_size
         found: list[int] = []
         req.block_hashes = []
-        for i, key in self._keys(ids, 0, n_full, req.block_hashes, lora_salt(req)):
+        for i, key in self._keys(ids, 0, n_full, req.block_hashes, lora_seed(req)):
             b = self.cached.get(key)
             if b is None:
                 break
@@ -250,18 +268,41 @@ class BlockManager:
         n_full = req.num_computed // self.block_size
         if n_full <= req.num_cached_hashed:
             return
-        ids = req.all_ids
-        for i, key in self._keys(ids, req.num_cached_hashed, n_full, req.block_hashes, lora_salt(req)):
-            self._register(req.block_table[i], key)
+        ids, bs, seed, hashes = req.all_ids, self.block_size, lora_seed(req), req.block_hashes
+        run: list[int] = []  # indexes of consecutive newly findable blocks: one BlockStored event
+        for i, key in self._keys(ids, req.num_cached_hashed, n_full, hashes, seed):
+            b = req.block_table[i]
+            if self._register(b, key):
+                self.hash_of[b] = hashes[i]
+                self.stored += 1
+                run.append(i)
+                if self.new_blocks is not None:
+                    self.new_blocks.append((b, hashes[i], hashes[i - 1] if i else None, key[1], seed))
+            elif run:
+                self._log_stored(run, ids, hashes, seed)
+                run = []
             # a window group's block is known by the full group's chain hash at the same index
             for g, table in enumerate(req.kv_tables):
-                self._register(table[i], ("group", g, req.block_hashes[i]))
+                self._register(table[i], ("group", g, hashes[i]))
+        if run:
+            self._log_stored(run, ids, hashes, seed)
         req.num_cached_hashed = n_full
 
-    def _register(self, b: int, key):
+    def _log_stored(self, run: list[int], ids, hashes, seed: int):
+        if self.events is not None:
+            bs, a, b = self.block_size, run[0], run[-1] + 1
+            self.events.stored(hashes[a:b], hashes[a - 1] if a else None, list(ids[a * bs:b * bs]), bs, seed)
+
+    def take_new_blocks(self) -> list:
+        out, self.new_blocks = self.new_blocks, []
+        return out
+
+    def _register(self, b: int, key) -> bool:
         if b != self.NULL and key not in self.cached and self.key_of[b] is None:
             self.cached[key] = b
             self.key_of[b] = key
+            return True
+        return False
 
     def check_invariants(self, live: list[Request]):
         """For tests: ref counts equal block-table occurrences; every block in exactly one state."""

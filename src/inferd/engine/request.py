@@ -193,6 +193,8 @@ class Request:
         self.kv_export = False
         self.remote = None
         self.remote_tokens = 0  # prompt tokens whose KV came from the producer
+        self.tier_tokens = 0  # prompt tokens whose KV was loaded from the KV tier (inferd.engine.kv_tier)
+        self.tier_tried = False  # its tier load ran since its last admission: not asked again
         # speculative decoding: this step's guesses, the distributions they were drawn from
         # ([k, vocab], None for greedy or prompt lookup), and the draft's own sampling stream
         self.spec_tokens: list[int] = []

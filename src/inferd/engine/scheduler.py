@@ -51,15 +51,18 @@ class Scheduler:
         self.running: list[Request] = []
         self.static_batch: set[str] = set()
         self.max_loras = 0  # LoRA adapters a step may hold (0: the engine has none)
+        self.tier = None  # KVTier (inferd.engine.kv_tier): prefix blocks to load instead of compute
 
     def add(self, req: Request):
         self.waiting.append(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or (self.tier is not None and self.tier.loading))
 
     def remove(self, req: Request):
         """Take a finished or aborted request out and give its blocks back."""
+        if self.tier is not None and self.tier.cancel(req):
+            return  # its load is writing into its blocks: the tier frees them when it ends
         if req in self.running:
             self.running.remove(req)
         else:
@@ -99,14 +102,48 @@ class Scheduler:
         self.bm.free_request(req)
         req.num_computed = 0
         req.spec_tokens = []
+        req.tier_tried = False
         req.status = Status.WAITING
         req.num_preemptions += 1
         req.timings.preempted.append(time.monotonic())
         batch.preempted.append(req)
 
+    def _take_loaded(self):
+        """Requests whose tier load ended go back to the head of the queue, holding their blocks,
+        their computed length the blocks that loaded (the rest of the run is given back)."""
+        bs = self.bm.block_size
+        for req, first, n_ok in self.tier.finished_loads():
+            keep = (first + n_ok) * bs
+            self.bm.truncate(req, keep)
+            req.num_computed = keep
+            req.max_computed = max(req.max_computed, keep)
+            req.tier_tokens += n_ok * bs
+            req.prefix_hit_tokens += n_ok * bs
+            self.bm.register_full_blocks(req)
+            if not req.block_table:
+                req.num_computed = 0
+            self.waiting.appendleft(req)
+
+    def _start_tier_load(self, req: Request, hit: int) -> bool | None:
+        """After the pool's prefix match: if the tier holds the blocks that follow, allocate them and
+        hand the request to the tier's I/O thread (True); None if it holds none; False if the pool
+        is short (the caller gives the matched blocks back and waits)."""
+        first = hit // self.bm.block_size
+        k = self.tier.lookup(req, first)
+        if not k:
+            return None
+        if not self.bm.allocate(req, k * self.bm.block_size):
+            return False
+        self.bm.count_admission(req, hit)
+        req.tier_tried = True
+        self.tier.start_load(req, first, k)
+        return True
+
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.budget
+        if self.tier is not None and self.tier.loading:
+            self._take_loaded()
         # decodes first, then requests still working through their prompt; arrival order within each
         order = sorted(self.running, key=lambda r: (r.num_tokens - r.num_computed > 1, r.timings.arrived))
         for req in order:
@@ -148,13 +185,22 @@ class Scheduler:
             # a request that arrives with blocks has its prompt KV from another engine (kv_transfer)
             prefilled = bool(req.block_table)
             hit = 0 if prefilled else self.bm.match_prefix(req)
+            if self.tier is not None and not prefilled and not req.tier_tried:
+                loading = self._start_tier_load(req, hit)
+                if loading:
+                    self.waiting.popleft()
+                    continue
+                if loading is False:
+                    self.bm.free_request(req)
+                    req.num_computed = 0
+                    break
             n = min(req.num_tokens - req.num_computed, budget)
             if not self.bm.allocate(req, n):
                 if not prefilled:
                     self.bm.free_request(req)  # give the matched blocks back; try again next step
                     req.num_computed = 0
                 break
-            if not prefilled:
+            if not prefilled and not req.tier_tried:  # a tier load that failed was counted when it began
                 self.bm.count_admission(req, hit)
             self.waiting.popleft()
             req.status = Status.RUNNING

@@ -52,3 +52,7 @@ class EngineSnapshot:
     kv: dict | None = None  # KVTransfer counters, with --kv-transfer-config
     prefill_tokens: int = 0  # prompt tokens this engine computed (not cached, not received)
     lora: dict | None = None  # with --enable-lora: {"running": [adapters], "waiting": [...], "max_loras": n}
+    tier: dict | None = None  # with --kv-tier: KVTier counters, and load times since the last snapshot
+    events: dict | None = None  # with --kv-events-config: batches published and dropped
+    blocks_stored: int = 0  # prefix blocks made findable (the KV events' BlockStored hashes)
+    blocks_removed: int = 0  # findable blocks evicted (BlockRemoved's)
