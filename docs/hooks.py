@@ -63,7 +63,7 @@ def metrics_markdown() -> str:
            "Kubernetes LLM routers read.", "",
            "## `inferd serve` (`GET /metrics`)", "", "| series | type | also exposed as | meaning |",
            "|---|---|---|---|"]
-    m = Metrics("model", speculative=True, engines=1, kv_transfer=True)
+    m = Metrics("model", speculative=True, engines=1, kv_transfer=True, kv_tier=True, kv_events=True)
     for fam in m.registry.collect():
         also = ", ".join(f"`{n}`" for n in VLLM_NAMES.get(fam.name, ()))
         out.append(f"| `{fam.name}` | {fam.type} | {also} | {_cell(fam.documentation)} |")

@@ -95,6 +95,15 @@ def add_engine_args(p: argparse.ArgumentParser):
     g.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype) | float32 | bfloat16")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn off automatic prefix caching")
+    g.add_argument("--kv-tier", default=None, metavar="DIR|shm",
+                   help="a second KV tier: full prefix blocks are written through to this directory (shm: one on "
+                        "/dev/shm) and loaded from it instead of recomputed; engines and restarts with the same "
+                        "directory and model share it")
+    g.add_argument("--kv-tier-size", default="4GiB", help="most bytes the KV tier keeps (least recently used go first)")
+    g.add_argument("--kv-events-config", default=None,
+                   help='vLLM\'s JSON: {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": '
+                        '"tcp://127.0.0.1:5557", "replay_endpoint": "tcp://127.0.0.1:5558", "topic": "", '
+                        '"buffer_steps": 10000}: publish blocks stored and removed (msgpack over ZeroMQ PUB)')
     g.add_argument("--scheduling", default="continuous", choices=["continuous", "static"],
                    help="continuous: admit and retire sequences every step; static: run fixed batches to the "
                         "end (to compare)")

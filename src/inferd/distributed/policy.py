@@ -1,7 +1,8 @@
 """Where a request goes: the policies `inferd router` (over HTTP backends) and `inferd serve
 --data-parallel-size` (over engine processes) share.
 
-`round_robin`, `least_loaded` and `prefix`. For `prefix` each target keeps a `PrefixIndex` of what
+`round_robin`, `least_loaded`, `prefix` and `kv_events` (prefix, with each target's blocks known from
+its own KV events instead of guessed: inferd.router.kv_index). For `prefix` each target keeps a `PrefixIndex` of what
 it was sent. SGLang's cache-aware router keeps a radix tree over characters; this keeps instead a
 chain of chunk hashes, the way the engines' own prefix caches key their KV blocks: the hash of
 chunk i covers chunks 0..i, so "the first k chunks match" is k dictionary lookups, memory is one
@@ -16,7 +17,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
-POLICIES = ("round_robin", "least_loaded", "prefix")
+POLICIES = ("round_robin", "least_loaded", "prefix", "kv_events")
 
 
 def chunk_hashes(seq: Sequence, chunk: int) -> list[int]:
@@ -79,7 +80,7 @@ class Balancer:
 
     def __init__(self, targets: Sequence[Hashable], policy: str = "prefix", chunk: int = 64,
                  capacity: int = 1 << 16, cache_threshold: float = 0.5, balance_abs: float = 4,
-                 balance_rel: float = 1.5):
+                 balance_rel: float = 1.5, matcher=None):
         if policy not in POLICIES:
             raise ValueError(f"unknown routing policy {policy!r} ({', '.join(POLICIES)})")
         self.targets = list(targets)
@@ -88,6 +89,11 @@ class Balancer:
         self.cache_threshold, self.balance_abs, self.balance_rel = cache_threshold, balance_abs, balance_rel
         self.capacity = capacity
         self.index = {t: PrefixIndex(capacity) for t in self.targets}
+        # kv_events: matcher(target, block hashes) -> leading blocks the target's pool holds, as its
+        # own KV events say (inferd.router.kv_index); `seq` is then the request's block hashes
+        self.matcher = matcher
+        if policy == "kv_events" and matcher is None:
+            raise ValueError("the kv_events policy needs a matcher (the backends' KV event index)")
         self._rr = 0
 
     def pick(self, seq: Sequence, loads: dict, live: Sequence[Hashable] | None = None) -> Pick:
@@ -105,11 +111,15 @@ class Balancer:
         least = self._least(cands, load)
         if self.policy == "least_loaded":
             return Pick(least, reason="least_loaded")
-        hashes = chunk_hashes(seq, self.chunk)
+        if self.policy == "kv_events":
+            hashes = list(seq)
+            matched = {t: self.matcher(t, hashes) for t in cands}
+        else:
+            hashes = chunk_hashes(seq, self.chunk)
+            matched = {t: self.index[t].match(hashes) for t in cands}
         lo, hi = load[least], max(load.values())
         if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
-            return self._record(Pick(least, self.index[least].match(hashes), "balance"), hashes)
-        matched = {t: self.index[t].match(hashes) for t in cands}
+            return self._record(Pick(least, matched[least], "balance"), hashes)
         best = max(cands, key=lambda t: (matched[t], -load[t]))
         if hashes and matched[best] >= self.cache_threshold * len(hashes) and matched[best] > 0:
             if load[best] - lo > self.balance_abs:
@@ -127,7 +137,8 @@ class Balancer:
         return tied[self._rr % len(tied)]
 
     def _record(self, pick: Pick, hashes: list[int]) -> Pick:
-        self.index[pick.target].insert(hashes)
+        if self.policy != "kv_events":  # the events say what the target holds: nothing to guess
+            self.index[pick.target].insert(hashes)
         return pick
 
     def add_targets(self, targets: Sequence[Hashable]):

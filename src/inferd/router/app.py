@@ -150,8 +150,20 @@ class Router:
     def __init__(self, urls: list[str], policy: str = "prefix", health_interval: float = 2.0,
                  request_timeout: float = 600.0, max_body_bytes: int = 4 << 20, chunk_chars: int = 64,
                  cache_chunks: int = 1 << 16, balance_abs: float = 4, balance_rel: float = 1.5,
-                 cache_threshold: float = 0.5, prefill_urls: list[str] | None = None, disagg_min_chars: int = 0):
+                 cache_threshold: float = 0.5, prefill_urls: list[str] | None = None, disagg_min_chars: int = 0,
+                 kv_events: dict | None = None, tokenizer=None, block_size: int = 16):
         prefill_urls = list(prefill_urls or [])
+        # kv_events: url -> (events endpoint, replay endpoint); the tokenizer turns a request into the
+        # token ids its backend will hash (block_size tokens a block)
+        self.kv_index = self.tokenizer = None
+        self.block_size = block_size
+        matcher = None
+        if policy == "kv_events":
+            from inferd.router.kv_index import KVEventIndex
+
+            self.kv_index = KVEventIndex(kv_events)
+            self.tokenizer = tokenizer
+            matcher = self.kv_index.match
         self.max_body_bytes = max_body_bytes
         self.disagg_min_chars = disagg_min_chars
         self.retry_after = {"Retry-After": str(max(1, int(health_interval)))}  # when a backend may be back
@@ -159,7 +171,8 @@ class Router:
 
         def balancer_for(targets):
             return Balancer(targets, policy, chunk=chunk_chars, capacity=cache_chunks,
-                            cache_threshold=cache_threshold, balance_abs=balance_abs, balance_rel=balance_rel)
+                            cache_threshold=cache_threshold, balance_abs=balance_abs, balance_rel=balance_rel,
+                            matcher=matcher)
 
         self.balancer = balancer_for(urls)
         self.pbalancer = balancer_for(prefill_urls) if prefill_urls else None
@@ -195,6 +208,8 @@ class Router:
         finally:
             health.cancel()
             await self.client.aclose()
+            if self.kv_index is not None:
+                self.kv_index.close()
 
     def on_change(self, b, up: bool):
         self.metrics.up.labels(backend=b.url).set(1 if up else 0)
@@ -202,6 +217,8 @@ class Router:
         for bal in (self.balancer, self.pbalancer):
             if bal is not None and b.url in bal.targets:
                 bal.forget(b.url)  # down: whatever it cached may be gone when it is back
+        if self.kv_index is not None and not up:
+            self.kv_index.forget(b.url)
 
     # -- sending to a backend -------------------------------------------------------------------
     def choices(self, balancer: Balancer, text: str) -> Iterator[tuple[int, Pick]]:
@@ -320,6 +337,7 @@ class Router:
         if not isinstance(body, dict):
             return error_response(400, "request body must be a JSON object")
         text = routing_text(body, chat)
+        key = self.block_hashes(body, chat) if self.kv_index is not None else text
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
         if self.pbalancer is not None:
             path = route(body, chat, text, self.disagg_min_chars)
@@ -333,7 +351,7 @@ class Router:
                     raw = json.dumps({**body, "kv_transfer_params": got}).encode()
             self.metrics.disagg.labels(path=path).inc()
         last_error = ""
-        for attempt, pick in self.choices(self.balancer, text):
+        for attempt, pick in self.choices(self.balancer, key):
             self.metrics.decisions.labels(reason=pick.reason).inc()
             if attempt:
                 self.metrics.retries.labels(backend=pick.target).inc()
@@ -349,6 +367,28 @@ class Router:
         self.metrics.failed.labels(reason="no_backend").inc()
         return self.unavailable(f"no backend could take the request (last: {last_error})" if last_error
                                 else "no healthy backend")
+
+    def block_hashes(self, body: dict, chat: bool) -> list[int]:
+        """The request's prefix-cache block hashes, as its backend will compute them: the prompt's
+        token ids (the chat template's, for chat) hashed a block at a time. A body the tokenizer
+        cannot read routes as a new prefix (the backend gives the client its error)."""
+        from inferd.distributed.kv_events import hash_chain
+
+        tok = self.tokenizer
+        try:
+            if chat:
+                ids = tok.apply_chat_template(body.get("messages") or [], add_generation_prompt=True, tokenize=True)
+            else:
+                p = body.get("prompt")
+                if isinstance(p, list) and p and isinstance(p[0], int):
+                    ids = p
+                else:
+                    ids = tok.encode(p if isinstance(p, str) else p[0] if isinstance(p, list) and p else "")
+        except Exception:  # noqa: BLE001
+            return []
+        # the base model's chain (an adapter's starts elsewhere: its requests route as new prefixes);
+        # the last token is never a cached block's (match_prefix leaves it to compute)
+        return hash_chain(list(ids)[:-1], self.block_size)
 
     async def prefill(self, path: str, body: dict, chat: bool, text: str, headers: dict):
         """Phase 1 on a prefill worker: its kv_transfer_params, None if no worker could give them,
@@ -467,7 +507,9 @@ def create_router_app(urls: list[str], policy: str = "prefix", health_interval: 
                       request_timeout: float = 600.0, max_body_bytes: int = 4 << 20, chunk_chars: int = 64,
                       cache_chunks: int = 1 << 16, balance_abs: float = 4, balance_rel: float = 1.5,
                       cache_threshold: float = 0.5, prefill_urls: list[str] | None = None,
-                      disagg_min_chars: int = 0) -> Starlette:
+                      disagg_min_chars: int = 0, kv_events: dict | None = None, tokenizer=None,
+                      block_size: int = 16) -> Starlette:
     """`urls` are the backends requests are answered by (with prefill_urls: the decode workers)."""
     return Router(urls, policy, health_interval, request_timeout, max_body_bytes, chunk_chars, cache_chunks,
-                  balance_abs, balance_rel, cache_threshold, prefill_urls, disagg_min_chars).app
+                  balance_abs, balance_rel, cache_threshold, prefill_urls, disagg_min_chars, kv_events, tokenizer,
+                  block_size).app

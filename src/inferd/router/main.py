@@ -22,8 +22,16 @@ def add_router_args(p):
                    help="a decode worker (inferd serve --role decode; repeat), with --prefill")
     p.add_argument("--disagg-min-prompt-chars", type=int, default=0,
                    help="with --prefill: prompts shorter than this many characters go straight to a decode worker")
-    p.add_argument("--policy", default="prefix", choices=["prefix", "least_loaded", "round_robin"],
-                   help="prefix: the backend that served the longest prefix of the prompt, unless loads are uneven")
+    p.add_argument("--policy", default="prefix", choices=["prefix", "least_loaded", "round_robin", "kv_events"],
+                   help="prefix: the backend that served the longest prefix of the prompt, unless loads are uneven; "
+                        "kv_events: the backend whose KV pool holds the longest prefix, from its KV events")
+    p.add_argument("--kv-events-endpoint", action="append", default=None, metavar="PUB[,REPLAY]",
+                   help="kv_events policy: a backend's --kv-events-config endpoint (and replay endpoint), one per "
+                        "--backend, in the same order")
+    p.add_argument("--tokenizer", default=None,
+                   help="kv_events policy: the backends' tokenizer (a .gguf, a Hugging Face folder or "
+                        "tokenizer.json; default: the embedded default model's)")
+    p.add_argument("--block-size", type=int, default=16, help="kv_events policy: the backends' --block-size")
     p.add_argument("--health-interval", type=float, default=2.0, help="seconds between health/metrics checks")
     p.add_argument("--require-all-backends", action="store_true",
                    help="exit (2) at start if any backend does not answer /health with 200")
@@ -79,10 +87,16 @@ def run(args) -> int:
                     raise InferdError(f"backend {u}: /health answered {r.status_code} (--require-all-backends)")
             except httpx.HTTPError as e:
                 raise InferdError(f"backend {u} is unreachable ({type(e).__name__}; --require-all-backends)") from None
+    kv_events = tokenizer = None
+    if args.policy == "kv_events":
+        kv_events, tokenizer = kv_events_setup(args, urls, prefill)
+    elif args.kv_events_endpoint:
+        raise InferdError("--kv-events-endpoint is for --policy kv_events")
     app = create_router_app(urls, args.policy, args.health_interval, args.request_timeout,
                             args.max_request_body_bytes, args.prefix_chunk_chars, args.prefix_cache_chunks,
                             args.balance_abs_threshold, args.balance_rel_threshold, args.cache_threshold,
-                            prefill_urls=prefill, disagg_min_chars=args.disagg_min_prompt_chars)
+                            prefill_urls=prefill, disagg_min_chars=args.disagg_min_prompt_chars,
+                            kv_events=kv_events, tokenizer=tokenizer, block_size=args.block_size)
     if prefill:
         log.info("routing (%s) prefill on %s, decode on %s, on http://%s:%d", args.policy, ", ".join(prefill),
                  ", ".join(urls), args.host, args.port)
@@ -103,3 +117,31 @@ def run(args) -> int:
 
     Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False)).run()
     return 0
+
+
+def kv_events_setup(args, urls: list[str], prefill) -> tuple[dict, object]:
+    """--kv-events-endpoint (one per backend) and the tokenizer, checked before serving."""
+    from inferd.gguf_file import default_model_path
+    from inferd.router.kv_index import parse_endpoint
+    from inferd.tokenizer import Tokenizer
+
+    if prefill:
+        raise InferdError("--policy kv_events routes --backend servers (not --prefill/--decode workers yet)")
+    eps = args.kv_events_endpoint or []
+    if len(eps) != len(urls):
+        raise InferdError(f"--policy kv_events needs one --kv-events-endpoint per backend ({len(urls)} backends, "
+                          f"{len(eps)} endpoints)")
+    if args.block_size < 1:
+        raise InferdError("--block-size must be at least 1")
+    pairs = {}
+    for u, e in zip(urls, eps):
+        pub, replay = parse_endpoint(e)
+        if not pub.startswith(("tcp://", "ipc://")) or (replay and not replay.startswith(("tcp://", "ipc://"))):
+            raise InferdError(f"--kv-events-endpoint {e!r}: not a ZeroMQ address (tcp://HOST:PORT[,tcp://HOST:PORT])")
+        pairs[u] = (pub, replay)
+    path = args.tokenizer or default_model_path()
+    try:
+        tok = Tokenizer.load(path)
+    except OSError as e:
+        raise InferdError(f"--tokenizer {path}: {e.strerror or e}") from None
+    return pairs, tok

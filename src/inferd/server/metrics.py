@@ -52,7 +52,8 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.
 
 
 class Metrics:
-    def __init__(self, model_name: str, speculative: bool = False, engines: int = 1, kv_transfer: bool = False):
+    def __init__(self, model_name: str, speculative: bool = False, engines: int = 1, kv_transfer: bool = False,
+                 kv_tier: bool = False, kv_events: bool = False):
         self.registry = r = CollectorRegistry()
         L = ["model_name", "engine"]
         self.model_name = model_name
@@ -113,6 +114,48 @@ class Metrics:
                                         LC, buckets=LATENCY_BUCKETS, registry=r)
             self.kv_leased = Gauge("inferd:kv_leased_blocks", "KV blocks held under leases.", LC, registry=r)
             keys += ["kv_" + k for k in self.kv]
+        self.tier = None
+        if kv_tier:
+            LT = L + ["medium"]
+            self.tier = {
+                "hits": Counter("inferd:kv_tier_hits", "Requests that loaded prompt blocks from the KV tier.", LT,
+                                registry=r),
+                "hit_tokens": Counter("inferd:kv_tier_loaded_tokens", "Prompt tokens whose KV was loaded from the KV "
+                                      "tier instead of computed.", LT, registry=r),
+                "loaded_bytes": Counter("inferd:kv_tier_loaded_bytes", "Bytes read from the KV tier into the pool.",
+                                        LT, registry=r),
+                "stored_blocks": Counter("inferd:kv_tier_stored_blocks", "Blocks this engine wrote to the KV tier.",
+                                         LT, registry=r),
+                "stored_bytes": Counter("inferd:kv_tier_stored_bytes", "Bytes this engine wrote to the KV tier.", LT,
+                                        registry=r),
+                "evicted_blocks": Counter("inferd:kv_tier_evicted_blocks", "Blocks this engine deleted from the KV "
+                                          "tier to keep it under --kv-tier-size.", LT, registry=r),
+                "store_errors": Counter("inferd:kv_tier_store_errors", "Blocks the KV tier could not write (a full "
+                                        "disk, say): they stay in the pool only.", LT, registry=r),
+                "store_skipped": Counter("inferd:kv_tier_store_skipped", "Blocks not written because too many "
+                                         "writes were pending.", LT, registry=r),
+            }
+            self.tier_bad = Counter("inferd:kv_tier_bad_blocks", "Tier blocks found unusable and deleted, by reason "
+                                    "(truncated, corrupt, mismatch): each a miss, computed instead.",
+                                    LT + ["reason"], registry=r)
+            self.tier_size = Gauge("inferd:kv_tier_size_bytes", "Bytes in the KV tier (this engine's view).", LT,
+                                   registry=r)
+            self.tier_seconds = Histogram("inferd:kv_tier_load_seconds", "Time to load one request's blocks from "
+                                          "the KV tier.", LT, buckets=LATENCY_BUCKETS, registry=r)
+            keys += ["tier_" + k for k in self.tier] + ["tier_" + k for k in ("truncated", "corrupt", "mismatch")]
+        self.events = None
+        if kv_events:
+            self.events = {
+                "batches": Counter("inferd:kv_events_published", "KV event batches published (one per step with "
+                                   "events).", L, registry=r),
+                "dropped": Counter("inferd:kv_events_dropped", "KV event batches dropped (publisher queue full).", L,
+                                   registry=r),
+                "blocks_stored": Counter("inferd:prefix_cache_blocks_stored", "Prefix blocks made findable "
+                                         "(BlockStored events' hashes).", L, registry=r),
+                "blocks_removed": Counter("inferd:prefix_cache_blocks_removed", "Findable blocks evicted from the "
+                                          "pool (BlockRemoved events' hashes).", L, registry=r),
+            }
+            keys += ["ev_" + k for k in self.events]
         self.spec = None
         if speculative:
             self.spec = {
@@ -213,6 +256,13 @@ class Metrics:
             for secs in snap.kv["seconds"]:
                 self.kv_seconds.labels(**kl).observe(secs)
             self.kv_leased.labels(**kl).set(snap.kv.get("leased_blocks", 0))
+        self._tier_step(snap, lab, last)
+        if self.events is not None and snap.events is not None:
+            now = {**snap.events, "blocks_stored": snap.blocks_stored, "blocks_removed": snap.blocks_removed}
+            for key, counter in self.events.items():
+                if now[key] > last["ev_" + key]:
+                    counter.labels(**lab).inc(now[key] - last["ev_" + key])
+                last["ev_" + key] = now[key]
         lo = getattr(snap, "lora", None)
         if lo is not None:
             self.lora_info.clear()  # one series: the current sets
@@ -226,6 +276,25 @@ class Metrics:
                 last[key] = now
             self.spec_rate.labels(**lab).set(snap.spec["acceptance_rate"])
             self.spec_len.labels(**lab).set(snap.spec["mean_accepted_length"])
+
+    def _tier_step(self, snap, lab: dict, last: dict):
+        t = getattr(snap, "tier", None)
+        if self.tier is None or t is None:
+            return
+        tl = {**lab, "medium": t["medium"]}
+        for key, counter in self.tier.items():
+            if t[key] > last["tier_" + key]:
+                counter.labels(**tl).inc(t[key] - last["tier_" + key])
+            else:
+                counter.labels(**tl)
+            last["tier_" + key] = t[key]
+        for reason in ("truncated", "corrupt", "mismatch"):
+            if t[reason] > last["tier_" + reason]:
+                self.tier_bad.labels(**tl, reason=reason).inc(t[reason] - last["tier_" + reason])
+            last["tier_" + reason] = t[reason]
+        self.tier_size.labels(**tl).set(t["bytes"])
+        for secs in t["seconds"]:
+            self.tier_seconds.labels(**tl).observe(secs)
 
     def on_finish(self, out, engine: int = 0, model: str | None = None):
         """Engine thread, for each finished sequence: its latencies from the engine's events."""

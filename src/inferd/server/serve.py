@@ -75,6 +75,10 @@ def serve(args) -> int:
                           "prefill or decode worker instead of --data-parallel-size")
     if kv_cfg is not None and not single:
         raise InferdError("--kv-transfer-config / --role serve one model: start one server per model")
+    from inferd.distributed.kv_events import parse_kv_events_config
+
+    if parse_kv_events_config(specs[0].config.kv_events_config) is not None and not single:
+        raise InferdError("--kv-events-config publishes one model's blocks: start one server per model")
     if dp > 1 and args.engine_in_process:
         raise InferdError("--data-parallel-size > 1 runs each engine in its own process: drop --engine-in-process")
     if not single and args.engine_in_process:
@@ -140,7 +144,9 @@ def serve(args) -> int:
                 except InferdError as err:
                     log.error("model %s failed to load at start: %s (it stays unloaded)", e.name, err)
     speculative = any(s.config.speculative_method for s in specs)
-    metrics = Metrics(specs[0].name, speculative=speculative, engines=dp, kv_transfer=kv_cfg is not None)
+    metrics = Metrics(specs[0].name, speculative=speculative, engines=dp, kv_transfer=kv_cfg is not None,
+                      kv_tier=any(s.config.kv_tier is not None for s in specs),
+                      kv_events=parse_kv_events_config(specs[0].config.kv_events_config) is not None)
     for s in specs[1:]:
         metrics.add_model(s.name, dp)
     box["m"] = metrics
@@ -272,7 +278,8 @@ def start_engine(cfg, args, on_step, on_finish, on_fault) -> EngineClient:
         from inferd.distributed.data_parallel import EngineGroup
 
         def start(i, cpus, **hooks):
-            return EngineCoreClient(replace(cfg, threads=cfg.threads or len(cpus)), max_waiting=args.max_waiting,
+            return EngineCoreClient(replace(cfg, threads=cfg.threads or len(cpus), data_parallel_rank=i),
+                                    max_waiting=args.max_waiting,
                                     cpus=cpus, name=f"inferd-engine-core-{i}", **hooks)
 
         return EngineGroup(start, args.data_parallel_size, **kw, policy=args.data_parallel_routing, on_fault=on_fault)
