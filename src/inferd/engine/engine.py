@@ -313,8 +313,9 @@ class LLMEngine:
 
     def close(self):
         if self.tier is not None:
-            self.tier.close()
+            self.tier.close()  # its queued writes finish: their events go out below
         if self.publisher is not None:
+            self._after_step()
             self.publisher.close()
         if self.structured is not None:
             self.structured.close()

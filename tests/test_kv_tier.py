@@ -1,0 +1,355 @@
+"""KV beyond one pool: the second KV tier (inferd.engine.kv_tier over inferd.worker.kv_store) and the
+KV events in vLLM's format (inferd.distributed.kv_events), on the tiny model in process, then
+through real servers (data-parallel replicas sharing a tier, a restart, the router's kv_events
+policy)."""
+import os
+import random
+import shutil
+import subprocess
+import sys
+
+import httpx
+import msgspec
+import pytest
+import zmq
+from msgspec.msgpack import Decoder
+
+from conftest import free_port, make_tiny_model, running_server
+from helpers import compare, reference_outputs, wait_until
+from inferd.engine.engine import LLMEngine
+from inferd.engine.request import SamplingParams
+
+BS = 16
+
+
+def families(seed=0, n_fam=5, n=20, prefix_blocks=6, vocab=512):
+    """n requests over n_fam shared prefixes of prefix_blocks full blocks, each with its own tail."""
+    rng = random.Random(seed)
+    pres = [[rng.randrange(1, vocab) for _ in range(prefix_blocks * BS)] for _ in range(n_fam)]
+    order = [i % n_fam for i in range(n)]
+    rng.shuffle(order)
+    return [(pres[f] + [rng.randrange(1, vocab) for _ in range(rng.randint(1, 20))], 6) for f in order]
+
+
+def one_by_one(eng, reqs):
+    """Each request alone, in order: every later request of a family finds what the earlier ones left."""
+    outs = []
+    for prompt, n in reqs:
+        rid = eng.add_request(prompt, SamplingParams(max_tokens=n, temperature=0))
+        got = []
+        while eng.has_unfinished():
+            for o in eng.step():
+                if o.request_id == rid:
+                    got.extend(o.new_token_ids)
+        outs.append(got)
+    return outs
+
+
+def engine(loaded, tier=None, blocks=16, **kw):
+    return LLMEngine(loaded=loaded, dtype="float32", num_kv_blocks=blocks, block_size=BS, kv_tier=tier, **kw)
+
+
+def assert_drained(eng):
+    bm = eng.block_manager
+    bm.check_invariants([])
+    assert bm.num_free == bm.num_blocks and not eng.requests and not eng.tier.loading
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return make_tiny_model()
+
+
+@pytest.fixture(scope="module")
+def work(tiny):
+    reqs = families()
+    return reqs, reference_outputs(tiny.model, reqs)
+
+
+def test_tier_loads_overflowed_prefixes_instead_of_recomputing(tiny, work, tmp_path):
+    """A pool of 16 blocks holds two of five 6-block prefixes: without the tier most repeats are
+    recomputed; with it they load, and every prompt token is either computed, found in the pool or
+    loaded from the tier, counted exactly."""
+    reqs, ref = work
+    base = engine(tiny, None)
+    compare(one_by_one(base, reqs), ref)
+    eng = engine(tiny, str(tmp_path / "tier"))
+    compare(one_by_one(eng, reqs), ref)
+    t = eng.tier.view()
+    prompt = sum(len(p) for p, _ in reqs)
+    bm = eng.block_manager
+    assert t["hit_tokens"] > 0 and t["loaded_blocks"] * BS == t["hit_tokens"]
+    assert eng.stats.prefill_tokens + bm.hits + t["hit_tokens"] == prompt
+    assert eng.stats.prefill_tokens < base.stats.prefill_tokens - t["hit_tokens"] // 2
+    assert t["stored_blocks"] > 0
+    assert t["truncated"] == t["corrupt"] == t["mismatch"] == 0
+    assert_drained(eng)
+    eng.close()
+    base.close()
+
+
+def test_tier_survives_restart_and_is_shared(tiny, work, tmp_path):
+    """A new engine on the same directory (a restart) computes only each prompt's uncached tail; two
+    engines open on one directory at once load each other's blocks."""
+    reqs, ref = work
+    d = str(tmp_path / "tier")
+    a = engine(tiny, d, blocks=64)
+    one_by_one(a, reqs[:3])
+    a.close()  # waits for its writes: what a graceful restart leaves
+    b = engine(tiny, d, blocks=64)
+    c = engine(tiny, d, blocks=64)
+    prompt, n = reqs[0]
+    compare(one_by_one(b, [(prompt, n)]), [ref[0]])
+    loaded = b.tier.view()["hit_tokens"]
+    assert loaded == (len(prompt) - 1) // BS * BS
+    assert b.stats.prefill_tokens == len(prompt) - loaded
+    # b writes a prefix c never saw; c loads it
+    new = [(reqs[5][0][:BS * 6] + [7, 8, 9], 4)]
+    one_by_one(b, new)
+    b.close()  # its writes are on disk
+    one_by_one(c, new)
+    assert c.tier.view()["hit_tokens"] == BS * 6
+    assert_drained(c)
+    c.close()
+
+
+def test_tier_faults_are_misses(tiny, work, tmp_path):
+    """A truncated block, a flipped byte, a block of another model under this model's name, a tier
+    of another KV dtype: each a miss (counted, the file deleted), the outputs still the reference's."""
+    reqs, ref = work
+    d = str(tmp_path / "tier")
+    a = engine(tiny, d, blocks=64)
+    one_by_one(a, reqs)
+    a.close()
+    ns = a.tier.store
+    fams = []
+    for p, _ in reqs:
+        if p[:BS * 6] not in [f[:BS * 6] for f in fams]:
+            fams.append(p)
+    h = [a.block_manager.extend_hashes(r, 1)[0] for r in (_req(a, f) for f in fams[:3])]
+    path = [ns.path(x) for x in h]
+    with open(path[0], "r+b") as f:  # truncated
+        f.truncate(os.path.getsize(path[0]) // 2)
+    with open(path[1], "r+b") as f:  # one flipped byte in the payload
+        f.seek(-100, 2)
+        b = f.read(1)
+        f.seek(-100, 2)
+        f.write(bytes([b[0] ^ 1]))
+    other = engine(make_tiny_model(seed=1), str(tmp_path / "other"), blocks=64)  # another model's block ...
+    one_by_one(other, [(fams[2], 1)])
+    other.close()
+    shutil.copy(other.tier.store.path(other.block_manager.extend_hashes(_req(other, fams[2]), 1)[0]), path[2])
+    b2 = engine(tiny, d, blocks=16)
+    compare(one_by_one(b2, reqs), ref)
+    t = b2.tier.view()
+    assert (t["truncated"], t["corrupt"], t["mismatch"]) == (1, 1, 1), t
+    assert t["hit_tokens"] > 0
+    assert_drained(b2)
+    b2.close()
+    bf = engine(tiny, d, blocks=16, kv_cache_dtype="bfloat16")  # another KV dtype: another namespace
+    one_by_one(bf, reqs[:2])
+    assert bf.tier.view()["hit_tokens"] == 0 and bf.tier.store.dir != ns.dir
+    bf.close()
+
+
+def _req(eng, prompt):
+    from inferd.engine.request import Request
+
+    return Request("x", prompt, SamplingParams(max_tokens=1))
+
+
+def test_full_disk_and_size_limit(tiny, work, tmp_path, caplog):
+    """A tier on a 64 KiB tmpfs fills up: writes fail with one log line, requests are still answered
+    right. A --kv-tier-size below the data keeps the directory under it, least recently used out."""
+    reqs, ref = work
+    small = engine(tiny, str(tmp_path / "lru"), blocks=16, kv_tier_size=20 * 8300)
+    compare(one_by_one(small, reqs), ref)
+    small.close()
+    t = small.tier.view()
+    assert t["evicted_blocks"] > 0 and small.tier.store.size()[1] <= 20 * 8300
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip() or r.returncode})")
+    try:
+        with caplog.at_level("WARNING", logger="inferd"):
+            full = engine(tiny, str(mnt), blocks=16)
+            compare(one_by_one(full, reqs), ref)
+            full.close()
+        assert full.tier.view()["store_errors"] > 0
+        lines = [r.getMessage() for r in caplog.records if "disk is full" in r.getMessage()]
+        assert len(lines) == 1, lines
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+# -- KV events -----------------------------------------------------------------------------------
+# The subscriber's types, written from vLLM's documented schema (examples/online_serving/kv_events_subscriber.py)
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list
+
+
+class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[int]
+    medium: str | None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+class Subscriber:
+    """vLLM's subscriber loop: SUB for live batches; a gap (the first batches a late joiner missed)
+    is filled from the replay endpoint."""
+
+    def __init__(self, pub: str, replay: str):
+        self.ctx = zmq.Context()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.connect(pub)
+        self.replay_ep = replay
+        self.dec = Decoder(type=KVEventBatch)
+        self.last = -1
+        self.batches: list[KVEventBatch] = []
+        self.replayed = 0
+
+    def poll(self, timeout=0):
+        while self.sub.poll(timeout):
+            _, seq_b, payload = self.sub.recv_multipart()
+            seq = int.from_bytes(seq_b, "big")
+            if seq > self.last + 1:
+                self.replay(self.last + 1, seq)
+            self.batches.append(self.dec.decode(payload))
+            self.last = seq
+
+    def replay(self, first, upto):
+        d = self.ctx.socket(zmq.DEALER)
+        d.connect(self.replay_ep)
+        d.send_multipart((b"", first.to_bytes(8, "big")))
+        while d.poll(5000):
+            _, seq_b, payload = d.recv_multipart()
+            if not payload:
+                break
+            seq = int.from_bytes(seq_b, "big")
+            if self.last < seq < upto:
+                self.batches.append(self.dec.decode(payload))
+                self.last = seq
+                self.replayed += 1
+        d.close(linger=0)
+
+    def close(self):
+        self.sub.close(linger=0)
+        self.ctx.term()
+
+
+def test_kv_events_match_the_block_counters(tiny):
+    """200 requests through a pool too small for them (evictions and preemptions): every batch
+    decodes with vLLM's schema, the stored and removed hashes equal the engine's counters, and
+    replaying the events gives exactly the blocks the prefix cache holds at the end."""
+    p1, p2 = free_port(), free_port()
+    cfg = {"endpoint": f"tcp://127.0.0.1:{p1}", "replay_endpoint": f"tcp://127.0.0.1:{p2}", "topic": "kv-events"}
+    eng = engine(tiny, None, blocks=24, kv_events_config=cfg, max_num_seqs=16)
+    sub = Subscriber(cfg["endpoint"], cfg["replay_endpoint"])
+    reqs = families(seed=3, n_fam=12, n=200, prefix_blocks=3)
+    for p, n in reqs:
+        eng.add_request(p, SamplingParams(max_tokens=n + 10, temperature=0))
+    while eng.has_unfinished():
+        eng.step()
+        sub.poll()
+    bm = eng.block_manager
+    assert eng.stats.preemptions > 0 and bm.removed > 0
+    published = eng.publisher
+    wait_until(lambda: published.queue.empty() and (sub.poll(50) or sub.last == published.published - 1),
+               what="every batch received")
+    stored, removed, held, ever = 0, 0, set(), set()
+    for batch in sub.batches:
+        for ev in batch.events:
+            if isinstance(ev, BlockStored):
+                assert ev.medium == "CPU" and ev.block_size == BS and ev.lora_id is None
+                assert len(ev.token_ids) == BS * len(ev.block_hashes)
+                assert ev.parent_block_hash is None or ev.parent_block_hash in ever
+                stored += len(ev.block_hashes)
+                held.update(ev.block_hashes)
+                ever.update(ev.block_hashes)
+            elif isinstance(ev, BlockRemoved):
+                removed += len(ev.block_hashes)
+                held.difference_update(ev.block_hashes)
+    assert (stored, removed) == (bm.stored, bm.removed)
+    assert held == {bm.hash_of[b] for b in bm.cached.values()}
+    assert published.dropped == 0
+    eng.close()
+    sub.close()
+
+
+def test_tier_events_and_cli_errors(tiny, tmp_path):
+    """The tier's own writes are events of its medium; bad --kv-events-config / --kv-tier are one line, exit 2."""
+    p1 = free_port()
+    cfg = {"endpoint": f"tcp://127.0.0.1:{p1}", "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}
+    eng = engine(tiny, str(tmp_path / "t"), blocks=16, kv_events_config=cfg)
+    sub = Subscriber(cfg["endpoint"], cfg["replay_endpoint"])
+    one_by_one(eng, families(n=4))
+    eng.close()
+    wait_until(lambda: sub.poll(50) or sub.last == eng.publisher.published - 1, what="every batch received")
+    disk = sum(len(e.block_hashes) for b in sub.batches for e in b.events
+               if isinstance(e, BlockStored) and e.medium == "DISK")
+    assert disk == eng.tier.view()["stored_blocks"] > 0
+    sub.close()
+    for args, msg in ((["--kv-events-config", "{nope"], "not JSON"),
+                      (["--kv-events-config", '{"publisher": "kafka"}'], "publisher"),
+                      (["--kv-tier", str(tmp_path), "--no-prefix-caching"], "prefix caching")):
+        r = subprocess.run([sys.executable, "-m", "inferd", "serve", "--port", "0", *args],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+# -- through real servers ---------------------------------------------------------------------------
+
+def metric(base: str, name: str, engine: str | None = None) -> float:
+    total = 0.0
+    for line in httpx.get(base + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{") and (engine is None or f'engine="{engine}"' in line):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_data_parallel_replicas_share_the_tier_and_a_restart_keeps_it(tiny_chat_gguf, tmp_path):
+    """Two replicas (round robin) on one tier: the second replica loads the prefix the first computed;
+    after a restart the first request of that prefix computes only its tail."""
+    d = str(tmp_path / "tier")
+    prefix = " ".join(f"w{i}" for i in range(120))
+    common = ["--model", tiny_chat_gguf, "--kv-tier", d, "--dtype", "float32", "--kv-cache-memory", "16MiB"]
+    body = {"prompt": prefix + " tail one", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    with running_server([*common, "--data-parallel-size", "2", "--data-parallel-routing", "round_robin"]) as base:
+        r0 = httpx.post(base + "/v1/completions", json=body, timeout=60).json()
+        wait_until(lambda: metric(base, "inferd:kv_tier_stored_blocks_total") > 0, what="the prefix written")
+        r1 = httpx.post(base + "/v1/completions", json={**body, "prompt": prefix + " tail two"}, timeout=60).json()
+        loaded = {e: metric(base, "inferd:kv_tier_loaded_tokens_total", e) for e in ("0", "1")}
+        assert min(loaded.values()) == 0 and max(loaded.values()) > 0, loaded
+        assert r1["choices"][0]["text"]
+    with running_server(common) as base:
+        again = httpx.post(base + "/v1/completions", json=body, timeout=60).json()
+        n = again["usage"]["prompt_tokens"]
+        loaded = metric(base, "inferd:kv_tier_loaded_tokens_total")
+        assert loaded == (n - 1) // 16 * 16
+        assert metric(base, "inferd:prompt_tokens_computed_total") == n - loaded
+        assert again["choices"][0]["text"] == r0["choices"][0]["text"]
