@@ -324,10 +324,14 @@ def test_tier_events_and_cli_errors(tiny, tmp_path):
 
 # -- through real servers ---------------------------------------------------------------------------
 
-def metric(base: str, name: str, engine: str | None = None) -> float:
+def metric(base: str, name: str, engine: str | None = None, **labels) -> float:
+    """The sum of a series' samples at base/metrics, over those with these labels."""
+    if engine is not None:
+        labels["engine"] = engine
     total = 0.0
     for line in httpx.get(base + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + "{") and (engine is None or f'engine="{engine}"' in line):
+        if (line.startswith(name + "{") or line.startswith(name + " ")) and all(
+                f'{k}="{v}"' in line for k, v in labels.items()):
             total += float(line.rsplit(" ", 1)[1])
     return total
 
@@ -353,3 +357,46 @@ def test_data_parallel_replicas_share_the_tier_and_a_restart_keeps_it(tiny_chat_
         assert loaded == (n - 1) // 16 * 16
         assert metric(base, "inferd:prompt_tokens_computed_total") == n - loaded
         assert again["choices"][0]["text"] == r0["choices"][0]["text"]
+
+
+def test_router_kv_events_policy_follows_the_blocks(tiny_chat_gguf):
+    """A prefix computed on backend b (sent to it directly) is where `--policy kv_events` sends the
+    next request of that prefix, following b's own events; `--policy prefix`, which only knows what
+    it routed itself, sees a new prefix. (b is the first backend: a new prefix on idle backends
+    goes to the second first, so the kv_events router's pick is not that fallback.)"""
+    from conftest import ServerProc
+
+    ports = [(free_port(), free_port()) for _ in range(2)]
+    backends = [ServerProc(["--model", tiny_chat_gguf, "--kv-cache-memory", "16MiB", "--kv-events-config",
+                            f'{{"endpoint": "tcp://127.0.0.1:{p}", "replay_endpoint": "tcp://127.0.0.1:{q}"}}'])
+                for p, q in ports]
+    routers = []
+    try:
+        for b in backends:
+            b.wait_ready()
+        urls = [b.base for b in backends]
+        common = [a for u in urls for a in ("--backend", u)] + ["--health-interval", "0.3"]
+        routers = [ServerProc([*common, "--policy", "kv_events", "--tokenizer", tiny_chat_gguf,
+                               *[a for p, q in ports for a in ("--kv-events-endpoint", f"tcp://127.0.0.1:{p},tcp://127.0.0.1:{q}")]],
+                              command="router"),
+                   ServerProc([*common, "--policy", "prefix"], command="router")]
+        for r in routers:
+            r.wait_ready()
+            wait_until(lambda: metric(r.base, "inferd:router_backend_up") == 2, what="both backends up")
+        prefix = " ".join(f"doc{i}" for i in range(150))
+        body = {"prompt": prefix + " question zero", "max_tokens": 2, "temperature": 0}
+        assert httpx.post(urls[0] + "/v1/completions", json=body, timeout=60).status_code == 200
+        ev_router, guess_router = routers
+        wait_until(lambda: metric(ev_router.base, "inferd:router_kv_event_blocks") > 0, what="b's events at the router")
+        hits_before = metric(urls[0], "inferd:prefix_cache_hits_total")
+        for r in routers:
+            got = httpx.post(r.base + "/v1/completions", json={**body, "prompt": prefix + " question one"}, timeout=60)
+            assert got.status_code == 200
+        sent = {r.base: [metric(r.base, "inferd:router_requests_total", backend=u) for u in urls] for r in routers}
+        assert sent[ev_router.base] == [1, 0], sent
+        assert metric(ev_router.base, "inferd:router_decisions_total", reason="prefix") == 1
+        assert metric(guess_router.base, "inferd:router_decisions_total", reason="new") == 1
+        assert metric(urls[0], "inferd:prefix_cache_hits_total") > hits_before
+    finally:
+        for p in routers + backends:
+            p.stop()

@@ -98,6 +98,10 @@ class RouterMetrics:
         self.decisions = Counter("inferd:router_decisions", "Routing decisions by reason (prefix: followed the "
                                  "cache; balance: load overrode it; new: no backend had the prefix).",
                                  ["reason"], registry=r)
+        self.kv_blocks = Gauge("inferd:router_kv_event_blocks", "kv_events policy: prefix blocks each backend's "
+                               "pool holds, as its KV events say.", ["backend"], registry=r)
+        self.kv_batches = Gauge("inferd:router_kv_event_batches", "kv_events policy: KV event batches received "
+                                "from each backend (replayed ones included).", ["backend"], registry=r)
         for u in urls:
             self.requests.labels(backend=u)
             self.up.labels(backend=u).set(0)
@@ -427,6 +431,10 @@ class Router:
         return JSONResponse(body, status_code=200 if live else 503, headers=None if live else self.retry_after)
 
     async def prom(self, request: Request) -> Response:
+        if self.kv_index is not None:
+            for url, blocks in self.kv_index.blocks.items():
+                self.metrics.kv_blocks.labels(backend=url).set(len(blocks))
+                self.metrics.kv_batches.labels(backend=url).set(self.kv_index.counts[url]["batches"])
         return Response(generate_latest(self.metrics.registry), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def not_found(self, request: Request, exc) -> Response:
