@@ -19,7 +19,10 @@ Parts (--parts, all by default):
   router     two servers with --kv-events-config and the same small pools behind `inferd router`,
              once with --policy prefix (its guess) and once with --policy kv_events (the backends'
              events), the same prefix-families workload at --concurrency; each run on fresh
-             servers. The prefix-cache hit rate the backends count, both printed.
+             servers. Behind one router, then behind two (a highly available router tier: the
+             prompts dealt over both, one `inferd bench` each, at once), where each guessing
+             router knows only what it sent itself while the events are the same for both. The
+             prefix-cache hit rate the backends count, every row printed.
 
 Usage: .venv/bin/python benchmarks/kv_tier.py [--parts ttft,bandwidth,router] [--input-len 1024]
        [--families 8] [--num-prompts 40] [--pool-families 3] [--concurrency 4] [--disk-dir /var/tmp]
@@ -31,6 +34,7 @@ import argparse
 import contextlib
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -67,13 +71,8 @@ def pool_blocks(a) -> int:
 
 def probe_prompts(a) -> list[str]:
     """One prompt of each family, as the bench builds them (the same seed): the outputs compared."""
-    from inferd.bench.datasets import build_prompts
-    from inferd.bench.tokenizer import default_tokenizer_path, load_local
-
-    prompts, _ = build_prompts("prefix-families", a.num_prompts, load_local(default_tokenizer_path()),
-                               str(a.input_len), "16", 0, None, a.families, "32")
     seen, out = set(), []
-    for p in prompts:
+    for p in _bench_prompts(a):
         head = p.prompt[:200]
         if head not in seen:
             seen.add(head)
@@ -82,8 +81,18 @@ def probe_prompts(a) -> list[str]:
 
 
 def outputs(base: str, prompts: list[str]) -> list[str]:
-    return [httpx.post(base + "/v1/completions", json={"prompt": p, "max_tokens": 16, "temperature": 0},
-                       timeout=300).json()["choices"][0]["text"] for p in prompts]
+    """Each prompt's greedy text, sent twice in a row and the second kept: a prefix hit in every setup
+    (the pool's, or the tier's). With int8 activations (W4A8, --quantization auto) a hit's last
+    prompt token goes through the fused decode step, a miss's through the prefill, and the two
+    round differently: hits are compared with hits. Exactness against a miss in fp32 is the
+    suite's (tests/test_kv_tier.py)."""
+    out = []
+    for p in prompts:
+        for _ in range(2):
+            r = httpx.post(base + "/v1/completions", json={"prompt": p, "max_tokens": 16, "temperature": 0},
+                           timeout=300).json()
+        out.append(r["choices"][0]["text"])
+    return out
 
 
 def run_ttft(a) -> tuple[list, dict]:
@@ -102,7 +111,7 @@ def run_ttft(a) -> tuple[list, dict]:
         port = free_port()
         cmd = inferd_serve_cmd("--quantization", "auto", "--num-kv-blocks", str(pool_blocks(a)), *extra, port=port)
         try:
-            with contextlib.contextmanager(server)(cmd, label.replace(" ", "-")) as base:
+            with server(cmd, label.replace(" ", "-")) as base:
                 res = run_bench(base, *bench_args(a, 1))
                 c = counters(base)  # before the probes
                 texts = outputs(base, probes)
@@ -133,7 +142,7 @@ def run_ttft(a) -> tuple[list, dict]:
     for label, _ in setups[1:]:
         got = runs[label]["texts"]
         same = sum(g == w for g, w in zip(got, want))
-        print(f"greedy outputs of one prompt per family, {label} vs recompute: {same}/{len(want)} equal")
+        print(f"greedy outputs of one prompt per family (prefix hits), {label} vs recompute: {same}/{len(want)} equal")
         for g, w in zip(got, want):
             if g != w:
                 print(f"  differs: {g!r} vs {w!r}")
@@ -184,33 +193,82 @@ def run_bandwidth(a, ttft: dict) -> list:
     return rows
 
 
+def bench_split(routers: list[str], a, prompts: list[str]) -> list[dict]:
+    """The prompts dealt round-robin over the routers, one `inferd bench` each, all at once (a router
+    tier of replicas behind one address, as a highly available deployment runs it)."""
+    import json
+    import subprocess
+
+    from serving import inferd_env
+
+    procs, outs = [], []
+    with tempfile.TemporaryDirectory(prefix="inferd-kv-tier-") as d:
+        for i, r in enumerate(routers):
+            part = prompts[i::len(routers)]
+            path = os.path.join(d, f"p{i}.jsonl")
+            with open(path, "w") as f:
+                for p in part:
+                    f.write(json.dumps({"prompt": p}) + "\n")
+            out = os.path.join(d, f"r{i}.json")
+            cmd = [sys.executable, "-m", "inferd", "bench", "--base-url", r, "--result-json", out, "--dataset", "jsonl",
+                   "--dataset-path", path, "--num-prompts", str(len(part)), "--output-len", "16", "--seed", "0",
+                   "--max-concurrency", str(max(1, a.concurrency // len(routers))), "--extra-body", '{"temperature": 0}']
+            procs.append(subprocess.Popen(cmd, env=inferd_env(), stdout=subprocess.DEVNULL))
+            outs.append(out)
+        for p in procs:
+            p.wait(1800)
+        results = []
+        for out in outs:
+            with open(out) as f:
+                results.append(json.load(f))
+    return results
+
+
 def run_router(a) -> list:
     rows = []
-    for policy in ("prefix", "kv_events"):
-        ports = [(free_port(), free_port()) for _ in range(2)]
-        with contextlib.ExitStack() as st:
-            bases = []
-            for i, (p, q) in enumerate(ports):
-                cmd = inferd_serve_cmd("--quantization", "auto", "--num-kv-blocks", str(pool_blocks(a)),
-                                       "--threads", "1", "--kv-events-config",
-                                       f'{{"endpoint": "tcp://127.0.0.1:{p}", "replay_endpoint": "tcp://127.0.0.1:{q}"}}',
-                                       port=free_port())
-                bases.append(st.enter_context(contextlib.contextmanager(server)(cmd, f"backend{i}")))
-            rport = free_port()
-            rcmd = [sys.executable, "-m", "inferd", "router", "--port", str(rport), "--policy", policy,
-                    *[x for b in bases for x in ("--backend", b)]]
-            if policy == "kv_events":
-                rcmd += [x for p, q in ports for x in ("--kv-events-endpoint", f"tcp://127.0.0.1:{p},tcp://127.0.0.1:{q}")]
-            rbase = st.enter_context(contextlib.contextmanager(server)(rcmd, f"router-{policy}"))
-            res = run_bench(rbase, *bench_args(a, a.concurrency))
-            hits = sum(counters(b).get("inferd:prefix_cache_hits_total", 0) for b in bases)
-            queries = sum(counters(b).get("inferd:prefix_cache_queries_total", 0) for b in bases)
-            rows.append({"policy": policy, "hit_rate": hits / queries if queries else 0.0,
-                         "ttft_p50_ms": res["median_ttft_ms"], "failed": res.get("failed", 0)})
-    print_table(f"router policies, prefix-families at concurrency {a.concurrency}, two backends",
-                ["policy", "prefix hit rate", "TTFT p50 ms"],
-                [[r["policy"], f"{100 * r['hit_rate']:.1f} %", f"{r['ttft_p50_ms']:.0f}"] for r in rows])
+    all_prompts = [p.prompt for p in _bench_prompts(a)]
+    for n_routers in (1, 2):
+        for policy in ("prefix", "kv_events"):
+            ports = [(free_port(), free_port()) for _ in range(2)]
+            with contextlib.ExitStack() as st:
+                bases = []
+                for i, (p, q) in enumerate(ports):
+                    cmd = inferd_serve_cmd("--quantization", "auto", "--num-kv-blocks", str(pool_blocks(a)),
+                                           "--threads", "1", "--kv-events-config",
+                                           f'{{"endpoint": "tcp://127.0.0.1:{p}", "replay_endpoint": "tcp://127.0.0.1:{q}"}}',
+                                           port=free_port())
+                    bases.append(st.enter_context(server(cmd, f"backend{i}")))
+                routers = []
+                for k in range(n_routers):
+                    rcmd = [sys.executable, "-m", "inferd", "router", "--port", str(free_port()), "--policy", policy,
+                            *[x for b in bases for x in ("--backend", b)]]
+                    if policy == "kv_events":
+                        rcmd += [x for p, q in ports for x in ("--kv-events-endpoint",
+                                                               f"tcp://127.0.0.1:{p},tcp://127.0.0.1:{q}")]
+                    routers.append(st.enter_context(server(rcmd, f"router{k}-{policy}")))
+                if n_routers == 1:
+                    res = [run_bench(routers[0], *bench_args(a, a.concurrency))]
+                else:
+                    res = bench_split(routers, a, all_prompts)
+                hits = sum(counters(b).get("inferd:prefix_cache_hits_total", 0) for b in bases)
+                queries = sum(counters(b).get("inferd:prefix_cache_queries_total", 0) for b in bases)
+                rows.append({"routers": n_routers, "policy": policy, "hit_rate": hits / queries if queries else 0.0,
+                             "ttft_p50_ms": statistics.median(r["median_ttft_ms"] for r in res),
+                             "failed": sum(r.get("failed", 0) for r in res)})
+    print_table(f"router policies, prefix-families at total concurrency {a.concurrency}, two backends",
+                ["routers", "policy", "prefix hit rate", "TTFT p50 ms", "failed"],
+                [[str(r["routers"]), r["policy"], f"{100 * r['hit_rate']:.1f} %", f"{r['ttft_p50_ms']:.0f}",
+                  str(r["failed"])] for r in rows])
     return rows
+
+
+def _bench_prompts(a):
+    from inferd.bench.datasets import build_prompts
+    from inferd.bench.tokenizer import default_tokenizer_path, load_local
+
+    prompts, _ = build_prompts("prefix-families", a.num_prompts, load_local(default_tokenizer_path()),
+                               str(a.input_len), "16", 0, None, a.families, "32")
+    return prompts
 
 
 def main():

@@ -400,3 +400,55 @@ def test_router_kv_events_policy_follows_the_blocks(tiny_chat_gguf):
     finally:
         for p in routers + backends:
             p.stop()
+
+
+def test_event_index_replays_gaps_resets_on_restart_and_guides_the_balancer():
+    """KVEventIndex against a real publisher: a late subscriber's gap is filled from the replay
+    socket, a publisher that starts numbering again empties the set, in-flight reservations count
+    until dropped; the kv_events Balancer follows the events and, where no backend holds the
+    prefix, its own memory."""
+    from inferd.distributed.kv_events import EventPublisher, KVEventsConfig, hash_chain
+    from inferd.distributed.kv_events import BlockStored as Stored
+    from inferd.distributed.policy import Balancer
+    from inferd.router.kv_index import KVEventIndex
+
+    def publisher():
+        cfg = KVEventsConfig(endpoint=f"tcp://127.0.0.1:{free_port()}", replay_endpoint=f"tcp://127.0.0.1:{free_port()}")
+        return cfg, EventPublisher(cfg)
+
+    cfg, pub = publisher()
+    ids = list(range(1, 65))
+    h = hash_chain(ids, BS)
+    pub.publish([Stored(h[:2], None, ids[:32], BS, None, "CPU")])  # before anyone listens: replayed
+    wait_until(lambda: pub.published == 1, what="the first batch out")
+    idx = KVEventIndex({"a": (cfg.endpoint, cfg.replay_endpoint), "b": (f"tcp://127.0.0.1:{free_port()}", None)})
+    try:
+        def until_seen():
+            pub.publish([Stored(h[2:3], h[1], ids[32:48], BS, None, "CPU")])
+            return idx.match("a", h) >= 3
+        wait_until(until_seen, what="the index to catch up")  # the SUB socket joins some batches late
+        assert idx.counts["a"]["replayed"] >= 1 and idx.match("b", h) == 0
+        drop = idx.reserve("b", h)
+        assert idx.match("b", h) == 4
+        drop()
+        assert idx.match("b", h) == 0
+        bal = Balancer(["a", "b"], "kv_events", chunk=8, matcher=idx.match)
+        p = bal.pick((h, "x" * 64), {"a": 0, "b": 0})
+        assert (p.target, p.reason) == ("a", "prefix")
+        other = hash_chain(list(range(100, 164)), BS)
+        first = bal.pick((other, "y" * 64), {"a": 0, "b": 0})
+        assert first.reason == "new"
+        again = bal.pick((other, "y" * 64), {"a": 0, "b": 0})  # no events yet: the router's own memory
+        assert (again.target, again.reason) == (first.target, "prefix")
+        pub.close()
+        cfg2 = KVEventsConfig(endpoint=cfg.endpoint, replay_endpoint=cfg.replay_endpoint)
+        pub = EventPublisher(cfg2)  # a restart: numbering from 0, a new pool
+
+        def restarted():
+            pub.publish([Stored(other[:1], None, list(range(100, 116)), BS, None, "CPU")])
+            return idx.match("a", other) == 1
+        wait_until(restarted, what="the restarted publisher's events")
+        assert idx.counts["a"]["resets"] >= 1 and idx.match("a", h) == 0
+    finally:
+        idx.close()
+        pub.close()

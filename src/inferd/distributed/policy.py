@@ -90,14 +90,15 @@ class Balancer:
         self.capacity = capacity
         self.index = {t: PrefixIndex(capacity) for t in self.targets}
         # kv_events: matcher(target, block hashes) -> leading blocks the target's pool holds, as its
-        # own KV events say (inferd.router.kv_index); `seq` is then the request's block hashes
+        # own KV events say (inferd.router.kv_index)
         self.matcher = matcher
         if policy == "kv_events" and matcher is None:
             raise ValueError("the kv_events policy needs a matcher (the backends' KV event index)")
         self._rr = 0
 
     def pick(self, seq: Sequence, loads: dict, live: Sequence[Hashable] | None = None) -> Pick:
-        """`seq`: the request's text (or token ids); `loads`: target -> requests open there."""
+        """`seq`: the request's text (or token ids); with kv_events, (its block hashes, its text);
+        `loads`: target -> requests open there."""
         cands = [t for t in self.targets if live is None or t in live]
         if not cands:
             raise LookupError("no live target")
@@ -112,20 +113,26 @@ class Balancer:
         if self.policy == "least_loaded":
             return Pick(least, reason="least_loaded")
         if self.policy == "kv_events":
-            hashes = list(seq)
+            # the events say where the prefix is; where no target holds any of it, the router's own
+            # memory of where it sent it (the prefix policy's guess) keeps each prefix a home
+            hashes, text = seq
+            seen = chunk_hashes(text, self.chunk)
             matched = {t: self.matcher(t, hashes) for t in cands}
+            if not any(matched.values()):
+                hashes = seen
+                matched = {t: self.index[t].match(seen) for t in cands}
         else:
-            hashes = chunk_hashes(seq, self.chunk)
+            hashes = seen = chunk_hashes(seq, self.chunk)
             matched = {t: self.index[t].match(hashes) for t in cands}
         lo, hi = load[least], max(load.values())
         if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
-            return self._record(Pick(least, matched[least], "balance"), hashes)
+            return self._record(Pick(least, matched[least], "balance"), seen)
         best = max(cands, key=lambda t: (matched[t], -load[t]))
         if hashes and matched[best] >= self.cache_threshold * len(hashes) and matched[best] > 0:
             if load[best] - lo > self.balance_abs:
-                return self._record(Pick(least, matched[least], "balance"), hashes)
-            return self._record(Pick(best, matched[best], "prefix"), hashes)
-        return self._record(Pick(least, matched[least], "new"), hashes)
+                return self._record(Pick(least, matched[least], "balance"), seen)
+            return self._record(Pick(best, matched[best], "prefix"), seen)
+        return self._record(Pick(least, matched[least], "new"), seen)
 
     def _least(self, cands: list, load: dict):
         """The least loaded, then the one holding least; a tie left after both rotates, so that
@@ -137,8 +144,7 @@ class Balancer:
         return tied[self._rr % len(tied)]
 
     def _record(self, pick: Pick, hashes: list[int]) -> Pick:
-        if self.policy != "kv_events":  # the events say what the target holds: nothing to guess
-            self.index[pick.target].insert(hashes)
+        self.index[pick.target].insert(hashes)
         return pick
 
     def add_targets(self, targets: Sequence[Hashable]):

@@ -59,7 +59,8 @@ class KVTier:
         self._log = EventLog() if events else None  # the tier's own stores and removals (medium DISK/SHM)
         self.counters = {"hits": 0, "hit_tokens": 0, "lookups": 0, "loaded_blocks": 0, "loaded_bytes": 0,
                          "stored_blocks": 0, "stored_bytes": 0, "store_skipped": 0, "store_errors": 0,
-                         "evicted_blocks": 0, "absent": 0, "truncated": 0, "corrupt": 0, "mismatch": 0}
+                         "evicted_blocks": 0, "absent": 0, "truncated": 0, "corrupt": 0, "mismatch": 0,
+                         "loads": 0, "load_seconds": 0.0}
         self.seconds: list[float] = []  # load durations not yet taken by a snapshot
         self.known: OrderedDict[int, None] = OrderedDict()
         self.loading: dict[str, tuple] = {}  # request id -> (request, first block, blocks asked)
@@ -199,14 +200,17 @@ class KVTier:
             store.touch(h)
             n_ok += 1
             nbytes += size
+        secs = time.monotonic() - t0
         with self._lock:
             c = self.counters
             c["loaded_blocks"] += n_ok
             c["loaded_bytes"] += nbytes
+            c["loads"] += 1
+            c["load_seconds"] += secs
             if n_ok:
                 c["hits"] += 1
                 c["hit_tokens"] += n_ok * bs
-        self.done.put((rid, n_ok, time.monotonic() - t0))
+        self.done.put((rid, n_ok, secs))
         self.wake.set()
 
     def _store(self, h, parent, seed, tokens, k, v):

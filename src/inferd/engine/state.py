@@ -131,6 +131,7 @@ def engine_state(engine, steps: int = STEP_HISTORY) -> dict:
         "counters": counters,
         "speculative": engine.spec_counters(),
         "kv_transfer": engine.kv.view() if engine.kv is not None else None,
+        "kv_tier": engine.tier.view() if getattr(engine, "tier", None) is not None else None,
         "config": {**engine.cache_info(), "max_num_seqs": cfg.max_num_seqs,
                    "max_num_batched_tokens": cfg.max_num_batched_tokens, "max_model_len": engine.max_model_len,
                    "speculative_method": cfg.speculative_method, "role": _role(engine),

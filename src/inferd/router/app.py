@@ -237,9 +237,11 @@ class Router:
             tried.append(pick.target)
             yield attempt, pick
 
-    def count(self, url: str) -> Callable[[], None]:
-        """Count a client's request as open at `url`; the function returned uncounts it, once."""
+    def count(self, url: str, hashes: list[int] | None = None) -> Callable[[], None]:
+        """Count a client's request as open at `url` (with the kv_events policy, its prefix blocks as
+        coming there); the function returned uncounts it, once."""
         b = self.pool.backends[url]
+        unreserve = self.kv_index.reserve(url, hashes) if self.kv_index is not None and hashes else None
         b.inflight += 1
         b.sent += 1
         self.metrics.requests.labels(backend=url).inc()
@@ -250,13 +252,15 @@ class Router:
             nonlocal released
             if not released:
                 released = True
+                if unreserve is not None:
+                    unreserve()
                 b.inflight -= 1
                 self.metrics.inflight.labels(backend=url).dec()
 
         return release
 
     async def send(self, url: str, path: str, headers: dict, content: bytes | None = None, stream: bool = False,
-                   timeout=httpx.USE_CLIENT_DEFAULT) -> Answer:
+                   timeout=httpx.USE_CLIENT_DEFAULT, hashes: list[int] | None = None) -> Answer:
         """POST a client's request (`content`) to a backend, or GET the router's own question of it.
 
         Never raises for the backend's failures: a transport error is the answer's `error`. A
@@ -265,7 +269,7 @@ class Router:
         health check. The router's own questions (the dashboard's, the model list) count nowhere
         and mark nothing down: a slow dashboard is no reason to stop routing there.
         """
-        ans = Answer(url, path, self.count(url) if content is not None else (lambda: None))
+        ans = Answer(url, path, self.count(url, hashes) if content is not None else (lambda: None))
         try:
             req = self.client.build_request("GET" if content is None else "POST", url + path, content=content,
                                             headers=headers, timeout=timeout)
@@ -341,7 +345,8 @@ class Router:
         if not isinstance(body, dict):
             return error_response(400, "request body must be a JSON object")
         text = routing_text(body, chat)
-        key = self.block_hashes(body, chat) if self.kv_index is not None else text
+        hashes = self.block_hashes(body, chat) if self.kv_index is not None else None
+        key = (hashes, text) if hashes is not None else text
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
         if self.pbalancer is not None:
             path = route(body, chat, text, self.disagg_min_chars)
@@ -359,7 +364,8 @@ class Router:
             self.metrics.decisions.labels(reason=pick.reason).inc()
             if attempt:
                 self.metrics.retries.labels(backend=pick.target).inc()
-            ans = await self.send(pick.target, request.url.path, headers, raw, stream=True)
+            ans = await self.send(pick.target, request.url.path, headers, raw, stream=True,
+                                  hashes=hashes)
             if ans.error is not None:
                 last_error = f"{ans.url}: {type(ans.error).__name__}"
                 continue

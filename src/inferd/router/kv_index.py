@@ -3,7 +3,11 @@ events (vLLM's format: inferd.distributed.kv_events), instead of the router's me
 sent things.
 
 One thread subscribes to every backend's PUB endpoint and keeps, per backend, the set of block
-hashes its pool holds: BlockStored adds, BlockRemoved removes, AllBlocksCleared empties. A gap in
+hashes its pool holds: BlockStored adds, BlockRemoved removes, AllBlocksCleared empties. Beside
+the events, the blocks of requests in flight to a backend count as its own until their answer
+ends (`reserve`): events say what was computed, not what is being computed, and a router that
+ignored its own in-flight requests would scatter a new prefix's first requests over every
+backend (Dynamo's KV router keeps the same provisional view). A gap in
 a backend's sequence numbers is filled from its replay endpoint when it has one; without one, or
 when the replay no longer holds the gap, that backend's set is emptied (a stale set would route to
 a cache that is gone; an empty one only costs a miss until new events arrive). Blocks of other
@@ -32,6 +36,7 @@ class KVEventIndex:
 
         self.endpoints = endpoints
         self.blocks: dict[Hashable, set[int]] = {t: set() for t in endpoints}
+        self.pending: dict[Hashable, dict[int, int]] = {}  # target -> hash -> requests in flight (event loop only)
         self.counts = {t: {"batches": 0, "events": 0, "gaps": 0, "replayed": 0, "resets": 0} for t in endpoints}
         self._last: dict[Hashable, int] = {t: -1 for t in endpoints}
         self._ctx = zmq.Context()
@@ -46,12 +51,32 @@ class KVEventIndex:
         self._thread.start()
 
     def match(self, target: Hashable, hashes: Sequence[int]) -> int:
-        """How many leading blocks of this chain the target's pool holds."""
+        """How many leading blocks of this chain the target's pool holds, or is computing now for a
+        request this router sent it (its events come only once those blocks are computed: without
+        this, the second request of a new prefix, sent while the first is still in prefill, would
+        look new and go elsewhere, and both backends would compute and cache the same prefix)."""
         have = self.blocks.get(target, ())
+        coming = self.pending.get(target, {})
         k = 0
-        while k < len(hashes) and hashes[k] in have:
+        while k < len(hashes) and (hashes[k] in have or hashes[k] in coming):
             k += 1
         return k
+
+    def reserve(self, target: Hashable, hashes: Sequence[int]):
+        """A request with these block hashes is on its way to target; call the result when its
+        answer is over (by then the target's own events say what it kept)."""
+        coming = self.pending.setdefault(target, {})
+        for h in hashes:
+            coming[h] = coming.get(h, 0) + 1
+
+        def drop():
+            for h in hashes:
+                n = coming.get(h, 0) - 1
+                if n > 0:
+                    coming[h] = n
+                else:
+                    coming.pop(h, None)
+        return drop
 
     def _loop(self):
         import zmq
@@ -68,12 +93,15 @@ class KVEventIndex:
                     continue
                 seq = int.from_bytes(seq_b, "big")
                 last = self._last[t]
-                if last >= 0 and seq > last + 1:
+                if seq > last + 1:  # a gap, or a first batch after some (a late join): replay
                     self.counts[t]["gaps"] += 1
                     self._replay(t, last + 1, seq)
                 elif 0 <= seq <= last:  # numbering started again: the backend restarted, its pool is new
                     self.blocks[t] = set()
                     self.counts[t]["resets"] += 1
+                    self._last[t] = -1
+                    if seq > 0:  # and its first batches went by before we were reconnected
+                        self._replay(t, 0, seq)
                 self._apply(t, payload)
                 self._last[t] = seq
         for s in self._subs:

@@ -140,6 +140,11 @@
     text(n, 'waiting', String(st.num_waiting));
     const c = st.counters;
     text(n, 'hit-rate', c.prefix_hit_rate === null ? '-' : (100 * c.prefix_hit_rate).toFixed(1) + ' %');
+    const tier = st.kv_tier;  // size, requests that loaded from it, bytes loaded and stored, mean load time
+    text(n, 'kv-tier', tier ? (tier.bytes / 2 ** 20).toFixed(0) + ' MiB ' + tier.medium.toLowerCase() + ' · '
+      + tier.hits + ' hits · ' + (tier.loaded_bytes / 2 ** 20).toFixed(0) + ' MiB in, '
+      + (tier.stored_bytes / 2 ** 20).toFixed(0) + ' MiB out'
+      + (tier.loads ? ' · load ' + inferd.ms(1000 * tier.load_seconds / tier.loads) + ' ms' : '') : 'off');
     const spec = st.speculative;
     text(n, 'spec-rate', spec ? (100 * spec.acceptance_rate).toFixed(1) + ' %' : 'off');
     text(n, 'preemptions', String(c.preemptions));
