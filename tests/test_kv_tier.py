@@ -452,3 +452,40 @@ def test_event_index_replays_gaps_resets_on_restart_and_guides_the_balancer():
     finally:
         idx.close()
         pub.close()
+
+
+def test_a_load_in_flight_does_not_stall_other_requests(tiny, work, tmp_path):
+    """While one request's blocks are being read (the read held on a gate), another request keeps
+    getting a token every step; the loading request joins once its blocks are in, with the
+    reference's tokens."""
+    import threading
+
+    reqs, ref = work
+    d = str(tmp_path / "tier")
+    a = engine(tiny, d, blocks=64)
+    one_by_one(a, reqs[:1])
+    a.close()
+    b = engine(tiny, d, blocks=64)
+    gate, read = threading.Event(), b.tier.store.read
+
+    def held_read(*args):
+        gate.wait(30)
+        return read(*args)
+    b.tier.store.read = held_read
+    other = b.add_request([5, 6, 7], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    b.step()
+    loading = b.add_request(reqs[0][0], SamplingParams(max_tokens=reqs[0][1], temperature=0))
+    got = {other: [], loading: []}
+    for _ in range(10):
+        for o in b.step():
+            got[o.request_id].extend(o.new_token_ids)
+        assert loading in b.tier.loading and loading not in [r.request_id for r in b.scheduler.running]
+    assert len(got[other]) >= 10 and not got[loading]
+    gate.set()
+    while b.has_unfinished():
+        for o in b.step():
+            got[o.request_id].extend(o.new_token_ids)
+    compare([got[loading]], [ref[0]])
+    assert b.tier.view()["hit_tokens"] == (len(reqs[0][0]) - 1) // BS * BS
+    assert_drained(b)
+    b.close()

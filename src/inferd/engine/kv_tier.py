@@ -77,6 +77,12 @@ class KVTier:
                  self.medium, capacity / 2**30, self.block_bytes // 1024, self.store.size()[0])
 
     # -- admission (engine thread) ------------------------------------------------------------------
+    @staticmethod
+    def serves(req) -> bool:
+        """Prompt logprobs need every position computed; an adapter's blocks stay out of the tier (a
+        restart may load other weights under the same adapter name, and the tier would not know)."""
+        return req.params.prompt_logprobs is None and req.lora is None
+
     def lookup(self, req, first: int) -> int:
         """How many full blocks from block `first` on the tier holds, in a run (at most up to the
         last full block before the prompt's final token, which is always computed)."""
@@ -141,6 +147,8 @@ class KVTier:
             return
         pool, bs = self.pool, self.bs
         for b, h, parent, tokens, seed in new_blocks:
+            if seed:  # an adapter's block (see serves)
+                continue
             with self._lock:
                 if h in self.known:
                     self.known.move_to_end(h)

@@ -185,7 +185,7 @@ class Scheduler:
             # a request that arrives with blocks has its prompt KV from another engine (kv_transfer)
             prefilled = bool(req.block_table)
             hit = 0 if prefilled else self.bm.match_prefix(req)
-            if self.tier is not None and not prefilled and not req.tier_tried:
+            if self.tier is not None and not prefilled and not req.tier_tried and self.tier.serves(req):
                 loading = self._start_tier_load(req, hit)
                 if loading:
                     self.waiting.popleft()
