@@ -231,15 +231,17 @@ class Subscriber:
         self.dec = Decoder(type=KVEventBatch)
         self.last = -1
         self.batches: list[KVEventBatch] = []
+        self.raw: list[bytes] = []
         self.replayed = 0
 
     def poll(self, timeout=0):
         while self.sub.poll(timeout):
             _, seq_b, payload = self.sub.recv_multipart()
             seq = int.from_bytes(seq_b, "big")
-            if seq > self.last + 1:
+            if seq > self.last + 1 and self.replay_ep:
                 self.replay(self.last + 1, seq)
             self.batches.append(self.dec.decode(payload))
+            self.raw.append(payload)
             self.last = seq
 
     def replay(self, first, upto):
@@ -324,6 +326,21 @@ def test_tier_events_and_cli_errors(tiny, tmp_path):
 
 # -- through real servers ---------------------------------------------------------------------------
 
+def two_free_ports() -> int:
+    """A port p with p + 1 free too."""
+    import socket
+
+    for _ in range(50):
+        p = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p + 1))
+                return p
+            except OSError:
+                continue
+    raise AssertionError("no two consecutive free ports")
+
+
 def metric(base: str, name: str, engine: str | None = None, **labels) -> float:
     """The sum of a series' samples at base/metrics, over those with these labels."""
     if engine is not None:
@@ -343,13 +360,23 @@ def test_data_parallel_replicas_share_the_tier_and_a_restart_keeps_it(tiny_chat_
     prefix = " ".join(f"w{i}" for i in range(120))
     common = ["--model", tiny_chat_gguf, "--kv-tier", d, "--dtype", "float32", "--kv-cache-memory", "16MiB"]
     body = {"prompt": prefix + " tail one", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
-    with running_server([*common, "--data-parallel-size", "2", "--data-parallel-routing", "round_robin"]) as base:
+    port = two_free_ports()  # replica i publishes its KV events on port + i (vLLM's offset)
+    events = ["--kv-events-config", f'{{"endpoint": "tcp://127.0.0.1:{port}"}}']
+    subs = [Subscriber(f"tcp://127.0.0.1:{port + i}", None) for i in range(2)]
+    with running_server([*common, *events, "--data-parallel-size", "2", "--data-parallel-routing", "round_robin"]) as base:
         r0 = httpx.post(base + "/v1/completions", json=body, timeout=60).json()
         wait_until(lambda: metric(base, "inferd:kv_tier_stored_blocks_total") > 0, what="the prefix written")
         r1 = httpx.post(base + "/v1/completions", json={**body, "prompt": prefix + " tail two"}, timeout=60).json()
         loaded = {e: metric(base, "inferd:kv_tier_loaded_tokens_total", e) for e in ("0", "1")}
         assert min(loaded.values()) == 0 and max(loaded.values()) > 0, loaded
         assert r1["choices"][0]["text"]
+        for i, sub in enumerate(subs):  # both replicas stored blocks: each told its own subscriber
+            wait_until(lambda: sub.poll(50) or any(isinstance(e, BlockStored) for b in sub.batches for e in b.events),
+                       what=f"replica {i}'s events")
+            raw = msgspec.msgpack.decode(sub.raw[-1])
+            assert raw[2] == i  # the batch's data_parallel_rank
+    for sub in subs:
+        sub.close()
     with running_server(common) as base:
         again = httpx.post(base + "/v1/completions", json=body, timeout=60).json()
         n = again["usage"]["prompt_tokens"]

@@ -134,10 +134,14 @@ class BlockStore:
         file is absent or is not exactly this block."""
         path = self.path(h)
         try:
-            with open(path, "rb") as f:
-                data = f.read()
+            with open(path, "rb", buffering=0) as f:
+                # straight into a writable buffer the tensors view: no copy between the read and the pool
+                data = bytearray(os.fstat(f.fileno()).st_size)
+                got = f.readinto(data)
         except FileNotFoundError:
             raise Miss("absent") from None
+        if got != len(data):  # shrank under us: another engine's eviction, a truncation
+            raise Miss("truncated", f"{got} of {len(data)} bytes read")
         lay = self.layout
         half = lay.half_bytes
         n_tok = len(tokens)
@@ -158,7 +162,7 @@ class BlockStore:
             raise Miss("corrupt", "checksum")
         if (fparent if has_parent else None) != parent or fseed != seed or array("i", toks.tobytes()).tolist() != list(tokens):
             raise Miss("mismatch", "another prefix under the same hash")
-        flat = torch.frombuffer(bytearray(body), dtype=torch.uint8)
+        flat = torch.frombuffer(data, dtype=torch.uint8, offset=HEADER.size + 4 * n_tok)
         k = flat[:half].view(lay.dtype).view(lay.shape)
         v = flat[half:].view(lay.dtype).view(lay.shape)
         return k, v, len(data)
