@@ -316,7 +316,7 @@ def test_tier_events_and_cli_errors(tiny, tmp_path):
                if isinstance(e, BlockStored) and e.medium == "DISK")
     assert disk == eng.tier.view()["stored_blocks"] > 0
     sub.close()
-    for args, msg in ((["--kv-events-config", "{nope"], "not JSON"),
+    for args, msg in ((["--kv-events-config", "{nope"], "not valid JSON"),
                       (["--kv-events-config", '{"publisher": "kafka"}'], "publisher"),
                       (["--kv-tier", str(tmp_path), "--no-prefix-caching"], "prefix caching")):
         r = subprocess.run([sys.executable, "-m", "inferd", "serve", "--port", "0", *args],

@@ -3,6 +3,7 @@ its model part, LoadConfig, goes whole to `inferd.loading.loader.load_model`. Kn
 them where the idea is the same."""
 from __future__ import annotations
 
+import json
 import re
 import sys
 from dataclasses import dataclass, fields
@@ -216,6 +217,20 @@ def yaml_defaults(path: str, dests: set[str]) -> dict:
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
           "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
+
+
+def json_flag(value, flag: str) -> dict:
+    """A flag that takes a JSON object (vLLM's --kv-transfer-config, --kv-events-config), or the dict a
+    YAML config gave: the dict, or one InferdError naming the flag."""
+    if isinstance(value, dict):
+        return dict(value)
+    try:
+        data = json.loads(value)
+    except ValueError as e:
+        raise InferdError(f"{flag} is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise InferdError(f"{flag} must be a JSON object")
+    return data
 
 
 def parse_bytes(v) -> int:

@@ -16,7 +16,6 @@ events and the router's lookups agree on what a block is. Torch-free: the router
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import queue
 import threading
@@ -28,6 +27,7 @@ from typing import Any, Sequence
 
 import msgspec
 
+from inferd.config import json_flag
 from inferd.errors import InferdError
 
 log = logging.getLogger("inferd")
@@ -162,13 +162,7 @@ def parse_kv_events_config(value) -> KVEventsConfig | None:
     events disabled / publisher "null": no publisher."""
     if value is None or value == "":
         return None
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise InferdError(f"--kv-events-config is not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise InferdError("--kv-events-config must be a JSON object")
+    value = json_flag(value, "--kv-events-config")
     known = KVEventsConfig.__dataclass_fields__
     bad = sorted(set(value) - set(known))
     if bad:

@@ -51,6 +51,18 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.
                    20.0, 40.0, 80.0, 160.0)
 
 
+def _advance(counters: dict, now: dict, last: dict, prefix: str, labels: dict):
+    """Each counter by how much its engine-side running total (now[key]) grew since the last
+    snapshot (last[prefix + key]); every series exists from the first snapshot on, at 0."""
+    for key, counter in counters.items():
+        value = now.get(key, 0)
+        if value > last[prefix + key]:
+            counter.labels(**labels).inc(value - last[prefix + key])
+        else:
+            counter.labels(**labels)
+        last[prefix + key] = value
+
+
 class Metrics:
     def __init__(self, model_name: str, speculative: bool = False, engines: int = 1, kv_transfer: bool = False,
                  kv_tier: bool = False, kv_events: bool = False):
@@ -246,55 +258,31 @@ class Metrics:
             last[key] = now
         if self.kv is not None and snap.kv is not None:
             kl = {**lab, "connector": snap.kv["connector"]}
-            for key, counter in self.kv.items():
-                now = snap.kv.get(key, 0)
-                if now > last["kv_" + key]:
-                    counter.labels(**kl).inc(now - last["kv_" + key])
-                else:
-                    counter.labels(**kl)
-                last["kv_" + key] = now
+            _advance(self.kv, snap.kv, last, "kv_", kl)
             for secs in snap.kv["seconds"]:
                 self.kv_seconds.labels(**kl).observe(secs)
             self.kv_leased.labels(**kl).set(snap.kv.get("leased_blocks", 0))
-        self._tier_step(snap, lab, last)
+        t = getattr(snap, "tier", None)
+        if self.tier is not None and t is not None:
+            tl = {**lab, "medium": t["medium"]}
+            _advance(self.tier, t, last, "tier_", tl)
+            for reason in ("truncated", "corrupt", "mismatch"):
+                _advance({reason: self.tier_bad}, t, last, "tier_", {**tl, "reason": reason})
+            self.tier_size.labels(**tl).set(t["bytes"])
+            for secs in t["seconds"]:
+                self.tier_seconds.labels(**tl).observe(secs)
         if self.events is not None and snap.events is not None:
             now = {**snap.events, "blocks_stored": snap.blocks_stored, "blocks_removed": snap.blocks_removed}
-            for key, counter in self.events.items():
-                if now[key] > last["ev_" + key]:
-                    counter.labels(**lab).inc(now[key] - last["ev_" + key])
-                last["ev_" + key] = now[key]
+            _advance(self.events, now, last, "ev_", lab)
         lo = getattr(snap, "lora", None)
         if lo is not None:
             self.lora_info.clear()  # one series: the current sets
             self.lora_info.labels(max_lora=str(lo["max_loras"]), running_lora_adapters=",".join(lo["running"]),
                                   waiting_lora_adapters=",".join(lo["waiting"])).set(time.time())
         if self.spec is not None and snap.spec is not None:
-            for key, counter in self.spec.items():
-                now = snap.spec[key]
-                if now > last[key]:
-                    counter.labels(**lab).inc(now - last[key])
-                last[key] = now
+            _advance(self.spec, snap.spec, last, "", lab)
             self.spec_rate.labels(**lab).set(snap.spec["acceptance_rate"])
             self.spec_len.labels(**lab).set(snap.spec["mean_accepted_length"])
-
-    def _tier_step(self, snap, lab: dict, last: dict):
-        t = getattr(snap, "tier", None)
-        if self.tier is None or t is None:
-            return
-        tl = {**lab, "medium": t["medium"]}
-        for key, counter in self.tier.items():
-            if t[key] > last["tier_" + key]:
-                counter.labels(**tl).inc(t[key] - last["tier_" + key])
-            else:
-                counter.labels(**tl)
-            last["tier_" + key] = t[key]
-        for reason in ("truncated", "corrupt", "mismatch"):
-            if t[reason] > last["tier_" + reason]:
-                self.tier_bad.labels(**tl, reason=reason).inc(t[reason] - last["tier_" + reason])
-            last["tier_" + reason] = t[reason]
-        self.tier_size.labels(**tl).set(t["bytes"])
-        for secs in t["seconds"]:
-            self.tier_seconds.labels(**tl).observe(secs)
 
     def on_finish(self, out, engine: int = 0, model: str | None = None):
         """Engine thread, for each finished sequence: its latencies from the engine's events."""

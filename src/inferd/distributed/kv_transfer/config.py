@@ -10,10 +10,10 @@ has pulled them; `kv_consumer` admits requests whose prompt KV lives on a produc
 """
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass, field
 
+from inferd.config import json_flag
 from inferd.errors import InferdError
 
 # name -> canonical; the canonical names read like vLLM's connector class names
@@ -61,16 +61,7 @@ def parse_kv_transfer_config(text: str | dict | None, role: str | None = None) -
     or value is one InferdError naming it."""
     if text is None and role is None:
         return None
-    data: dict = {}
-    if isinstance(text, dict):
-        data = dict(text)
-    elif text is not None:
-        try:
-            data = json.loads(text)
-        except ValueError as e:
-            raise InferdError(f"--kv-transfer-config is not valid JSON ({e})") from None
-        if not isinstance(data, dict):
-            raise InferdError("--kv-transfer-config must be a JSON object")
+    data: dict = json_flag(text, "--kv-transfer-config") if text is not None else {}
     _only(data, KEYS, "")
     cfg = KVTransferConfig()
     if role is not None:
