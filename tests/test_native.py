@@ -264,14 +264,18 @@ def test_inferd_env_names_the_variant_and_forcing_one_the_cpu_lacks_is_exit_2():
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "not a kernel variant" in r.stderr
 
 
-def test_the_build_is_named_by_its_content(tmp_path, monkeypatch):
+def test_the_build_is_named_by_its_content_and_place(tmp_path, monkeypatch):
     name = native.build_name()
+    assert native.build_name() == name  # the same sources: the same library, no rebuild
     copy = tmp_path / "cpu"
     shutil.copytree(native.CSRC, copy)
     monkeypatch.setattr(native, "CSRC", copy)
-    assert native.build_name() == name  # the same sources elsewhere: the same library, no rebuild
+    # the same sources in another checkout: a library of its own (torch's build file names sources by
+    # absolute path, so a shared one was rebuilt whenever the other checkout had loaded it)
+    elsewhere = native.build_name()
+    assert elsewhere != name
     (copy / "ops.cpp").write_text((copy / "ops.cpp").read_text() + "\n// an edit\n")
-    assert native.build_name() != name  # any edit: a new library, no version to bump by hand
+    assert native.build_name() not in (name, elsewhere)  # any edit: a new library, no version to bump by hand
 
 
 @pytest.mark.parametrize("kind", ["w4a8", "w8a8"])

@@ -1,9 +1,11 @@
 """The native CPU kernels: one torch extension built from csrc/cpu, owned by this module.
 
 It is compiled on first use (or by `make install`, `python -m inferd.commands.prebuild`) into torch's
-extension cache under a name derived from the sources' content, the flags and the torch version:
-editing a kernel builds a new library, two checkouts of the same sources share one, and nothing is
-versioned by hand. The build has no -march flag: every hot kernel is compiled once per ISA variant
+extension cache under a name derived from the sources' content and place, the flags and the torch
+version: editing a kernel builds a new library, and nothing is versioned by hand. The place counts
+because torch's build.ninja names its sources by absolute path: two checkouts sharing one name
+rebuilt it (about a minute) each time the other had loaded it, as a CI clone and a work tree
+running tests side by side did. The build has no -march flag: every hot kernel is compiled once per ISA variant
 (csrc/cpu/variant_*.cpp) and the variant is chosen at run time from CPUID, so one library runs on
 any x86-64 CPU and one machine can test every variant it executes.
 
@@ -41,10 +43,11 @@ def sources() -> list[Path]:
 
 
 def build_name() -> str:
-    """inferd_native_<hash of every source and header, the flags and the torch version>."""
+    """inferd_native_<hash of the sources' directory, every source and header, the flags and the
+    torch version>."""
     import torch
 
-    h = hashlib.sha256()
+    h = hashlib.sha256(str(CSRC).encode() + b"\0")
     for p in sorted(CSRC.glob("*.cpp")) + sorted(CSRC.glob("*.h")):
         h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
     h.update(" ".join(CFLAGS + LDFLAGS).encode() + torch.__version__.encode())
