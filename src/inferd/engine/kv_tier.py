@@ -74,7 +74,7 @@ class KVTier:
         self.thread = threading.Thread(target=self._io_loop, name="inferd-kv-tier", daemon=True)
         self.thread.start()
         log.info("KV tier: %s (%s, up to %.1f GiB, %d KiB a block; %d blocks there now)", self.store.dir,
-                 self.medium, capacity / 2**30, self.block_bytes // 1024, self.store.size()[0])
+                 self.medium, capacity / 2**30, self.block_bytes // 1024, self.store.found)
 
     # -- admission (engine thread) ------------------------------------------------------------------
     @staticmethod

@@ -79,13 +79,15 @@ class BlockStore:
         self.layout = layout
         self.capacity = capacity
         self.bytes = 0  # this process's view of the directory's size: scanned, then kept by its own writes
+        self.found = 0  # blocks the directory held when this store opened it
         now = time.time()
         for path, st in self._files():
             if os.path.basename(path).startswith("."):
                 if now - st.st_mtime > 60:  # a write a crash interrupted (a live one is younger)
                     _unlink(path)
-            else:
+            elif path.endswith(SUFFIX):
                 self.bytes += st.st_size
+                self.found += 1
 
     def path(self, h: int) -> str:
         name = f"{h:016x}"
