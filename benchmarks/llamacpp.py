@@ -3,7 +3,7 @@ llama-cpp-python sdist gives both `llama-server` and the `libllama.so` that the 
 Python bindings load in-process.
 
 Usage:
-  .venv/bin/python benchmarks/llamacpp.py --build      # build (or reuse) llama-server + libllama.so
+  .venv/bin/python benchmarks/llamacpp.py --build      # build (or reuse) llama-server, libllama.so, llama-bench, llama-quantize
   .venv/bin/python benchmarks/llamacpp.py --bindings   # also make `import llama_cpp` work
   .venv/bin/python benchmarks/llamacpp.py --isa        # print the ISA options a build here would use
 
@@ -283,7 +283,8 @@ def configure_args(src: Path, choice: dict) -> list[str]:
 
 
 # cmake target -> the file it produces
-TARGETS = {"llama-server": "llama-server", "llama": "libllama.so", "llama-bench": "llama-bench"}
+TARGETS = {"llama-server": "llama-server", "llama": "libllama.so", "llama-bench": "llama-bench",
+           "llama-quantize": "llama-quantize"}
 
 
 def build(targets: tuple[str, ...] = ("llama-server", "llama"), jobs: int = 2) -> dict[str, Path]:
@@ -372,7 +373,7 @@ def ensure_llama_cpp_python(jobs: int = 2):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--build", action="store_true", help="build (or reuse) llama-server and libllama.so")
+    ap.add_argument("--build", action="store_true", help="build (or reuse) llama-server, libllama.so, llama-bench and llama-quantize")
     ap.add_argument("--bindings", action="store_true", help="make `import llama_cpp` work in this venv")
     ap.add_argument("--isa", action="store_true", help="print the ISA options a build here uses, and why")
     ap.add_argument("-j", "--jobs", type=int, default=2)
@@ -384,8 +385,9 @@ def main() -> None:
             return
     if not (args.build or args.bindings):
         ap.error("nothing to do: pass --build, --bindings or --isa")
-    built = build(jobs=args.jobs)
-    print(f"llama-server: {built['llama-server']}\nlibllama:     {built['llama']}")
+    built = build(tuple(TARGETS), jobs=args.jobs)
+    for target, path in built.items():
+        print(f"{target + ':':16s}{path}")
     if args.bindings:
         mod = ensure_llama_cpp_python(args.jobs)
         print(f"llama_cpp {mod.__version__} from {mod.__file__}, LLAMA_CPP_LIB_PATH={os.environ['LLAMA_CPP_LIB_PATH']}")
