@@ -102,13 +102,14 @@ def test_a_k_quant_file_serves_from_its_blocks_in_its_own_bytes(gemma_path, gemm
     """Gemma 3 270M Q4_K_M through `--quantization gguf --quantize-lm-head --quantize-activations`:
     every projection keeps the file's blocks (Q4_K, Q6_K and Q5_0 through the block kernel, the
     Q8_0 value projections and head through W8A8; a layer whose parts differ runs each part), the
-    embedding is read from the head's codes, and the weights held are within 1.1x of the file's
-    tensor bytes; its greedy step equals the dequantized model's."""
+    embedding is read in place from the file's Q8_0 table, and the weights held are within 1.1x of
+    the file's tensor bytes; its greedy step equals the dequantized model's."""
     from inferd.engine.paths import weight_formats
     from inferd.model.layers import ContiguousKV
     from inferd.quant.gguf_native import FusedParts
     from inferd.quant.linear import weight_bytes
-    from inferd.quant.w4a8 import PackedEmbedding, W8A8Linear
+    from inferd.quant.gguf_rows import GGUFEmbedding
+    from inferd.quant.w4a8 import W8A8Linear
 
     g = gemma_blocks
     layers = g.model.layers
@@ -118,7 +119,7 @@ def test_a_k_quant_file_serves_from_its_blocks_in_its_own_bytes(gemma_path, gemm
     assert sorted(x.down_proj.type for x in layers) == ["Q4_K"] * 9 + ["Q6_K"] * 9
     mixed = [x.qkv_proj for x in layers if isinstance(x.qkv_proj, FusedParts)]
     assert len(mixed) == 9 and all(isinstance(p.parts[1], W8A8Linear) for p in mixed)
-    assert isinstance(g.model.embed_tokens, PackedEmbedding)
+    assert isinstance(g.model.embed_tokens, GGUFEmbedding) and g.model.embed_tokens.type == "Q8_0"
     from inferd.gguf_file import open_gguf
 
     file_bytes = sum(int(t.n_bytes) for t in open_gguf(gemma_path).tensors)

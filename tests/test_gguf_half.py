@@ -42,7 +42,7 @@ def test_bad_shapes_are_one_line_errors():
 @pytest.mark.parametrize("qtype", ["F16", "BF16"])
 def test_a_16_bit_file_serves_from_its_own_bits(tmp_path, qtype):
     """A bare load (--quantization auto) of an F16 / BF16 file: every projection and the head are
-    HalfLinear, the embedding reads the head's own table (tied), the weights held are the file's
+    HalfLinear, the embedding reads the file's table in place, the weights held are the file's
     bytes (the dense model holds twice them), decode steps ran fused through the kernel, and the
     greedy tokens are the dense model's reference loop's (fp32 both: a token may differ only where
     the reference's top-2 logits are within 1e-4)."""
@@ -54,7 +54,7 @@ def test_a_16_bit_file_serves_from_its_own_bits(tmp_path, qtype):
     from inferd.engine.reference import reference_generate
     from inferd.gguf_file import open_gguf
     from inferd.loading.loader import load_model
-    from inferd.quant.half import HalfEmbedding
+    from inferd.quant.gguf_rows import GGUFEmbedding
     from inferd.quant.linear import weight_bytes
 
     path = tmp_path / f"tiny-{qtype}.gguf"
@@ -63,7 +63,7 @@ def test_a_16_bit_file_serves_from_its_own_bits(tmp_path, qtype):
     dense = load_model(str(path), quantization="none", dtype="float32", with_tokenizer=False)
     assert weight_formats(lm.model) == {"HalfLinear": 9}, weight_formats(lm.model)
     assert lm.model.dtype == torch.float32
-    assert isinstance(lm.model.embed_tokens, HalfEmbedding)
+    assert isinstance(lm.model.embed_tokens, GGUFEmbedding)  # the file's own table, read in place
     file_bytes = sum(int(t.n_bytes) for t in open_gguf(str(path)).tensors)
     assert weight_bytes(lm.model) <= 1.01 * file_bytes and weight_bytes(dense.model) > 1.9 * file_bytes
 

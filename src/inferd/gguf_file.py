@@ -99,7 +99,25 @@ class GGUFFile:
         self.path = path
         self.metadata = header.metadata
         mm = np.memmap(path, mode="r")
+        self._map = mm
         self.tensors = [_mapped_tensor(mm, header, t) for t in header.tensors]
+
+    def release(self, spans: list[tuple[int, int]] | None = None) -> None:
+        """Drop this process's mapped pages of the byte ranges `spans` ((offset, bytes); None: the
+        whole file). The loader calls it once a layer is built from its blocks: read pages of a
+        mapping count as this process's resident memory until unmapped, and the built layers hold
+        their own copy. The pages stay in the page cache; a later read (an embedding row) maps
+        them back."""
+        m = getattr(self._map, "_mmap", None)
+        if m is None or not hasattr(m, "madvise"):
+            return
+        if spans is None:
+            m.madvise(mmap.MADV_DONTNEED)
+            return
+        page = mmap.PAGESIZE
+        for start, n in spans:
+            a = start - start % page
+            m.madvise(mmap.MADV_DONTNEED, a, min(start + n - a, len(m) - a))
 
 
 def _mapped_tensor(mm, header: GGUFHeader, t: TensorInfo) -> GGUFTensor:

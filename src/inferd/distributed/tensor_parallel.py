@@ -234,9 +234,13 @@ def apply_tp(model: nn.Module, shard: Shard, comm) -> nn.Module:
     v0, v1 = shard.vocab
     tied = model.lm_head.weight is getattr(model.embed_tokens, "weight", None) if hasattr(model.lm_head, "weight") else False
     emb = model.embed_tokens
-    if not isinstance(emb, nn.Embedding) and not getattr(emb, "float16_weights", False):
+    if hasattr(emb, "dense_rows"):  # a table kept in the file's type (quant.gguf_rows.GGUFEmbedding)
+        table = emb.dense_rows(v0, v1)
+    elif isinstance(emb, nn.Embedding) or getattr(emb, "float16_weights", False):
+        table = emb.weight[v0:v1].contiguous()
+    else:
         raise InferdError(f"tensor parallelism needs a float embedding table, not {type(emb).__name__}")
-    model.embed_tokens = VocabParallelEmbedding(emb.weight[v0:v1].contiguous(), v0, comm, getattr(emb, "dtype", None))
+    model.embed_tokens = VocabParallelEmbedding(table, v0, comm, getattr(emb, "dtype", None))
     if tied:
         head = copy.copy(model.lm_head)
         head._parameters, head._buffers = dict(model.lm_head._parameters), dict(model.lm_head._buffers)

@@ -90,43 +90,24 @@ def config_from_metadata(meta: dict[str, Any], rope_tensors: dict[str, np.ndarra
     )
 
 
-_WHOLE_TENSOR = {"Q4_0", "Q4_1", "Q8_0"}
+def dequantize_raw(raw: np.ndarray, type_name: str, rows: torch.Tensor | None = None,
+                   shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """The one dequantizer of GGUF data: the rows `rows` (every row when None) of a tensor's raw data
+    (a view of the mapping: [rows, bytes a row], or the values of an F32/F16 tensor) -> float32
+    [len(rows), K], freshly allocated. The native kernel where it built (inferd.quant.gguf_rows),
+    else the `gguf` package's own block maths; the two agree bit for bit (tests/test_repack.py)."""
+    from inferd.quant import gguf_rows
+
+    out = gguf_rows.dequantize_rows(raw, type_name, rows)
+    if shape is not None:
+        out = out.reshape(shape)
+    return out
 
 
 def dequantize_tensor(t) -> np.ndarray:
-    """A ReaderTensor -> float32 array in PyTorch (out, in) order."""
-    from gguf import GGMLQuantizationType, quants
-
-    qtype = t.tensor_type
-    data = np.asarray(t.data)
-    if qtype == GGMLQuantizationType.F32:
-        arr = data.astype(np.float32, copy=False)
-    elif qtype == GGMLQuantizationType.F16:
-        arr = data.view(np.float16).astype(np.float32)
-    elif qtype == GGMLQuantizationType.Q8_0:
-        # d * q per 32-block, gguf's own product, in torch (threaded): the gguf package's numpy took
-        # 9 s of Gemma 3 270M's load on its 262k-row embedding
-        import torch
-
-        blk = data.reshape(-1, 34)
-        d = torch.from_numpy(np.ascontiguousarray(blk[:, :2]).view(np.float16)).float()
-        q = torch.from_numpy(np.ascontiguousarray(blk[:, 2:]).view(np.int8)).float()
-        arr = (d * q).numpy()
-    elif qtype.name in _WHOLE_TENSOR:
-        # the gguf package's own block maths, on every block of the tensor in one call: its
-        # quants.dequantize walks row groups in Python (1.8 s of the default model's 2.2 s load)
-        from gguf import GGML_QUANT_SIZES
-
-        cls = getattr(quants, qtype.name)
-        arr = cls.dequantize_blocks(data.reshape(-1, GGML_QUANT_SIZES[qtype][1]))
-    else:
-        try:
-            arr = quants.dequantize(data, qtype)
-        except NotImplementedError:
-            raise InferdError(f"GGUF tensor {t.name}: quantization type {qtype.name} is not supported") from None
-        arr = np.asarray(arr, dtype=np.float32)
+    """A whole GGUF tensor -> float32 numpy array in PyTorch (out, in) order."""
     shape = tuple(int(s) for s in reversed(list(t.shape)))  # GGUF lists ne[0] (innermost) first
-    return arr.reshape(shape)
+    return dequantize_raw(t.data, t.tensor_type.name).numpy().reshape(shape)
 
 
 _NAME_MAP = {
@@ -166,32 +147,6 @@ def gguf_name_to_ours(name: str, overrides: dict[str, str] | None = None) -> str
         if ours is not None:
             return f"layers.{idx}.{ours}"
     return None
-
-
-def load_gguf_state_dict(reader, cfg) -> dict[str, torch.Tensor]:
-    """Dequantize every tensor to fp32 under our parameter names."""
-    sd: dict[str, torch.Tensor] = {}
-    from inferd.model import registry
-
-    fam = registry.by_name(cfg.architecture)
-    permuted = fam.gguf_interleaved_qk
-    names = dict(fam.gguf_names)
-    for t in reader.tensors:
-        ours = gguf_name_to_ours(t.name, names)
-        if ours is None:
-            continue  # e.g. rope_freqs: read into the config (rope_tensors)
-        # writable (the reader's mmap is not) and owned; a fresh array is not copied again
-        w = torch.from_numpy(np.require(dequantize_tensor(t), requirements=["W", "C"]))
-        if fam.gguf_norm_offset and ours.endswith("norm.weight"):
-            w -= fam.gguf_norm_offset
-        if not permuted:
-            pass
-        elif ours.endswith(("q_proj.weight", "q_proj.bias")):
-            w = unpermute_qk(w, cfg.num_attention_heads)
-        elif ours.endswith(("k_proj.weight", "k_proj.bias")):
-            w = unpermute_qk(w, cfg.num_key_value_heads)
-        sd[ours] = w
-    return sd
 
 
 ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")

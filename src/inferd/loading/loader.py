@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import glob
 import logging
 import os
 import threading
@@ -20,10 +19,10 @@ from torch import nn
 from inferd.config import LoadConfig, available_memory_bytes
 from inferd.errors import InferdError
 from inferd.gguf_file import DEFAULT_GGUF_FILE, default_model_path  # noqa: F401  (re-exported)
-from inferd.loading.checks import check_config, check_gguf, check_safetensors, read_config_json
+from inferd.loading.checks import check_config, check_gguf, read_config_json
 from inferd.model.config import ModelConfig, builtin_config, config_from_hf
 from inferd.model import registry
-from inferd.model.layers import Rope
+from inferd.model.layers import Linear, Rope
 from inferd.model.llama import LlamaModel
 
 log = logging.getLogger("inferd")
@@ -109,17 +108,6 @@ def resolve_device(device: str) -> torch.device:
     return torch.device("cpu")
 
 
-def _hf_key_to_ours(name: str) -> str:
-    for prefix in ("model.",):
-        if name.startswith(prefix):
-            name = name[len(prefix):]
-    return name.replace("self_attn.", "").replace("mlp.", "").replace("block_sparse_moe.", "")
-
-
-# one expert's SwiGLU weights as checkpoints name them: (gate, up, down), Mixtral's and the others'
-_EXPERT_NAMES = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
-
-
 def _checked(make_config, where: str):
     """A ModelConfig from a file's metadata, bounded (checks.check_config) before anything of
     its shape is allocated; a missing or mistyped field is one clear error, not a KeyError."""
@@ -135,57 +123,11 @@ def _checked(make_config, where: str):
 
 
 def load_safetensors_folder(folder: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+    """Every tensor of a Hugging Face folder under our (unfused) names, in memory: for an AWQ folder,
+    whose packed codes are taken apart before the model is built (quant.awq_checkpoint)."""
+    from inferd.loading.plan import safetensors_plan_names
 
-    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
-    if not files:
-        raise InferdError(f"no *.safetensors weights in model folder {folder}")
-    sd = {}
-    for f in files:
-        check_safetensors(f)
-        try:
-            part = load_file(f)
-        except Exception as e:
-            raise InferdError(f"cannot read {f}: {e}") from None
-        for k, v in part.items():
-            sd[_hf_key_to_ours(k)] = v
-    return sd
-
-
-def fuse_state_dict(sd: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
-    """Checkpoint names (q/k/v, gate/up separate) -> our fused qkv_proj / gate_up_proj."""
-    sd = dict(sd)
-    for i in range(num_layers):
-        p = f"layers.{i}."
-        for kind in ("weight", "bias"):
-            names = [f"{p}{n}_proj.{kind}" for n in "qkv"]
-            if all(n in sd for n in names):
-                sd[f"{p}qkv_proj.{kind}"] = torch.cat([sd.pop(n) for n in names], 0)
-        gu = [f"{p}gate_proj.weight", f"{p}up_proj.weight"]
-        if all(n in sd for n in gu):
-            sd[f"{p}gate_up_proj.weight"] = torch.cat([sd.pop(n) for n in gu], 0)
-        _fuse_experts(sd, p)
-    return sd
-
-
-def _fuse_experts(sd: dict, p: str):
-    """Checkpoint expert weights (HF: experts.E.w1/w3/w2 or experts.E.gate/up/down_proj; GGUF: stacked
-    experts.gate/up/down_proj [E, ...]) -> ours, one fused gate/up per expert: experts.E.gate_up_proj,
-    experts.E.down_proj."""
-    e = p + "experts."
-    if f"{e}gate_proj" in sd:  # stacked (GGUF)
-        gate, up, down = (sd.pop(f"{e}{n}") for n in ("gate_proj", "up_proj", "down_proj"))
-        for i in range(gate.shape[0]):
-            sd[f"{e}{i}.gate_up_proj.weight"] = torch.cat([gate[i], up[i]], 0)
-            sd[f"{e}{i}.down_proj.weight"] = down[i]
-        return
-    for gate, up, down in _EXPERT_NAMES:
-        i = 0
-        while f"{e}{i}.{gate}.weight" in sd:
-            sd[f"{e}{i}.gate_up_proj.weight"] = torch.cat([sd.pop(f"{e}{i}.{gate}.weight"),
-                                                         sd.pop(f"{e}{i}.{up}.weight")], 0)
-            sd[f"{e}{i}.down_proj.weight"] = sd.pop(f"{e}{i}.{down}.weight")
-            i += 1
+    return {k: p.dense(p.get().dtype) for k, p in safetensors_plan_names(folder).items()}
 
 
 _init_lock = threading.Lock()
@@ -206,42 +148,107 @@ def _no_default_init():
 
 def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor] | None, dtype, device,
                 seed: int = 0) -> LlamaModel:
+    """A dense model: random weights (`state_dict` None: tests, --load-format dummy) or the tensors
+    of a state dict under our unfused names, each copied once into its layer."""
+    if state_dict is not None:
+        from inferd.loading.plan import memory_plan
+        from inferd.model.planned import materialize
+
+        model = build_skeleton(cfg, memory_plan(state_dict, cfg), dtype, device)
+        materialize(model)
+        tie_dense_head(model, cfg)
+        return model
     # allocated where it runs, uninitialised (not on the meta device and then `to_empty`, whose
     # empty_like goes through torch's Python reference ops: ~1 s of every load)
     with torch.device(device), _no_default_init():
         model = registry.model_class(cfg.architecture)(cfg)
-    if state_dict is None:
-        _init_random(model, cfg, seed)
-    else:
-        state_dict = fuse_state_dict(state_dict, cfg.num_hidden_layers)
-        if "lm_head.weight" not in state_dict:
-            if not cfg.tie_word_embeddings:
-                cfg.tie_word_embeddings = True  # GGUFs without output.weight share the embedding
-        elif cfg.tie_word_embeddings and not torch.equal(state_dict["lm_head.weight"],
-                                                          state_dict["embed_tokens.weight"]):
-            cfg.tie_word_embeddings = False
-        if cfg.tie_word_embeddings:
-            model.lm_head.weight = model.embed_tokens.weight
-            state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
-        else:
-            model.lm_head.weight = torch.nn.Parameter(torch.empty_like(model.embed_tokens.weight))
-        expected = {k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
-        missing = expected - state_dict.keys()
-        if missing:
-            raise InferdError(f"weights missing from checkpoint: {sorted(missing)[:5]}")
-        with torch.no_grad():
-            params = dict(model.named_parameters())
-            for k, v in state_dict.items():
-                if k in params:
-                    if params[k].shape != v.shape:
-                        raise InferdError(f"weight {k} has shape {tuple(v.shape)}, config expects {tuple(params[k].shape)}")
-                    params[k].copy_(v)
+    _init_random(model, cfg, seed)
     model = model.to(dtype)
+    return _finish(model, device)
+
+
+def _finish(model: nn.Module, device) -> nn.Module:
     reset_rope(model, device)
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
     return model
+
+
+def build_skeleton(cfg: ModelConfig, plan, dtype, device) -> LlamaModel:
+    """The model with no weights read yet: built on the meta device, every linear a placeholder
+    holding its parts of the file (inferd.model.planned), the small tensors (norms) read now, the token
+    table kept in the file's own type where it has one (quant.gguf_rows.GGUFEmbedding: read in place)."""
+    from inferd.model.planned import PlannedLinear
+
+    if device.type != "cpu":
+        raise InferdError("loading from a file builds CPU models in this build")
+    with torch.device("meta"):
+        model = registry.model_class(cfg.architecture)(cfg)
+    cfg.tie_word_embeddings = plan.tied
+    for path, (parts, bias_parts) in plan.linears.items():
+        parent_path, _, name = path.rpartition(".")
+        try:
+            parent = model.get_submodule(parent_path)
+            old = getattr(parent, name)
+        except AttributeError:
+            raise InferdError(f"the file has weights for {path}, which a {cfg.architecture} model of this "
+                              "config does not have") from None
+        if parts is None:
+            raise InferdError(f"weights missing from the file: {path}.weight")
+        try:
+            setattr(parent, name, PlannedLinear(parts, bias_parts, old.in_features, old.out_features))
+        except ValueError as e:
+            raise InferdError(f"weight {path}: {e}, the config expects [{old.out_features}, {old.in_features}]") \
+                from None
+    model.embed_tokens = _embedding(plan.embedding, cfg, dtype)
+    missing = []
+    for mod_name, mod in model.named_modules():
+        if isinstance(mod, PlannedLinear):
+            continue
+        if isinstance(mod, nn.Linear) and mod.weight.is_meta:
+            missing.append(f"{mod_name}.weight")
+            continue
+        for pname, param in list(mod._parameters.items()):
+            if param is None or not param.is_meta:
+                continue
+            full = f"{mod_name}.{pname}".lstrip(".")
+            part = plan.tensors.get(full)
+            if part is None:
+                missing.append(full)
+                continue
+            if tuple(part.shape) != tuple(param.shape):
+                raise InferdError(f"weight {full} has shape {tuple(part.shape)}, config expects {tuple(param.shape)}")
+            mod._parameters[pname] = nn.Parameter(part.dense(dtype), requires_grad=False)
+    if missing:
+        raise InferdError(f"weights missing from the file: {sorted(missing)[:5]}")
+    return _finish(model, device)
+
+
+def _embedding(part, cfg: ModelConfig, dtype) -> nn.Module:
+    """The token table: a GGUF's in its own type, read in place; else a float table."""
+    if tuple(part.shape) != (cfg.vocab_size, cfg.hidden_size):
+        raise InferdError(f"weight embed_tokens.weight has shape {tuple(part.shape)}, config expects "
+                          f"{(cfg.vocab_size, cfg.hidden_size)}")
+    if hasattr(part, "raw"):
+        from inferd.quant.gguf_rows import GGUFEmbedding
+
+        return GGUFEmbedding(part, dtype)
+    with torch.device("meta"):
+        emb = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+    emb.weight = nn.Parameter(part.dense(dtype), requires_grad=False)
+    return emb
+
+
+def tie_dense_head(model: nn.Module, cfg: ModelConfig) -> bool:
+    """A tied model whose head and table are both dense floats holds the matrix once."""
+    head, emb = model.lm_head, model.embed_tokens
+    if not cfg.tie_word_embeddings or type(head) is not Linear or not isinstance(emb, nn.Embedding):
+        return False
+    if head.weight.shape != emb.weight.shape or head.weight.dtype != emb.weight.dtype or head.bias is not None:
+        return False
+    head.weight = emb.weight
+    return True
 
 
 def reset_rope(model: nn.Module, device):
@@ -270,6 +277,7 @@ class LoadedModel:
     config: ModelConfig
     tokenizer: object | None
     source: ModelSource
+    report: dict = dataclasses.field(default_factory=dict)  # how the load went (inferd.loading.report)
 
 
 def load_model(model=None, shard=None, **options) -> LoadedModel:
@@ -288,47 +296,53 @@ def load_model(model=None, shard=None, **options) -> LoadedModel:
 
 def _load(lc: LoadConfig, shard=None) -> LoadedModel:
     from inferd import quant
+    from inferd.loading.report import LoadReport
 
     if lc.load_format not in ("auto", "gguf", "safetensors", "dummy"):
         raise InferdError(f"unknown load format {lc.load_format!r} (choose auto, gguf, safetensors, dummy)")
+    report = LoadReport()
     dev = resolve_device(lc.device)
     src = resolve_model(lc.model, lc.load_format)
     if lc.quantization == "auto" and src.kind != "gguf":
         lc = dataclasses.replace(lc, quantization="none")  # an AWQ folder still serves as awq (below)
     method = quant.method(lc.quantization)
     dummy = lc.load_format == "dummy"
-    tok = reader = None
+    tok = reader = plan = None
     checkpoint = {}
     if src.kind == "builtin":
         cfg = builtin_config(src.name)
-        sd = None
         if lc.with_tokenizer and src.name.lower().startswith("smollm2"):
             tok = _load_tokenizer(default_model_path())
     elif src.kind == "gguf":
         from inferd.gguf_file import open_gguf, read_metadata
         from inferd.loading import gguf as G
+        from inferd.loading.plan import gguf_plan
 
         check_gguf(src.path)  # before the gguf reader trusts a count or an offset
         reader = open_gguf(src.path)
-        if lc.quantization == "auto":
-            lc = auto_quantization(lc, reader, dev, dummy)
-            method = quant.method(lc.quantization)
         meta = read_metadata(reader)
         cfg = _checked(lambda: G.config_from_metadata(meta, G.rope_tensors(reader)), src.path)
-        sd = None if dummy else G.load_gguf_state_dict(reader, cfg)
+        plan = None if dummy else gguf_plan(reader, cfg)
+        if lc.quantization == "auto":
+            lc = auto_quantization(lc, plan, dev, dummy)
+            method = quant.method(lc.quantization)
         if lc.with_tokenizer:
             tok = _tokenizer_from_meta(meta)
     else:
+        from inferd.loading.plan import memory_plan, safetensors_plan
         from inferd.quant.awq_checkpoint import read_quant_config, take_awq_linears
 
         cfg = _checked(lambda: config_from_hf(read_config_json(os.path.join(src.path, "config.json"))), src.path)
         awq = None if dummy else read_quant_config(src.path)
-        sd = None if dummy else load_safetensors_folder(src.path)
         if awq is not None:
             if lc.quantization not in (None, "none", "awq"):
                 raise InferdError(f"{src.path} is an AWQ checkpoint: it serves as --quantization awq, not {lc.quantization}")
             method = quant.method("awq")  # an AWQ folder is served as what it is
+            sd = load_safetensors_folder(src.path)
             checkpoint = {"parts": take_awq_linears(sd, cfg, awq["group_size"]), "group_size": awq["group_size"]}
+            plan = memory_plan(sd, cfg)
+        elif not dummy:
+            plan = safetensors_plan(src.path, cfg)
         if lc.with_tokenizer and os.path.isfile(os.path.join(src.path, "tokenizer.json")):
             tok = _load_tokenizer(src.path)
     name = "awq" if checkpoint else (lc.quantization or "none")
@@ -345,10 +359,20 @@ def _load(lc: LoadConfig, shard=None) -> LoadedModel:
                            int8_activations=lc.quantize_activations)
     if lc.dtype == "auto":
         log.info("--dtype auto: %s", str(tdtype)[6:])
-    net = build_model(cfg, sd, tdtype, dev)
+    if plan is None:
+        net = build_model(cfg, None, tdtype, dev)
+    else:
+        report.begin(plan, reader, tdtype)
+        net = build_skeleton(cfg, plan, tdtype, dev)
 
     def fp32_copy():
-        return net if net.dtype == torch.float32 else build_model(cfg, sd, torch.float32, net.device)
+        from inferd.model.planned import materialize
+
+        if net.dtype == torch.float32 and not any(True for _ in _planned(net)):
+            return net
+        copy = build_model(cfg, None, torch.float32, dev) if plan is None else build_skeleton(cfg, plan, torch.float32, dev)
+        materialize(copy)
+        return copy
 
     def calibration(n_samples: int, seqlen: int):
         from inferd.data import calibration_ids
@@ -358,25 +382,37 @@ def _load(lc: LoadConfig, shard=None) -> LoadedModel:
         return calibration_ids(tok, n_samples, seqlen)
 
     ctx = quant.QuantContext(name, lc.quant_group_size, lc.quantize_lm_head, lc.dense_quant, lc.quantize_activations,
-                             cfg, reader, checkpoint, calibration if tok is not None else None,
-                             fp32_copy, (src.kind, src.path or src.name))
+                             cfg, plan, checkpoint, calibration if tok is not None else None,
+                             fp32_copy, (src.kind, src.path or src.name),
+                             on_dense=report.on_dense if name == "gguf" else None, release=report.release)
     for line in quant.apply(net, ctx, shard):
         log.info("%s", line)
-    return LoadedModel(net, cfg, tok, src)
+    tie_dense_head(net, cfg)
+    report.end(net)
+    for line in report.lines():
+        log.info("%s", line)
+    return LoadedModel(net, cfg, tok, src, report.as_dict())
 
 
-def auto_quantization(lc: LoadConfig, reader, dev, dummy: bool = False) -> LoadConfig:
+def _planned(model):
+    from inferd.model.planned import planned
+
+    return planned(model)
+
+
+def auto_quantization(lc: LoadConfig, plan, dev, dummy: bool = False) -> LoadConfig:
     """`--quantization auto` for a GGUF file: served from its own blocks, as llama.cpp serves it, with
     activations rounded to int8 (W4A8 / W8A8 / the block kernel) and the output layer from its own
     Q8_0 or block codes; `none` (the dequantized weights) where that cannot run: no native kernels,
     not the CPU, random weights, fp32-activation evaluation, or no layer of a type with a kernel."""
     from inferd.kernels import native
-    from inferd.quant.gguf_native import head_has_kernel, layers_with_kernels
+    from inferd.quant.gguf_native import head_has_kernel, plan_has_kernels
 
-    if dummy or dev.type != "cpu" or lc.dense_quant or native.ops() is None or not layers_with_kernels(reader):
+    if dummy or plan is None or dev.type != "cpu" or lc.dense_quant or native.ops() is None \
+            or not plan_has_kernels(plan):
         return dataclasses.replace(lc, quantization="none")
     return dataclasses.replace(lc, quantization="gguf", quantize_activations=True,
-                               quantize_lm_head=lc.quantize_lm_head or head_has_kernel(reader))
+                               quantize_lm_head=lc.quantize_lm_head or head_has_kernel(plan))
 
 
 def _load_tokenizer(path: str):

@@ -37,7 +37,7 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     elif kind == "freq_factors":
         # a GGUF's rope_freqs tensor: llama.cpp divides each frequency by its factor (the converter
         # writes Llama 3's smoothed scaling this way), so it equals the llama3 rule above
-        factors = torch.tensor(rs["factors"], dtype=torch.float64)
+        factors = torch.tensor(rs["factors"], dtype=torch.float64, device="cpu")
         if factors.numel() != inv.numel():
             raise ValueError(f"rope_freqs has {factors.numel()} factors, the head needs {inv.numel()}")
         inv = inv / factors
@@ -46,7 +46,7 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         # context (llama.cpp's rule, by the context it serves; transformers picks per forward by the
         # sequence's length, so the two agree past the original context and differ before it)
         long = cfg.max_position_embeddings > int(rs["original_max_position_embeddings"])
-        inv = inv / torch.tensor(rs["long_factor" if long else "short_factor"], dtype=torch.float64)
+        inv = inv / torch.tensor(rs["long_factor" if long else "short_factor"], dtype=torch.float64, device="cpu")
     elif kind not in (None, "default"):
         raise ValueError(f"unsupported rope scaling {kind!r}")
     return inv.float()

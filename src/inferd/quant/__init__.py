@@ -51,7 +51,8 @@ METHODS: dict[str, Method | None] = {
     "int4": Method("inferd.quant.rtn", local=True),
     "int8-gptq": Method("inferd.quant.gptq", ("calibration",)),
     "int4-gptq": Method("inferd.quant.gptq", ("calibration",)),
-    "gguf": Method("inferd.quant.gguf_native", ("gguf",)),
+    # each layer from its own parts of the file: a rank builds only its share
+    "gguf": Method("inferd.quant.gguf_native", ("gguf",), local=True),
     "awq": Method("inferd.quant.awq_checkpoint", ("checkpoint",)),
 }
 
@@ -80,11 +81,13 @@ class QuantContext:
     dense: bool = False  # keep exact dequantized weights (fp32-activation evaluation), no packing
     activations: bool = False  # --quantize-activations: W4A8/W8A8
     config: object = None  # the model's ModelConfig
-    reader: object = None  # a GGUF reader, for "gguf"
+    plan: object = None  # the loader's tensor plan (inferd.loading.plan): where each layer's parts lie
     checkpoint: dict = field(default_factory=dict)  # {"parts": ..., "group_size": ...}, for "checkpoint"
     calibration: Callable | None = None  # (n_samples, seqlen) -> token id lists
     fp32_model: Callable | None = None  # () -> an fp32 copy of the model, for calibration
     cache_key: tuple = ()  # identifies the weights: calibrated codes are kept per process
+    on_dense: Callable | None = None  # (name, placeholder) of each layer left dense: the loader logs and counts
+    release: Callable | None = None  # (parts) once a layer is built from them: the loader drops their pages
 
 
 def method(name: str) -> Method | None:
@@ -96,8 +99,14 @@ def method(name: str) -> Method | None:
 
 
 def apply(model, ctx: QuantContext, shard=None) -> list[str]:
-    """Quantize the model in place as `ctx` says; returns what was done, one line each (for the log).
-    `shard(model)` runs between the method (codes) and the packing for kernels (tensor parallelism)."""
+    """Build the model's layers as `ctx` says, in place; returns what was done, one line each (for
+    the log). The model arrives as the loader's skeleton: every linear a placeholder holding its parts
+    of the file (inferd.model.planned). The method builds the layers it serves; whatever it leaves is
+    materialized dense, one layer at a time; then the layers are made final (the GGUF blocks repacked
+    for their kernels). `shard(model)` cuts the model to a tensor-parallel rank's share: before the
+    method where each layer's codes depend on its weights alone (a rank then reads and quantizes only
+    its share), else between the method and the final packing."""
+    from inferd.model.planned import materialize
     from inferd.quant import w4a8
     from inferd.quant.linear import hand_over, weight_bytes
 
@@ -106,26 +115,34 @@ def apply(model, ctx: QuantContext, shard=None) -> list[str]:
         raise InferdError("--quantize-activations applies to quantized weights: add --quantization "
                           "int4, int4-gptq, gguf, awq (W4A8) or int8, int8-gptq (W8A8)" if m is None else
                           "--quantize-activations is a CPU kernel for packed weights")
-    if m is not None and m.module != "inferd.quant.rtn" and not all(layer.dense_mlp for layer in model.layers):
+    if m is not None and m.module not in ("inferd.quant.rtn", "inferd.quant.gguf_native") and \
+            not all(layer.dense_mlp for layer in model.layers):
         raise InferdError(f"--quantization {ctx.method}: a mixture of experts quantizes with int8 or int4 "
-                          "(round to nearest), not calibrated or file codes yet")
+                          "(round to nearest) or serves a GGUF's own blocks, not calibrated codes yet")
+    if m is not None and "calibration" in m.needs:
+        materialize(model)  # calibration runs the dense model
     first = shard is not None and (m is None or m.local)
     if first:
         shard(model)
     lines = [] if m is None else [m.apply(model, ctx)]
+    dense = materialize(model, on_layer=ctx.on_dense, release=ctx.release)
+    if dense and m is not None:
+        lines.append(f"{dense} linears dense (float {str(model.dtype)[6:]})")
     if shard is not None and not first:
         shard(model)
     from inferd.quant.gguf_blocks import pack_all
+    from inferd.quant.gguf_native import finalize
 
-    blocks = pack_all(model)  # GGUF block layers: final now, into the kernel's records
+    finalize(model, ctx.release)
+    pack_all(model)  # GGUF block layers given as codes: final now, into the kernel's records
     if not ctx.activations:
         hand_over(model)  # int4 codes to PyTorch's kernel now: final weights from the start
         return lines
     from inferd.quant.half import HalfLinear
 
     halves = sum(isinstance(x, HalfLinear) for x in model.modules())
-    n = w4a8.quantize_activations(model, blocks, halves)
-    lines.append(f"W4A8/W8A8: {n} packed linears take int8 activations (per 32-block)"
+    n = w4a8.quantize_activations(model, halves)
+    lines.append(f"W4A8/W8A8: {n} linears take int8 activations (per 32-block)"
                  f"{f', {halves} F16/BF16 ones float32' if halves else ''}; {str(model.dtype)[6:]} glue; "
                  f"weights {weight_bytes(model) / 2**20:.1f} MiB")
     return lines

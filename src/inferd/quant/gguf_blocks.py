@@ -244,6 +244,27 @@ def pack(c: Codes) -> torch.Tensor:
     return out
 
 
+def _part_codes(type_name: str, part) -> Codes:
+    """A plan part's blocks decoded, in the part's row order (the path without native repacking)."""
+    raw = np.asarray(part.raw())
+    c = decode(type_name, raw)
+    rows = getattr(part, "rows", None)
+    return c if rows is None else Codes(c.type, **{k: v.index_select(0, rows) for k, v in c.tensors().items()})
+
+
+def repack(type_name: str, parts: list) -> torch.Tensor:
+    """The kernel's records of plan parts of one type stacked along the rows, straight from the
+    file's mapped bytes: the native repack where it built (one pass, no [N, K] codes), else decode
+    and `pack` (tests/test_repack.py holds the two equal)."""
+    from inferd.quant.gguf_rows import native_parts
+
+    args = native_parts(parts)
+    if args is not None:
+        return torch.ops.inferd.repack_blocks(*args, FORMATS[type_name].id)
+    codes = [_part_codes(type_name, p) for p in parts]
+    return pack(Codes(type_name, **{k: torch.cat([c.tensors()[k] for c in codes]) for k in codes[0].tensors()}))
+
+
 def record_bytes(type_name: str, N: int, K: int) -> int:
     f = FORMATS[type_name]
     return (N + PAIR - 1) // PAIR * (K // (32 * f.super_blocks)) * f.record
@@ -271,6 +292,19 @@ class BlocksLinear(nn.Module):
         self.register_buffer("packed", None)
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
         self.dtype = dtype
+
+    @classmethod
+    def from_packed(cls, type_name: str, packed: torch.Tensor, N: int, K: int, bias: torch.Tensor | None,
+                    dtype: torch.dtype) -> "BlocksLinear":
+        """The layer over records `repack` (or `pack`) made: no codes kept."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.type, self.block_type = type_name, FORMATS[type_name].id
+        self.out_features, self.in_features = N, K
+        self.register_buffer("packed", packed)
+        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
+        self.dtype = dtype
+        return self
 
     def codes(self) -> Codes:
         if self.packed is not None:

@@ -1,14 +1,20 @@
 """`--quantization gguf`: serve a GGUF file's own blocks. Q4_0 / Q4_1 go through the int4 kernel and
 Q8_0 through the int8 one (their codes and fp16 block scales are Int8Linear's form); the K-quants,
-Q5_0/Q5_1 and IQ4 through quant.gguf_blocks' kernel, in their own bits.
+Q5_0/Q5_1 and IQ4 through quant.gguf_blocks' kernel, in their own bits; F16/BF16 through quant.half.
 
 No re-rounding: a block of 32 weights (scale d, plus min m for Q4_1, and 4-bit codes q) becomes one
 group of inferd's int4 form w = q * scale + min with scale = d and min = m (Q4_1) or -8 d (Q4_0):
 the same products and sum gguf's own dequantization computes. A Q4_K super-block (256 weights: fp16
 d and dmin, eight 6-bit scales and mins, 4-bit codes) is eight such groups of 32, with
 scale = d * sc and min = -(dmin * m): exact in fp32 (an 11-bit mantissa times a 6-bit integer), and
-again the very products gguf computes. Layers stored in other types keep their dequantized float
-weights.
+again the very products gguf computes.
+
+Each layer is built from its parts in the loader's plan (inferd.loading.plan): the raw blocks of the
+file's tensors, which the layer keeps as views of the file's mapping (`GGUFLinear`) until the model
+is final (tensor parallelism cuts them by rows and columns first), then repacks once into its
+kernel's records (`finalize`). A layer whose parts differ in type (Q4_K_M's Q6_K attn_v beside Q4_K
+q and k) runs each run of one type through its own kernel (`FusedParts`). A part of a type without a
+kernel leaves its layer to the dense fallback, which the loader logs and counts.
 """
 from __future__ import annotations
 
@@ -16,12 +22,10 @@ import numpy as np
 import torch
 
 from inferd.errors import InferdError
-from inferd.gguf_file import unpermute_qk
 
 GROUP = 32
-
-
 INT4_TYPES = ("Q4_0", "Q4_1")
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 def q4k_blocks(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -40,18 +44,25 @@ def q4k_blocks(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return q, scale, minus
 
 
-def int4_blocks(t) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A Q4_0/Q4_1/Q4_K ReaderTensor -> (q int32 [N, K] in 0..15, scale [N, K/32], min [N, K/32]) fp32."""
-    from gguf import GGMLQuantizationType as Q
+def _raw(part) -> tuple[np.ndarray, str]:
+    """(raw rows [N, bytes] in the part's row order, type name) of a plan part or a tensor."""
+    if hasattr(part, "raw"):
+        raw = np.asarray(part.raw())
+        rows = getattr(part, "rows", None)
+        return (raw if rows is None else raw[rows.numpy()]), part.type
+    return np.asarray(part.data), part.tensor_type.name
 
-    raw = np.asarray(t.data)
+
+def int4_blocks(part) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_0/Q4_1/Q4_K part -> (q int32 [N, K] in 0..15, scale [N, K/32], min [N, K/32]) fp32."""
+    raw, name = _raw(part)
     N = raw.shape[0]
-    if t.tensor_type == Q.Q4_K:
+    if name == "Q4_K":
         return tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in q4k_blocks(raw))
-    size = {Q.Q4_0: 18, Q.Q4_1: 20}[t.tensor_type]
+    size = {"Q4_0": 18, "Q4_1": 20}[name]
     blk = raw.reshape(N, -1, size)
     d = blk[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if t.tensor_type == Q.Q4_1:
+    if name == "Q4_1":
         m = blk[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
         qs = blk[..., 4:]
     else:
@@ -61,74 +72,122 @@ def int4_blocks(t) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m)
 
 
-def q8_blocks(t) -> tuple[torch.Tensor, torch.Tensor]:
-    """A Q8_0 ReaderTensor (blocks of fp16 d and 32 int8 codes) -> (q int8 [N, K], scale fp32 [N, K/32])."""
-    raw = np.asarray(t.data)
+def q8_blocks(part) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q8_0 part (blocks of fp16 d and 32 int8 codes) -> (q int8 [N, K], scale fp32 [N, K/32])."""
+    raw, _ = _raw(part)
     blk = raw.reshape(raw.shape[0], -1, 34)
     d = blk[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     q = blk[..., 2:].copy().view(np.int8).reshape(raw.shape[0], -1)
     return torch.from_numpy(q), torch.from_numpy(d)
 
 
-def _kind(t) -> str | None:
-    """How one GGUF tensor runs from its blocks: "int4" (Q4_0/Q4_1), "int8" (Q8_0), "blocks" (the
-    other types quant.gguf_blocks serves), "half" (F16/BF16 in their 16 bits: quant.half), or None
-    (dense: F32, or a type or shape without a kernel)."""
+def kind_of(type_name: str, shape) -> str | None:
+    """How a tensor of this type and shape ([N, K]) runs from its blocks: "int4" (Q4_0/Q4_1), "int8"
+    (Q8_0), "blocks" (the other types quant.gguf_blocks serves), "half" (F16/BF16 in their 16 bits:
+    quant.half), or None (dense: F32, or a type or shape without a kernel)."""
     from inferd.quant import half
     from inferd.quant.gguf_blocks import FORMATS
 
-    name = t.tensor_type.name
-    if half.servable(t):
-        return "half"
-    return "int4" if name in INT4_TYPES else "int8" if name == "Q8_0" else "blocks" if name in FORMATS else None
+    if len(shape) != 2:
+        return None
+    K = int(shape[1])
+    if type_name in half.TYPES:
+        return "half" if K % half.K_MULTIPLE == 0 else None
+    if type_name in INT4_TYPES:
+        return "int4" if K % GROUP == 0 else None
+    if type_name == "Q8_0":
+        return "int8" if K % GROUP == 0 else None
+    f = FORMATS.get(type_name)
+    if f is None or K % (32 * f.super_blocks):
+        return None
+    return "blocks"
 
 
-def layers_with_kernels(reader) -> int:
-    """How many of the file's projection tensors have a kernel for their type."""
-    names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-    return sum(1 for t in reader.tensors if t.name.startswith("blk.") and t.name.split(".")[2] in names
-               and _kind(t) is not None)
+def _kind(part) -> str | None:
+    return kind_of(part.type, part.shape)
 
 
-def _head(reader):
-    """The output layer's tensor (the tied embedding where the file has no output.weight)."""
-    ts = {t.name: t for t in reader.tensors if t.name in ("output.weight", "token_embd.weight")}
-    return ts.get("output.weight", ts.get("token_embd.weight"))
+def plan_has_kernels(plan) -> bool:
+    """Whether any projection of a loader's plan has a kernel for its type."""
+    return any(_kind(p) is not None for path, (parts, _) in plan.linears.items()
+               if path.rsplit(".", 1)[-1] in PROJECTIONS for p in parts)
 
 
-def head_has_kernel(reader) -> bool:
-    t = _head(reader)
-    return t is not None and _kind(t) in ("int8", "blocks", "half")
+def head_has_kernel(plan) -> bool:
+    """Whether the output layer runs from its own blocks (Q8_0, a K-quant, F16/BF16); a Q4_0/Q4_1
+    head is re-rounded to int8 instead (--quantize-lm-head)."""
+    (part,), _ = plan.linears["lm_head"]
+    return _kind(part) in ("int8", "blocks", "half")
 
 
-def _layer(kind: str, codes: list, bias, dtype, dense: bool, type_name: str):
-    """One linear of `kind` from its parts' codes, stacked along the output rows."""
-    from inferd.quant.gguf_blocks import BlocksLinear, Codes
-    from inferd.quant.half import HalfLinear
-    from inferd.quant.linear import Int4Linear, Int8Linear
+# -- the layers ------------------------------------------------------------------------------------
 
-    if kind == "half":
-        return HalfLinear(torch.cat(codes), bias, dtype)
-    if kind == "blocks":
-        return BlocksLinear(Codes(type_name, **{k: torch.cat([c.tensors()[k] for c in codes])
-                                              for k in codes[0].tensors()}), bias, dtype)
-    cat = [torch.cat(c) for c in zip(*codes)]
-    return Int4Linear(*cat, GROUP, bias, dtype, dense) if kind == "int4" else Int8Linear(*cat, bias, dtype, dense)
+
+class GGUFLinear(torch.nn.Module):
+    """One run of parts of one GGUF type, still the file's raw blocks (views of its mapping): what a
+    layer is between the method and `finalize`. Tensor parallelism cuts it by rows (a row order of
+    its parts) and columns (whole blocks of each row); `build()` repacks the blocks once into the
+    final layer's records, straight from the mapped bytes."""
+
+    def __init__(self, parts: list, target: str, bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__()
+        self.parts, self.target, self.dtype = list(parts), target, dtype
+        self.type = parts[0].type
+        self.in_features = parts[0].shape[1]
+        self.out_features = sum(p.shape[0] for p in parts)
+        self.register_buffer("bias", bias)
+
+    def forward(self, x):
+        raise InferdError("a GGUF layer runs once the model is final (inferd.quant.gguf_native.finalize)")
+
+    def take_rows(self, rows: torch.Tensor, take=None) -> "GGUFLinear":
+        out, a = [], 0
+        for p in self.parts:
+            n = p.shape[0]
+            mine = rows[(rows >= a) & (rows < a + n)] - a
+            if mine.numel():
+                out.append(p.take_rows(mine))
+            a += n
+        bias = None if self.bias is None else self.bias.index_select(0, rows)
+        return GGUFLinear(out, self.target, bias, self.dtype)
+
+    def take_cols(self, a: int, b: int, take=None) -> "GGUFLinear":
+        return GGUFLinear([p.take_cols(a, b) for p in self.parts], self.target, self.bias, self.dtype)
+
+    def build(self) -> torch.nn.Module:
+        from inferd.quant import gguf_blocks, w4a8
+
+        if self.target == "blocks":
+            packed = gguf_blocks.repack(self.type, self.parts)
+            return gguf_blocks.BlocksLinear.from_packed(self.type, packed, self.out_features, self.in_features,
+                                                        self.bias, self.dtype)
+        if self.target == "w4a8":
+            return w4a8.W4A8Linear.from_packed(w4a8.repack4(self.type, self.parts), self.out_features,
+                                               self.in_features, self.bias, self.dtype)
+        if self.target == "w8a8":
+            return w4a8.W8A8Linear.from_packed(w4a8.repack8(self.parts), self.out_features, self.in_features,
+                                               self.bias, self.dtype)
+        raise InferdError(f"unknown GGUF layer target {self.target!r}")
+
+    def extra_repr(self) -> str:
+        return f"{self.type} -> {self.target}, in={self.in_features}, out={self.out_features}"
 
 
 class FusedParts(torch.nn.Module):
-    """A fused layer whose GGUF parts are of different types (Q4_K_M's attn_v is often Q8_0 beside a
-    Q5_0 attn_q): each part through its own kernel, outputs side by side."""
+    """A fused layer whose GGUF parts are of different types (Q4_K_M's attn_v is often Q6_K beside
+    Q4_K attn_q and attn_k): each part through its own kernel, outputs side by side, then the fused
+    layer's bias (Qwen2's q/k/v biases) once."""
 
-    def __init__(self, parts: list[torch.nn.Module]):
+    def __init__(self, parts: list[torch.nn.Module], bias: torch.Tensor | None = None):
         super().__init__()
         self.parts = torch.nn.ModuleList(parts)
         self.in_features = parts[0].in_features
         self.out_features = sum(p.out_features for p in parts)
-        self.bias = None
+        self.register_buffer("bias", bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([p(x) for p in self.parts], dim=-1)
+        y = torch.cat([p(x) for p in self.parts], dim=-1)
+        return y if self.bias is None else y + self.bias
 
     def take_rows(self, rows: torch.Tensor, take) -> "FusedParts":
         """Tensor parallelism's column cut: each part keeps its own rows among `rows`."""
@@ -138,106 +197,108 @@ class FusedParts(torch.nn.Module):
             if mine.numel():
                 out.append(take(p, mine))
             a += p.out_features
-        return FusedParts(out)
+        return FusedParts(out, None if self.bias is None else self.bias.index_select(0, rows))
 
     def take_cols(self, a: int, b: int, take) -> "FusedParts":
-        return FusedParts([take(p, a, b) for p in self.parts])
+        return FusedParts([take(p, a, b) for p in self.parts], self.bias)
 
 
-def apply_gguf_blocks(model, reader, cfg, dense: bool = False) -> dict[str, int]:
-    """Replace every linear whose GGUF parts have kernels by layers that keep the file's blocks: Q4_0 /
-    Q4_1 as Int4Linear, Q8_0 as Int8Linear (W4A8/W8A8 with --quantize-activations), the K-quants,
-    Q5_0/Q5_1 and IQ4 as BlocksLinear (always int8 activations); a layer whose parts differ in type
-    runs each part through its own. Returns how many layers of each kind. `dense` (fp32-activation
-    evaluation) keeps the block types' exact dequantized weights."""
-    tensors = {t.name: t for t in reader.tensors}
-    from inferd.model import registry
-    from inferd.quant.gguf_blocks import decode
+def _runs(parts: list) -> list[tuple[str, list]]:
+    """Consecutive parts of one type: (type, parts)."""
+    runs: list[tuple[str, list]] = []
+    for p in parts:
+        if runs and runs[-1][0] == p.type:
+            runs[-1][1].append(p)
+        else:
+            runs.append((p.type, [p]))
+    return runs
+
+
+def _run_layer(kind: str, parts: list, ctx, dtype: torch.dtype) -> torch.nn.Module:
+    """The layer of one run of parts of one type (no bias: the caller adds it)."""
+    from inferd.quant.half import HalfLinear
     from inferd.quant.half import weights as half_weights
+    from inferd.quant.linear import Int4Linear, Int8Linear
 
-    permute = registry.by_name(cfg.architecture).gguf_interleaved_qk
-    plan = {"qkv_proj": ["attn_q", "attn_k", "attn_v"], "o_proj": ["attn_output"],
-            "gate_up_proj": ["ffn_gate", "ffn_up"], "down_proj": ["ffn_down"]}
-    heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
-    n = {"int4": 0, "int8": 0, "blocks": 0, "half": 0, "mixed": 0}
-    for i, layer in enumerate(model.layers):
-        for ours, parts in plan.items():
-            ts = [tensors.get(f"blk.{i}.{p}.weight") for p in parts]
-            if any(t is None for t in ts):
-                continue
-            kinds = [_kind(t) for t in ts]
-            if None in kinds or (dense and ("blocks" in kinds or "half" in kinds)):
-                continue
-            groups = []  # runs of parts of one type: (kind, type name, [codes])
-            for p, t, kind in zip(parts, ts, kinds):
-                raw = np.asarray(t.data)
-                if kind == "half":
-                    codes = half_weights(t)
-                    if permute and p in heads:
-                        codes = unpermute_qk(codes, heads[p])
-                elif kind == "blocks":
-                    codes = decode(t.tensor_type.name, raw)
-                    if permute and p in heads:
-                        codes = type(codes)(codes.type, **{k: unpermute_qk(v, heads[p]) for k, v in codes.tensors().items()})
-                else:
-                    codes = int4_blocks(t) if kind == "int4" else q8_blocks(t)
-                    if permute and p in heads:  # same row order as the float weights
-                        codes = tuple(unpermute_qk(x, heads[p]) for x in codes)
-                if kind == "int4":  # Q4_0 and Q4_1 share the int4 form
-                    key = "int4"
-                else:  # (F16 and BF16 stay apart: one dtype a layer)
-                    key = t.tensor_type.name
-                if groups and groups[-1][1] == key:
-                    groups[-1][2].append(codes)
-                else:
-                    groups.append((kind, key, [codes]))
-            lin = getattr(layer, ours)
-            mods = [_layer(kind, codes, None, model.dtype, dense, key) for kind, key, codes in groups]
-            if len(mods) == 1:
-                mods[0].bias = None if lin.bias is None else lin.bias.detach().to(model.dtype)
-                setattr(layer, ours, mods[0])
-                n[groups[0][0]] += 1
-            else:
-                if lin.bias is not None:
-                    raise InferdError(f"layer {i} {ours}: a biased layer whose GGUF parts differ in type is not supported")
-                setattr(layer, ours, FusedParts(mods))
-                n["mixed"] += 1
-    if not any(n.values()):
-        raise InferdError("--quantization gguf needs weights of a type with a kernel in the GGUF file (Q4_0, Q4_1, "
-                          "Q8_0, Q4_K, Q5_K, Q6_K, Q3_K, Q2_K, Q5_0, Q5_1, IQ4_NL or IQ4_XS)")
-    return n
+    packed = ctx.activations and not ctx.dense
+    if kind == "blocks":
+        return GGUFLinear(parts, "blocks", None, dtype)
+    if kind == "half":
+        return HalfLinear(torch.cat([half_weights(p) for p in parts]), None, dtype)
+    if kind == "int4":
+        if packed:
+            return GGUFLinear(parts, "w4a8", None, dtype)
+        q, s, m = (torch.cat(c) for c in zip(*(int4_blocks(p) for p in parts)))
+        return Int4Linear(q, s, m, GROUP, None, dtype, ctx.dense)
+    if packed:
+        return GGUFLinear(parts, "w8a8", None, dtype)
+    q, s = (torch.cat(c) for c in zip(*(q8_blocks(p) for p in parts)))
+    return Int8Linear(q, s, None, dtype, ctx.dense)
+
+
+def build_layer(lin, ctx, dtype: torch.dtype) -> tuple[torch.nn.Module | None, str]:
+    """A placeholder (inferd.model.planned.PlannedLinear) -> its layer from the file's blocks and the
+    kind it took ("int4", "blocks", ..., "mixed"), or (None, why) where it stays for the dense
+    fallback."""
+    kinds = [_kind(p) for p in lin.parts]
+    if None in kinds:
+        bad = lin.parts[kinds.index(None)]
+        return None, f"{bad.type} {tuple(bad.shape)} has no kernel"
+    if ctx.dense and ("blocks" in kinds or "half" in kinds):
+        return None, "fp32-activation evaluation keeps block types dense"
+    bias = lin.dense_bias(dtype)
+    runs = _runs(lin.parts)
+    mods = [_run_layer(_kind(ps[0]), ps, ctx, dtype) for _, ps in runs]
+    if len(mods) == 1:
+        mods[0].bias = bias
+        return mods[0], kinds[0]
+    return FusedParts(mods, bias), "mixed"
 
 
 def apply(model, ctx) -> str:
-    """The registry's entry for `gguf` (`--quantize-lm-head`: the Q8_0 output layer to int8 with its own block scales)."""
-    from inferd.quant.linear import weight_bytes
-    from inferd.quant.gguf_blocks import BlocksLinear, decode
-    from inferd.quant.half import HalfLinear, tie_embedding
-    from inferd.quant.half import weights as half_weights
-    from inferd.quant.linear import Int8Linear
-    from inferd.quant.rtn import quantize_lm_head_int8
+    """The registry's entry for `gguf`: every projection (and, with `--quantize-lm-head`, the output
+    layer) whose parts have kernels, from the file's own blocks; the rest stays for the loader's
+    dense fallback. A Q4_0/Q4_1 output layer, which has no int8 form in the file, is re-rounded to
+    int8 per 32-block (of the dequantized Q4 weights that is exact)."""
+    from inferd.model.planned import PlannedLinear, planned_paths, role
+    from inferd.quant.linear import Int8Linear, quantize_int8
 
-    if ctx.reader is None:
+    if ctx.plan is None or ctx.plan.kind != "gguf":
         raise InferdError("--quantization gguf needs a .gguf model file")
-    before = weight_bytes(model)
-    n = apply_gguf_blocks(model, ctx.reader, ctx.config, ctx.dense)
-    if ctx.lm_head:
-        t, lin = _head(ctx.reader), model.lm_head
-        own = t is not None and tuple(lin.weight.shape) == tuple(reversed([int(x) for x in t.shape]))
-        if own and _kind(t) == "int8":
-            # the file's own Q8_0 codes and block scales (what re-rounding the dequantized head gives
-            # back, without the search over 262k rows)
-            model.lm_head = Int8Linear(*q8_blocks(t), lin.bias, model.dtype, ctx.dense)
-        elif own and _kind(t) == "blocks" and not ctx.dense:
-            model.lm_head = BlocksLinear(decode(t.tensor_type.name, np.asarray(t.data)), lin.bias, model.dtype)
-        elif own and _kind(t) == "half" and not ctx.dense:
-            model.lm_head = HalfLinear(half_weights(t), lin.bias, model.dtype)
+    n: dict[str, int] = {}
+    for path, parent, name, lin in list(planned_paths(model)):
+        if role(path) not in PROJECTIONS and not (role(path) == "lm_head" and ctx.lm_head):
+            continue  # the router stays float, as in vLLM
+        layer, kind = build_layer(lin, ctx, model.dtype)
+        if layer is None:
+            if role(path) == "lm_head":
+                q, s = quantize_int8(lin.dense_weight(torch.float32))
+                setattr(parent, name, Int8Linear(q, s, lin.dense_bias(model.dtype), model.dtype, ctx.dense))
+                n["lm_head int8"] = 1
+            continue
+        setattr(parent, name, layer)
+        if role(path) != "lm_head":
+            n[kind] = n.get(kind, 0) + 1
         else:
-            quantize_lm_head_int8(model, ctx.dense)
-    emb = next((t for t in ctx.reader.tensors if t.name == "token_embd.weight"), None)
-    if emb is not None and _kind(emb) == "half" and not ctx.dense:
-        tied = isinstance(model.lm_head, HalfLinear) and _head(ctx.reader) is emb  # the head's own matrix
-        tie_embedding(model, model.lm_head.weight if tied else half_weights(emb))
-    kinds = " + ".join(f"{k} {v}" for k, v in n.items() if v)
-    return (f"gguf-native: {kinds} linears from the file's own blocks{', lm_head int8' if ctx.lm_head else ''}; "
-            f"weights {before / 2**20:.1f} MiB -> {weight_bytes(model) / 2**20:.1f} MiB")
+            n[f"lm_head {kind}"] = 1
+    if not any(k for k in n if not k.startswith("lm_head")) and any(
+            isinstance(m, PlannedLinear) for m in model.modules()):
+        raise InferdError("--quantization gguf needs weights of a type with a kernel in the GGUF file (Q4_0, Q4_1, "
+                          "Q8_0, Q4_K, Q5_K, Q6_K, Q3_K, Q2_K, Q5_0, Q5_1, IQ4_NL, IQ4_XS, F16 or BF16)")
+    kinds = " + ".join(f"{v} {k}" if not k.startswith("lm_head") else k for k, v in n.items())
+    return f"gguf-native: {kinds} from the file's own blocks"
+
+
+def finalize(model, release=None) -> int:
+    """Every GGUFLinear -> its final layer, repacked once from the mapped blocks (after tensor
+    parallelism's cut); `release(parts)` is told after each, so the loader can drop the mapped pages
+    it read. Returns how many."""
+    n = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, GGUFLinear):
+                setattr(parent, name, child.build())
+                if release is not None:
+                    release(child.parts)
+                n += 1
+    return n

@@ -18,21 +18,19 @@ K_MULTIPLE = 16  # the kernel's lanes
 
 
 def weights(t) -> torch.Tensor:
-    """A GGUF F16/BF16 ReaderTensor -> float16 / bfloat16 [N, K], the file's bits."""
-    raw = np.ascontiguousarray(np.asarray(t.data))
-    name = t.tensor_type.name
+    """A GGUF F16/BF16 tensor or plan part -> float16 / bfloat16 [N, K], the file's bits (in the
+    part's row order)."""
+    part = hasattr(t, "raw")
+    raw = np.ascontiguousarray(np.asarray(t.raw() if part else t.data))
+    name = t.type if part else t.tensor_type.name
     if name == "F16":
-        return torch.from_numpy(raw.view(np.float16).reshape(raw.shape[0], -1).copy())
-    if name == "BF16":
-        bits = torch.from_numpy(raw.view(np.int16).reshape(raw.shape[0], -1).copy())
-        return bits.view(torch.bfloat16)
-    raise InferdError(f"{name} is not a 16-bit float type")
-
-
-def servable(t) -> bool:
-    """Whether the kernel takes this tensor: F16/BF16 with an input size it tiles."""
-    # a ReaderTensor's shape is GGUF's (ne0 = the input size first)
-    return t.tensor_type.name in TYPES and len(t.shape) == 2 and int(t.shape[0]) % K_MULTIPLE == 0
+        w = torch.from_numpy(raw.view(np.float16).reshape(raw.shape[0], -1).copy())
+    elif name == "BF16":
+        w = torch.from_numpy(raw.view(np.int16).reshape(raw.shape[0], -1).copy()).view(torch.bfloat16)
+    else:
+        raise InferdError(f"{name} is not a 16-bit float type")
+    rows = getattr(t, "rows", None) if part else None
+    return w if rows is None else w.index_select(0, rows)
 
 
 class HalfLinear(nn.Module):
@@ -69,32 +67,3 @@ class HalfLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{str(self.weight.dtype)[6:]}, in={self.in_features}, out={self.out_features}"
-
-
-class HalfEmbedding(nn.Module):
-    """The token table in the file's 16 bits (shared with a tied HalfLinear head: one matrix held
-    once), rows widened to the model's dtype on lookup."""
-
-    float16_weights = True
-
-    def __init__(self, weight: torch.Tensor, dtype: torch.dtype):
-        super().__init__()
-        self.register_buffer("weight", weight)
-        self.dtype = dtype
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.embedding(ids, self.weight).to(self.dtype)
-
-
-def tie_embedding(model: nn.Module, table: torch.Tensor) -> bool:
-    """Swap the model's float embedding for `table` (the file's F16/BF16 token_embd, or the tied
-    HalfLinear head's weight, which is then held once) where the two hold the same values (a converter
-    may have changed the float one). Returns whether it swapped."""
-    emb = getattr(model, "embed_tokens", None)
-    if not isinstance(emb, nn.Embedding) or tuple(emb.weight.shape) != tuple(table.shape):
-        return False
-    for i in range(0, table.shape[0], 8192):  # exact or nothing
-        if not torch.equal(table[i:i + 8192].to(emb.weight.dtype), emb.weight[i:i + 8192]):
-            return False
-    model.embed_tokens = HalfEmbedding(table, emb.weight.dtype)
-    return True

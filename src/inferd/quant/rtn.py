@@ -43,16 +43,23 @@ def quantize(model: nn.Module, method: str, group_size: int = 32, include_lm_hea
         raise InferdError(f"{method} kernels are CPU-only in this build")
     dtype = model.dtype
     for parent, name in _targets(model, include_lm_head):
-        lin = getattr(parent, name)
-        w = lin.weight.detach()
+        w, bias = weight_and_bias(getattr(parent, name), dtype)
         if method == "int8":
             q, s = quantize_int8(w)
-            new = Int8Linear(q, s, lin.bias, dtype, dense)
+            new = Int8Linear(q, s, bias, dtype, dense)
         else:
             q, s, z = quantize_int4(w, group_size)
-            new = Int4Linear(q, s, z, group_size, lin.bias, dtype, dense)
+            new = Int4Linear(q, s, z, group_size, bias, dtype, dense)
         setattr(parent, name, new)
     return model
+
+
+def weight_and_bias(lin: nn.Module, dtype):
+    """A layer's float weight and bias: a loader's placeholder dequantizes its parts now (one layer
+    at a time: the model is never dense as a whole)."""
+    if hasattr(lin, "dense_weight"):
+        return lin.dense_weight(dtype), lin.dense_bias(dtype)
+    return lin.weight.detach(), lin.bias
 
 
 def quantize_lm_head_int8(model: nn.Module, dense: bool = False) -> nn.Module:
@@ -60,9 +67,9 @@ def quantize_lm_head_int8(model: nn.Module, dense: bool = False) -> nn.Module:
     of the dequantized Q8_0 weights this gives back the file's own codes and block scales exactly).
     The embedding keeps its float copy: a lookup reads one row per token, so packing it would save
     memory but no time."""
-    lin = model.lm_head
-    q, s = quantize_int8(lin.weight.detach())
-    model.lm_head = Int8Linear(q, s, lin.bias, model.dtype, dense)
+    w, bias = weight_and_bias(model.lm_head, model.dtype)
+    q, s = quantize_int8(w)
+    model.lm_head = Int8Linear(q, s, bias, model.dtype, dense)
     return model
 
 

@@ -173,6 +173,21 @@ class W4A8Linear(nn.Module):
             y = y + self.bias
         return y.view(*shape[:-1], self.out_features)
 
+    @classmethod
+    def from_packed(cls, packed: torch.Tensor, N: int, K: int, bias: torch.Tensor | None,
+                    dtype: torch.dtype) -> "W4A8Linear":
+        """The layer over `pack4`'s records (made by `repack4` from a file's blocks)."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.out_features, self.in_features = N, K
+        self.kernel = load()
+        if self.kernel is None:
+            raise InferdError("W4A8 needs its C++ kernel, which did not build (no compiler?)")
+        self.register_buffer("packed", packed)
+        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
+        self.dtype = dtype
+        return self
+
     w8 = False  # the fused decode step's kind (inferd.model.fused_decode)
 
     def codes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -200,6 +215,20 @@ class W8A8Linear(nn.Module):
         self.register_buffer("packed", pack8(q, block_scales(scale, self.in_features)))
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
 
+    @classmethod
+    def from_packed(cls, packed: torch.Tensor, N: int, K: int, bias: torch.Tensor | None,
+                    dtype: torch.dtype) -> "W8A8Linear":
+        """The layer over `pack8`'s records (made by `repack8` from a file's Q8_0 blocks)."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.out_features, self.in_features = N, K
+        self.kernel = load()
+        if self.kernel is None:
+            raise InferdError("W8A8 needs the W4A8 C++ kernel, which did not build (no compiler?)")
+        self.register_buffer("packed", packed)
+        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
+        return self
+
     w8 = True
 
     def codes(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,6 +248,31 @@ class W8A8Linear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.view(*shape[:-1], self.out_features)
+
+
+def repack4(type_name: str, parts: list) -> torch.Tensor:
+    """`pack4`'s records of Q4_0/Q4_1 plan parts stacked along the rows, from the file's mapped
+    blocks: the native repack where it built, else the codes decoded and packed."""
+    from inferd.quant.gguf_native import int4_blocks
+    from inferd.quant.gguf_rows import ggml_type_id, native_parts
+
+    args = native_parts(parts)
+    if args is not None:
+        return torch.ops.inferd.repack_w4a8(*args, ggml_type_id(type_name))
+    q, s, m = (torch.cat(c) for c in zip(*(int4_blocks(p) for p in parts)))
+    return pack4(q, s, m)
+
+
+def repack8(parts: list) -> torch.Tensor:
+    """`pack8`'s records of Q8_0 plan parts, likewise."""
+    from inferd.quant.gguf_native import q8_blocks
+    from inferd.quant.gguf_rows import native_parts
+
+    args = native_parts(parts)
+    if args is not None:
+        return torch.ops.inferd.repack_w8a8(*args)
+    q, s = (torch.cat(c) for c in zip(*(q8_blocks(p) for p in parts)))
+    return pack8(q, s)
 
 
 class PackedEmbedding(nn.Module):
@@ -281,30 +335,29 @@ def tie_embedding(model: nn.Module) -> bool:
     return True
 
 
-def quantize_activations(model: nn.Module, already: int = 0, float_layers: int = 0) -> int:
+def quantize_activations(model: nn.Module, float_layers: int = 0) -> int:
     """Rewrite every packed linear of the model to take int8 activations: int4 ones into W4A8, and
     int8 ones (the gguf path's lm_head, the int8 methods) into W8A8, same weights (the engine then
     runs decode-only steps as one C++ call where it can: inferd.model.fused_decode). Returns how many
-    linears take int8 activations (`already`: the GGUF block layers, which always do); a model
-    without packed layers (nor `float_layers`: a GGUF's F16/BF16 ones, kept in 16 bits with float
-    activations) is a clear error."""
+    linears take int8 activations (the GGUF block layers always do, and a GGUF's Q4/Q8 layers come
+    from the file already in this form); a model without any (nor `float_layers`: a GGUF's F16/BF16
+    ones, kept in 16 bits with float activations) is a clear error."""
+    from inferd.quant.gguf_blocks import BlocksLinear
     from inferd.quant.linear import Int4Linear, Int8Linear
 
     if load() is None:
         raise InferdError("--quantize-activations needs the W4A8 C++ kernel, which did not build (no compiler?)")
-    n = already
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, Int4Linear):
                 if child.dense:
                     raise InferdError("--quantize-activations needs packed int4 layers, not dense ones")
                 setattr(parent, name, W4A8Linear(*child.codes(), child.group_size, child.bias, model.dtype))
-                n += 1
             elif isinstance(child, Int8Linear):
                 if child.dense:
                     raise InferdError("--quantize-activations needs packed int8 layers, not dense ones")
                 setattr(parent, name, W8A8Linear(*child.codes(), child.bias, model.dtype))
-                n += 1
+    n = sum(isinstance(m, (W4A8Linear, W8A8Linear, BlocksLinear)) for m in model.modules())
     if n == 0 and not float_layers:
         raise InferdError("--quantize-activations applies to packed int4/int8 weights: this model has none")
     tie_embedding(model)
