@@ -175,3 +175,48 @@ def finish(w, tensors: dict):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def read_into(model, path, arch: str) -> None:
+    """The reverse of write_gguf, by the `gguf` package alone: every tensor of the GGUF file at `path`
+    dequantized by gguf's own block maths and loaded into the transformers model `model` under its
+    own names (q/k rows un-interleaved, Gemma's 1 + w undone, experts stacked back). The oracle's
+    weights for a file `llama-quantize` rounded: it never goes through inferd's loader."""
+    import torch
+    from gguf import GGUFReader, quants
+
+    c = model.config
+    heads, kv = c.num_attention_heads, c.num_key_value_heads
+    ts = {}
+    for t in GGUFReader(str(path)).tensors:
+        shape = tuple(reversed([int(x) for x in t.shape]))
+        ts[t.name] = np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+    sd = {}
+    for name, ref in model.state_dict().items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            blk = f"blk.{name.split('.')[2]}."
+            gate, up = ts[blk + "ffn_gate_exps.weight"], ts[blk + "ffn_up_exps.weight"]
+            a = np.concatenate([gate, up], axis=1)
+        elif name.endswith("mlp.experts.down_proj"):
+            a = ts[f"blk.{name.split('.')[2]}.ffn_down_exps.weight"]
+        elif name == "lm_head.weight" and "output.weight" not in ts:
+            a = ts["token_embd.weight"]
+        else:
+            g = gguf_name(name, arch)
+            if g is None or g not in ts:
+                raise ValueError(f"no GGUF tensor for {name}")
+            a = ts[g]
+            if arch in NORM_PLUS_ONE and g.endswith("norm.weight"):
+                a = a - 1
+            if arch in PERMUTED and g.endswith(("attn_q.weight", "attn_q.bias")):
+                a = unpermute(a, heads)
+            elif arch in PERMUTED and g.endswith(("attn_k.weight", "attn_k.bias")):
+                a = unpermute(a, kv)
+        sd[name] = torch.from_numpy(np.ascontiguousarray(a)).to(ref.dtype).reshape(ref.shape)
+    model.load_state_dict(sd)
+
+
+def unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """The inverse of permute_qk."""
+    rows, rest = w.shape[0], w.shape[1:]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)

@@ -177,18 +177,23 @@ def test_a_512_token_prefill_runs_the_integer_gemm_and_copies_no_weights(default
     assert w4a8.dequantized_copies == copies
 
 
-def test_the_tied_embedding_is_read_from_the_heads_codes(default_gguf_path):
-    """A tied model's embedding and W8A8 lm_head are one matrix: the embedding reads its rows from
-    the head's Q8_0 codes (GGUF's own, so exactly the float table), and the model's weights come to
-    under half of dense bf16's."""
+def test_the_tied_embedding_is_read_in_place_from_the_file(default_gguf_path):
+    """A tied GGUF model's embedding is the file's own Q8_0 table, read in place (its rows dequantized
+    at lookup, exactly gguf's own values); the W8A8 head holds the one copy the kernel needs, and the
+    model's weights come to under half of dense bf16's."""
+    import numpy as np
+    from gguf import GGUFReader, quants
+
     from inferd.loading.loader import load_model
     from inferd.quant import weight_bytes
+    from inferd.quant.gguf_rows import GGUFEmbedding
 
     lm = load_model(default_gguf_path, quantization="gguf", quantize_lm_head=True, quantize_activations=True,
                     with_tokenizer=False)
-    ref = load_model(default_gguf_path, dtype="float32", with_tokenizer=False)
-    assert isinstance(lm.model.embed_tokens, w4a8.PackedEmbedding)
+    assert isinstance(lm.model.embed_tokens, GGUFEmbedding) and isinstance(lm.model.lm_head, w4a8.W8A8Linear)
+    t = next(t for t in GGUFReader(default_gguf_path).tensors if t.name == "token_embd.weight")
     ids = torch.tensor([[0, 1, 49151], [31, 32, 12345]])
-    assert torch.equal(lm.model.embed_tokens(ids), ref.model.embed_tokens(ids))
+    want = np.asarray(quants.dequantize(t.data[ids.flatten().numpy()], t.tensor_type), dtype=np.float32)
+    assert torch.equal(lm.model.embed_tokens(ids), torch.from_numpy(want).view(2, 3, -1))
     dense = load_model(default_gguf_path, dtype="bfloat16", with_tokenizer=False)
     assert weight_bytes(lm.model) <= 0.5 * weight_bytes(dense.model), (weight_bytes(lm.model), weight_bytes(dense.model))

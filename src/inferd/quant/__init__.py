@@ -141,7 +141,7 @@ def apply(model, ctx: QuantContext, shard=None) -> list[str]:
     from inferd.quant.half import HalfLinear
 
     halves = sum(isinstance(x, HalfLinear) for x in model.modules())
-    n = w4a8.quantize_activations(model, halves)
+    n = w4a8.quantize_activations(model, w4a8.int8_activation_layers(model), halves)
     lines.append(f"W4A8/W8A8: {n} linears take int8 activations (per 32-block)"
                  f"{f', {halves} F16/BF16 ones float32' if halves else ''}; {str(model.dtype)[6:]} glue; "
                  f"weights {weight_bytes(model) / 2**20:.1f} MiB")

@@ -335,30 +335,38 @@ def tie_embedding(model: nn.Module) -> bool:
     return True
 
 
-def quantize_activations(model: nn.Module, float_layers: int = 0) -> int:
+def quantize_activations(model: nn.Module, already: int = 0, float_layers: int = 0) -> int:
     """Rewrite every packed linear of the model to take int8 activations: int4 ones into W4A8, and
-    int8 ones (the gguf path's lm_head, the int8 methods) into W8A8, same weights (the engine then
-    runs decode-only steps as one C++ call where it can: inferd.model.fused_decode). Returns how many
-    linears take int8 activations (the GGUF block layers always do, and a GGUF's Q4/Q8 layers come
-    from the file already in this form); a model without any (nor `float_layers`: a GGUF's F16/BF16
-    ones, kept in 16 bits with float activations) is a clear error."""
-    from inferd.quant.gguf_blocks import BlocksLinear
+    int8 ones (the int8 methods, an output layer re-rounded to int8) into W8A8, same weights (the
+    engine then runs decode-only steps as one C++ call where it can: inferd.model.fused_decode).
+    Returns how many linears take int8 activations (`already`: those built so from a GGUF's blocks);
+    a model without any (nor `float_layers`: a GGUF's F16/BF16 ones, kept in 16 bits with float
+    activations) is a clear error."""
     from inferd.quant.linear import Int4Linear, Int8Linear
 
     if load() is None:
         raise InferdError("--quantize-activations needs the W4A8 C++ kernel, which did not build (no compiler?)")
+    n = already
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, Int4Linear):
                 if child.dense:
                     raise InferdError("--quantize-activations needs packed int4 layers, not dense ones")
                 setattr(parent, name, W4A8Linear(*child.codes(), child.group_size, child.bias, model.dtype))
+                n += 1
             elif isinstance(child, Int8Linear):
                 if child.dense:
                     raise InferdError("--quantize-activations needs packed int8 layers, not dense ones")
                 setattr(parent, name, W8A8Linear(*child.codes(), child.bias, model.dtype))
-    n = sum(isinstance(m, (W4A8Linear, W8A8Linear, BlocksLinear)) for m in model.modules())
+                n += 1
     if n == 0 and not float_layers:
         raise InferdError("--quantize-activations applies to packed int4/int8 weights: this model has none")
     tie_embedding(model)
     return n
+
+
+def int8_activation_layers(model: nn.Module) -> int:
+    """How many of the model's linears already take int8 activations."""
+    from inferd.quant.gguf_blocks import BlocksLinear
+
+    return sum(isinstance(m, (W4A8Linear, W8A8Linear, BlocksLinear)) for m in model.modules())
