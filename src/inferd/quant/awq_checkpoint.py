@@ -142,7 +142,8 @@ def attach_awq_linears(model, parts: dict, group_size: int) -> int:
         lin = getattr(layer, name)
         if q.shape[0] % 16:
             raise InferdError(f"layer {i} {name}: {q.shape[0]} output rows; the int4 kernel needs a multiple of 16")
-        setattr(layer, name, Int4Linear(q, scale, mn, group_size, lin.bias, model.dtype))
+        bias = lin.dense_bias(model.dtype) if hasattr(lin, "dense_bias") else lin.bias  # a loader's placeholder
+        setattr(layer, name, Int4Linear(q, scale, mn, group_size, bias, model.dtype))
     return len(parts)
 
 
