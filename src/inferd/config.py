@@ -24,6 +24,11 @@ class LoadConfig:
     quantize_activations: bool = False  # int4/int8 weights x int8 activations (W4A8/W8A8)
     dense_quant: bool = False  # quantized layers keep exact dequantized weights (fp32 evaluation)
     with_tokenizer: bool = True
+    # what the engine will hold beside the weights, for the loader's guard (inferd.loading.memory):
+    # an explicit KV size, and the batch shape of one step's working set
+    kv_cache_memory: int | str | None = None
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
 
     @classmethod
     def field_names(cls) -> set[str]:

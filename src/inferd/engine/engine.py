@@ -71,6 +71,7 @@ class LLMEngine:
 
             loaded = load_model(cfg.load_config(), shard=self.tp.shard if self.tp is not None else None)
         self.loaded = loaded
+        self.load_report = dict(getattr(loaded, "report", None) or {})  # how the load went (loading.report)
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         mcfg = loaded.config

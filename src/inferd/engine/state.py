@@ -137,6 +137,8 @@ def engine_state(engine, steps: int = STEP_HISTORY) -> dict:
                    "speculative_method": cfg.speculative_method, "role": _role(engine),
                    "tensor_parallel_size": cfg.tensor_parallel_size, "scheduling": cfg.scheduling},
         "paths": engine_paths(engine),  # which fast paths ran: what a benchmark labels its rows from
+        # the load: seconds, peak resident memory, weights held, layers left dense for want of a kernel
+        "load": getattr(engine, "load_report", None),
     }
     out["build_ms"] = round((time.monotonic() - t0) * 1e3, 3)  # what this read cost the engine, between two steps
     return out

@@ -362,6 +362,7 @@ def _load(lc: LoadConfig, shard=None) -> LoadedModel:
     if plan is None:
         net = build_model(cfg, None, tdtype, dev)
     else:
+        guard(src, plan, cfg, lc, name, tdtype)
         report.begin(plan, reader, tdtype)
         net = build_skeleton(cfg, plan, tdtype, dev)
 
@@ -392,6 +393,17 @@ def _load(lc: LoadConfig, shard=None) -> LoadedModel:
     for line in report.lines():
         log.info("%s", line)
     return LoadedModel(net, cfg, tok, src, report.as_dict())
+
+
+def guard(src: ModelSource, plan, cfg: ModelConfig, lc: LoadConfig, method: str, dtype) -> None:
+    """Refuse, from the header alone, a load that cannot fit beside its KV cache and working set."""
+    from inferd.config import parse_bytes
+    from inferd.loading.memory import check_fits, estimate, working_set
+
+    est = estimate(plan, method, torch.empty((), dtype=dtype).element_size(), lc.quantize_activations)
+    kv = parse_bytes(lc.kv_cache_memory) if lc.kv_cache_memory else 0  # the default KV takes a share of what is left
+    check_fits(src.name, est, kv, working_set(cfg, lc.max_num_batched_tokens, lc.max_num_seqs),
+               available_memory_bytes())
 
 
 def _planned(model):
