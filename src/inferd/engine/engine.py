@@ -100,6 +100,7 @@ class LLMEngine:
         # with KV groups, one more block: NULL, where a window group's released blocks point
         self.pool = KVPool(layout.group_size, num_blocks + (layout.num_groups > 1), cfg.block_size, n_kv,
                            mcfg.head_dim, kv_dtype, self.model.device, shared=shared)
+        self._fit_context(cfg, num_blocks)
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching,
                                           layout.extra_windows)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
@@ -219,6 +220,17 @@ class LLMEngine:
         from inferd.loading.loader import resolve_dtype
 
         return resolve_dtype(c)
+
+    def _fit_context(self, cfg: EngineConfig, num_blocks: int) -> None:
+        """A context the KV cache can hold: with no --max-model-len, a model's declared context
+        (Llama 3.1's 131,072) is clamped to the tokens the pool holds, in one line, as llama.cpp
+        and Ollama size their context by default."""
+        capacity = num_blocks * cfg.block_size
+        if cfg.max_model_len is not None or cfg.num_kv_blocks is not None or self.max_model_len <= capacity:
+            return
+        log.info("max_model_len %d (the model's context) clamped to %d, what the KV cache holds: "
+                 "--kv-cache-memory or --max-model-len set it", self.max_model_len, capacity)
+        self.max_model_len = capacity
 
     def _kv_bytes(self) -> int:
         cfg = self.config
