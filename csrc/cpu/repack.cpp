@@ -24,10 +24,15 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <type_traits>
 #include <vector>
+
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
 
 #if defined(__clang__)
 #pragma clang fp contract(off)
@@ -49,6 +54,7 @@ enum GgmlType : int64_t {
 // super-blocks: 256 weights with int8 sub-scales, else one 32-block).
 constexpr int64_t kFileBlock[BT_COUNT] = {144, 176, 210, 110, 84, 22, 24, 18, 136};
 constexpr int64_t kFileWeights[BT_COUNT] = {256, 256, 256, 256, 256, 32, 32, 32, 256};
+constexpr int64_t kAhead = 512;  // bytes a row's prefetch runs ahead (past a row's end is harmless: a hint)
 constexpr int8_t kIq4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 inline uint16_t u16(const uint8_t* p) {
@@ -117,6 +123,11 @@ inline bool exact_f16(float f, uint16_t* out) {
   return true;
 }
 
+// 4 bits -> 4 bytes of 0 or 1 (bit p to byte p)
+constexpr uint32_t spread(uint32_t n) { return (n & 1) | ((n >> 1) & 1) << 8 | ((n >> 2) & 1) << 16 | ((n >> 3) & 1) << 24; }
+constexpr uint32_t kSpread[16] = {spread(0), spread(1), spread(2),  spread(3),  spread(4),  spread(5),  spread(6),  spread(7),
+                                  spread(8), spread(9), spread(10), spread(11), spread(12), spread(13), spread(14), spread(15)};
+
 // One row's super-block as the block kernel keeps it (quant.gguf_blocks.Codes, one row, one super-block).
 struct Super {
   uint8_t q[256];  // the codes as the file stores them (the type's offset not taken off)
@@ -180,11 +191,13 @@ inline void decode(const uint8_t* b, Super& s) {
     constexpr int head = T == BT_Q5_0 ? 2 : 4;
     s.d = u16(b);
     if constexpr (T == BT_Q5_1) s.dm = u16(b + 2);
-    const uint32_t qh = u32(b + head);
-    const uint8_t* qs = b + head + 4;
-    for (int i = 0; i < 16; ++i) {
-      s.q[i] = static_cast<uint8_t>((qs[i] & 0xF) | (((qh >> i) & 1) << 4));
-      s.q[16 + i] = static_cast<uint8_t>((qs[i] >> 4) | (((qh >> (16 + i)) & 1) << 4));
+    const uint32_t qh = u32(b + head);  // bit i: the fifth bit of weight i
+    for (int c = 0; c < 4; ++c) {  // whole words: the packer reads them back as words
+      const uint32_t w = u32(b + head + 4 + 4 * c);
+      const uint32_t lo = (w & 0x0F0F0F0Fu) | (kSpread[(qh >> (4 * c)) & 15] << 4);
+      const uint32_t hi = ((w >> 4) & 0x0F0F0F0Fu) | (kSpread[(qh >> (16 + 4 * c)) & 15] << 4);
+      std::memcpy(s.q + 4 * c, &lo, 4);
+      std::memcpy(s.q + 16 + 4 * c, &hi, 4);
     }
   } else if constexpr (T == BT_IQ4_NL) {
     s.d = u16(b);
@@ -217,6 +230,9 @@ void pack_blocks_pair(const uint8_t* const* src, int64_t S, uint8_t* out) {
     uint8_t* rec = out + s * RECORD;
     for (int r = 0; r < 32; ++r) {
       if (!src[r]) continue;
+      // 32 rows are 32 streams, more than the hardware prefetcher follows: ask for a row's next
+      // blocks while this one is packed
+      for (int64_t off = 0; off < kFileBlock[T]; off += 64) __builtin_prefetch(src[r] + s * kFileBlock[T] + kAhead + off);
       decode<T>(src[r] + s * kFileBlock[T], sup);
       const int j = r / 16, l = r % 16;
       std::memcpy(rec + 2 * r, &sup.d, 2);
@@ -229,33 +245,30 @@ void pack_blocks_pair(const uint8_t* const* src, int64_t S, uint8_t* out) {
         if constexpr (F.mink == 1)
           for (int u = 0; u < SUBS; ++u) rec[MN_AT + 32 * u + r] = static_cast<uint8_t>(sup.mn[u]);
       }
+      // four codes a 32-bit word (byte p of word c: code 4 c + p), so each output word is a few
+      // word operations: the nibbles or 2-bit fields side by side, a plane's bit c moved to bit c
       for (int bi = 0; bi < SB; ++bi) {
-        const uint8_t* q = sup.q + 32 * bi;
+        uint32_t lo[4], hi[4];  // codes 4 c + p and 16 + 4 c + p
+        for (int c = 0; c < 4; ++c) lo[c] = u32(sup.q + 32 * bi + 4 * c), hi[c] = u32(sup.q + 32 * bi + 16 + 4 * c);
         uint8_t* blk = rec + HEADER + bi * BLOCK;
-        uint8_t w[4];
         if constexpr (F.base == 4) {
           for (int c = 0; c < 4; ++c) {
-            for (int p = 0; p < 4; ++p) w[p] = static_cast<uint8_t>((q[4 * c + p] & 15) | (q[16 + 4 * c + p] << 4));
-            std::memcpy(blk + 256 * j + 64 * c + 4 * l, w, 4);
+            const uint32_t w = (lo[c] & 0x0F0F0F0Fu) | ((hi[c] & 0x0F0F0F0Fu) << 4);
+            std::memcpy(blk + 256 * j + 64 * c + 4 * l, &w, 4);
           }
         } else {
           for (int v = 0; v < 2; ++v) {
-            for (int p = 0; p < 4; ++p) {
-              const uint8_t* a = q + 8 * v + p;  // chunks 2v and 2v + 1, lower and upper 16
-              w[p] = static_cast<uint8_t>((a[0] & 3) | ((a[16] & 3) << 2) | ((a[4] & 3) << 4) | ((a[20] & 3) << 6));
-            }
-            std::memcpy(blk + 128 * j + 64 * v + 4 * l, w, 4);
+            const uint32_t w = (lo[2 * v] & 0x03030303u) | ((hi[2 * v] & 0x03030303u) << 2) |
+                               ((lo[2 * v + 1] & 0x03030303u) << 4) | ((hi[2 * v + 1] & 0x03030303u) << 6);
+            std::memcpy(blk + 128 * j + 64 * v + 4 * l, &w, 4);
           }
         }
-        for (int h = 0; h < F.high; ++h) {
+        for (int h = 0; h < F.high; ++h) {  // a code and its partner 16 on as one 64-bit lane pair
           const int bit = F.base + h;
-          for (int p = 0; p < 4; ++p) {
-            int v = 0;
-            for (int c = 0; c < 4; ++c)
-              v |= (((q[4 * c + p] >> bit) & 1) << c) | (((q[16 + 4 * c + p] >> bit) & 1) << (4 + c));
-            w[p] = static_cast<uint8_t>(v);
-          }
-          std::memcpy(blk + PLANES + 128 * h + 64 * j + 4 * l, w, 4);
+          uint64_t t = 0;
+          for (int c = 0; c < 4; ++c) t |= (((lo[c] | static_cast<uint64_t>(hi[c]) << 32) >> bit) & 0x0101010101010101ull) << c;
+          const uint32_t w = static_cast<uint32_t>(t) | static_cast<uint32_t>(t >> 32) << 4;
+          std::memcpy(blk + PLANES + 128 * h + 64 * j + 4 * l, &w, 4);
         }
       }
     }
@@ -452,6 +465,24 @@ void by_block_type(int64_t t, Fn&& fn) {
   }
 }
 
+// An output a layer's size, on transparent huge pages where the system gives them on request
+// (madvise mode): touching fresh 4 KiB pages (a fault and a zeroing each) costs more than the
+// dequantization itself (~2 GB/s a thread against ~5-7), and the kernels later reading the records
+// take fewer TLB misses. Only whole 2 MiB pages inside the tensor are asked for, so no tensor holds
+// more memory than its bytes.
+at::Tensor big_empty(at::IntArrayRef shape, at::ScalarType dtype) {
+  constexpr int64_t kHuge = int64_t{2} << 20;
+  int64_t bytes = static_cast<int64_t>(at::elementSize(dtype));
+  for (int64_t s : shape) bytes *= s;
+  if (bytes < 2 * kHuge) return at::empty(shape, dtype);
+  void* p = nullptr;
+  TORCH_CHECK(posix_memalign(&p, kHuge, static_cast<size_t>(bytes)) == 0, "out of memory allocating ", bytes, " bytes");
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  madvise(p, static_cast<size_t>(bytes / kHuge * kHuge), MADV_HUGEPAGE);  // a hint: refused is fine
+#endif
+  return at::from_blob(p, shape, [](void* q) { std::free(q); }, at::TensorOptions().dtype(dtype));
+}
+
 // -- the parts' rows ------------------------------------------------------------------------------
 
 // Every output row's bytes: part i's rows (in rows[i]'s order where given), parts one after another.
@@ -514,7 +545,7 @@ at::Tensor repack_blocks(at::TensorList parts, const c10::List<std::optional<at:
   const int64_t K = row_weights(src.row_bytes, kFileBlock[type], kFileWeights[type], kBlockNames[type], "repack_blocks");
   const int64_t N = static_cast<int64_t>(src.row.size()), P = (N + 31) / 32, S = K / (32 * block_super(f));
   const int64_t pair_bytes = S * block_record(f);
-  at::Tensor out = at::empty({P, pair_bytes}, at::kByte);
+  at::Tensor out = big_empty({P, pair_bytes}, at::kByte);
   uint8_t* o = out.data_ptr<uint8_t>();
   by_block_type(type, [&](auto t) {
     at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
@@ -536,7 +567,7 @@ at::Tensor pack_cells(const Source& src, int64_t nb, int64_t half_cell, int64_t 
   const int64_t N = static_cast<int64_t>(src.row.size()), P = (N + 31) / 32;
   auto run = [&](bool half) {
     const int64_t pair_bytes = nb * (half ? half_cell : full_cell);
-    at::Tensor out = at::empty({P, pair_bytes}, at::kByte);
+    at::Tensor out = big_empty({P, pair_bytes}, at::kByte);
     uint8_t* o = out.data_ptr<uint8_t>();
     std::atomic<bool> failed{false};
     at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
@@ -591,7 +622,7 @@ at::Tensor dequant_rows(at::Tensor raw, at::Tensor ids, int64_t ggml_type) {
     TORCH_CHECK(id[i] >= 0 && id[i] < N, "dequant_rows: id ", id[i], " of a tensor with ", N, " rows");
   std::vector<int64_t> shape(ix.sizes().begin(), ix.sizes().end());
   shape.push_back(K);
-  at::Tensor out = at::empty(shape, at::kFloat);
+  at::Tensor out = big_empty(shape, at::kFloat);
   const uint8_t* base = raw.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
   // a thread's share at least ~64K weights: a decode step's few rows stay on the calling thread
