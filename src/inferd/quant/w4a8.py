@@ -175,6 +175,12 @@ class W4A8Linear(nn.Module):
 
     w8 = False  # the fused decode step's kind (inferd.model.fused_decode)
 
+    @classmethod
+    def from_packed(cls, packed: torch.Tensor, out_features: int, in_features: int, bias: torch.Tensor | None,
+                    dtype: torch.dtype) -> "W4A8Linear":
+        """A layer from `pack4`'s records (gguf_native.repack_w4a8 makes them from a file's bytes)."""
+        return _from_packed(cls, packed, out_features, in_features, bias, dtype, (640, 768))
+
     def codes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q int32 [N, K], scale, min fp32 [N, K / 32]): what the kernel multiplies by."""
         return unpack4(self.packed, self.out_features, self.in_features)
@@ -202,6 +208,12 @@ class W8A8Linear(nn.Module):
 
     w8 = True
 
+    @classmethod
+    def from_packed(cls, packed: torch.Tensor, out_features: int, in_features: int, bias: torch.Tensor | None,
+                    dtype: torch.dtype) -> "W8A8Linear":
+        """A layer from `pack8`'s records (gguf_native.repack_w8a8 makes them from a file's bytes)."""
+        return _from_packed(cls, packed, out_features, in_features, bias, dtype, (1088, 1152))
+
     def codes(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(q int8 [N, K], scale fp32 [N, K / 32])."""
         return unpack8(self.packed, self.out_features, self.in_features)
@@ -219,6 +231,22 @@ class W8A8Linear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.view(*shape[:-1], self.out_features)
+
+
+def _from_packed(cls, packed, N: int, K: int, bias, dtype, cell_bytes: tuple[int, int]):
+    _check_k(K)
+    cells = (N + PAIR - 1) // PAIR * (K // BLOCK)
+    if packed.dtype != torch.uint8 or packed.numel() not in (cells * cell_bytes[0], cells * cell_bytes[1]):
+        raise InferdError(f"{cls.__name__} records do not match a {N} x {K} layer")
+    kernel = load()
+    if kernel is None:
+        raise InferdError(f"{cls.__name__} needs its C++ kernel, which did not build (no compiler?)")
+    m = cls.__new__(cls)
+    nn.Module.__init__(m)
+    m.out_features, m.in_features, m.kernel, m.dtype = N, K, kernel, dtype
+    m.register_buffer("packed", packed.reshape((N + PAIR - 1) // PAIR, -1).contiguous())
+    m.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
+    return m
 
 
 class PackedEmbedding(nn.Module):
