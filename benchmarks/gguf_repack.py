@@ -10,9 +10,11 @@ layer. For each, best of --reps calls on --threads threads:
                       and gigabytes), scaled by bytes
   - dequant native:   torch.ops.inferd.dequant_rows over every row (GB/s of float32 out)
   - dequant gguf:     gguf.quants.dequantize on --python-rows rows
-  - embedding step:   dequant_rows of 1 and 64 ids (microseconds a call)
-and the W4A8/W8A8 repacks (Q4_0, Q8_0) of the MLP shape. The header prints the CPU, the threads, and
-the load average: on a shared machine the wall times move with the neighbours.
+  - embedding step:   dequant_rows of 1 and 64 random ids (microseconds a call)
+Beside each native rate, the bytes a CPU-second moves (CPU time of all threads): on a shared
+machine the wall time counts the waits for a core, the CPU time does not.
+and the W4A8/W8A8 repacks (Q4_0, Q8_0) of the MLP shape. The header prints the CPU, the threads and
+the load average.
 
 Usage: .venv/bin/python benchmarks/gguf_repack.py [--threads 2] [--reps 3] [--python-rows 1024] [--small]
 """
@@ -49,14 +51,25 @@ def random_tensor(type_name: str, N: int, K: int, seed: int = 0) -> torch.Tensor
     return raw.view(N, -1)
 
 
+CPU = {}  # the last best() call's least CPU time (all threads), beside its least wall time
+
+
 def best(fn, reps: int) -> float:
+    """The least wall time of `reps` calls after one warm-up; CPU["s"]: the least CPU time of them
+    (on a shared machine the wall time includes waiting for a core; CPU time does not)."""
     fn()
-    times = []
+    times, cpu = [], []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    CPU["s"] = min(cpu)
     return min(times)
+
+
+def per_cpu(nbytes: int) -> str:
+    return f"{nbytes / CPU['s'] / 1e9:6.2f} GB/s a CPU-second" if CPU["s"] > 0 else ""
 
 
 def main():
@@ -81,14 +94,16 @@ def main():
         gt = GGML[type_name][0]
         mb = raw.numel() / 1e6
         t = best(lambda: ops.repack_blocks([raw], [None], GB.FORMATS[type_name].id), a.reps)
-        print(f"{type_name} {N} x {K} ({mb:.0f} MB): repack native  {raw.numel() / t / 1e9:6.2f} GB/s in  ({t * 1e3:.0f} ms)")
+        print(f"{type_name} {N} x {K} ({mb:.0f} MB): repack native  {raw.numel() / t / 1e9:6.2f} GB/s in  "
+              f"({t * 1e3:.0f} ms; {per_cpu(raw.numel())})")
         part = raw[:a.python_rows].numpy()
         t = best(lambda: GB.pack(GB.decode(type_name, part)), 1)
         print(f"{type_name} {N} x {K}: repack python  {part.nbytes / t / 1e9:6.3f} GB/s in  "
               f"(first {len(part)} rows; the whole tensor ~{t * N / len(part):.1f} s)")
         ids = torch.arange(N)
         t = best(lambda: ops.dequant_rows(raw, ids, gt), a.reps)
-        print(f"{type_name} {N} x {K}: dequant native {N * K * 4 / t / 1e9:6.2f} GB/s out ({t * 1e3:.0f} ms)")
+        print(f"{type_name} {N} x {K}: dequant native {N * K * 4 / t / 1e9:6.2f} GB/s out ({t * 1e3:.0f} ms; "
+              f"{per_cpu(N * K * 4)})")
         t = best(lambda: dequantize(part, Q(gt)), 1)
         print(f"{type_name} {N} x {K}: dequant gguf   {len(part) * K * 4 / t / 1e9:6.3f} GB/s out (first {len(part)} rows)")
         for n in (1, 64):
@@ -101,7 +116,7 @@ def main():
         raw = random_tensor(type_name, N, K)
         t = best(lambda: op(raw), a.reps)
         print(f"{type_name} {N} x {K}: repack {'w4a8' if type_name == 'Q4_0' else 'w8a8'}    "
-              f"{raw.numel() / t / 1e9:6.2f} GB/s in  ({t * 1e3:.0f} ms)")
+              f"{raw.numel() / t / 1e9:6.2f} GB/s in  ({t * 1e3:.0f} ms; {per_cpu(raw.numel())})")
 
 
 if __name__ == "__main__":

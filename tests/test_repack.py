@@ -112,14 +112,18 @@ def test_repack_w4a8_equals_int4_blocks_then_pack4(type_name):
     want = int4_records(type_name, stacked(parts, orders))
     assert torch.equal(got, want)
     cells = (40 + 8 + 3 + 31) // 32 * (K // 32)
-    if type_name != "Q4_K":  # GGUF's fp16 scales stay fp16 (Q4_K's d * sc are mostly not fp16 values)
-        assert got.numel() == cells * 640
+    # GGUF's fp16 scales stay fp16; random Q4_K's d * sc are not fp16 values: fp32 records
+    assert got.numel() == cells * (768 if type_name == "Q4_K" else 640)
 
 
 @needs_native
 def test_w4a8_records_fall_back_to_fp32_exactly_when_pack4_would():
     """A Q4_0 block with |d| > 8188 (-8 d past fp16's range): every scale in fp32, as pack4 decides;
-    Q4_K with d * sc and dmin * m all fp16 values: fp16 records."""
+    subnormal fp16 d (-8 d exact): fp16; Q4_K with d * sc and dmin * m all fp16 values: fp16."""
+    tiny = blocks("Q4_0", 40, 256).copy()
+    tiny.reshape(40, -1, 18)[:, :, 0:2] = (np.arange(40 * 8, dtype=np.uint16).reshape(40, 8, 1) % 1024 + 1).view(np.uint8)
+    got = GN.repack_w4a8("Q4_0", [tiny])
+    assert got.numel() == 2 * 8 * 640 and torch.equal(got, int4_records("Q4_0", tiny))
     raw = blocks("Q4_0", 33, 256).copy()
     raw.reshape(33, -1, 18)[20, 3, 0:2] = np.array([10000.0], np.float16).view(np.uint8)
     got = GN.repack_w4a8("Q4_0", [raw])

@@ -230,8 +230,8 @@ void pack_blocks_pair(const uint8_t* const* src, int64_t S, uint8_t* out) {
     uint8_t* rec = out + s * RECORD;
     for (int r = 0; r < 32; ++r) {
       if (!src[r]) continue;
-      // 32 rows are 32 streams, more than the hardware prefetcher follows: ask for a row's next
-      // blocks while this one is packed
+      // 32 rows are 32 streams, more than the hardware prefetcher follows: ask for the bytes a
+      // row needs kAhead on while these are packed
       for (int64_t off = 0; off < kFileBlock[T]; off += 64) __builtin_prefetch(src[r] + s * kFileBlock[T] + kAhead + off);
       decode<T>(src[r] + s * kFileBlock[T], sup);
       const int j = r / 16, l = r % 16;
@@ -295,12 +295,14 @@ inline bool put_float(uint8_t* at, int r, float v, bool half) {
 // some scale or min is not an fp16 value (the caller then packs every pair in fp32).
 template <int64_t G>
 bool pack_w4a8_pair(const uint8_t* const* src, int64_t nb, bool half, uint8_t* out) {
+  constexpr int64_t PER32 = G == GT_Q4_1 ? 20 : 18;  // the file's bytes a 32-block (Q4_K: 144 / 8)
   const int64_t cell = half ? 640 : 768, fb = half ? 64 : 128;
-  for (int r = 0; r < 32; ++r) {
-    if (!src[r]) continue;
-    const int j = r / 16, l = r % 16;
-    for (int64_t b = 0; b < nb; ++b) {
-      uint8_t* c = out + b * cell;
+  for (int64_t b = 0; b < nb; ++b) {
+    uint8_t* c = out + b * cell;
+    for (int r = 0; r < 32; ++r) {
+      if (!src[r]) continue;
+      __builtin_prefetch(src[r] + b * PER32 + kAhead);  // 32 streams: see pack_blocks_pair
+      const int j = r / 16, l = r % 16;
       uint8_t lb[16];  // byte x: q[x] | q[16 + x] << 4
       float sv, mv;
       if constexpr (G == GT_Q4_K) {
@@ -314,7 +316,7 @@ bool pack_w4a8_pair(const uint8_t* const* src, int64_t nb, bool half, uint8_t* o
         sv = f16(u16(blk)) * static_cast<float>(sc);
         mv = -(f16(u16(blk + 2)) * static_cast<float>(mn));
       } else {
-        const uint8_t* blk = src[r] + b * (G == GT_Q4_0 ? 18 : 20);
+        const uint8_t* blk = src[r] + b * PER32;
         const float d = f16(u16(blk));
         std::memcpy(lb, blk + (G == GT_Q4_0 ? 2 : 4), 16);  // the file's nibbles are already q[x] | q[16 + x] << 4
         sv = d;
@@ -330,11 +332,12 @@ bool pack_w4a8_pair(const uint8_t* const* src, int64_t nb, bool half, uint8_t* o
 // One pair's W8A8 cells (1024 bytes of codes, then 32 scales) from Q8_0 rows.
 bool pack_w8a8_pair(const uint8_t* const* src, int64_t nb, bool half, uint8_t* out) {
   const int64_t cell = half ? 1088 : 1152;
-  for (int r = 0; r < 32; ++r) {
-    if (!src[r]) continue;
-    const int j = r / 16, l = r % 16;
-    for (int64_t b = 0; b < nb; ++b) {
-      uint8_t* c = out + b * cell;
+  for (int64_t b = 0; b < nb; ++b) {
+    uint8_t* c = out + b * cell;
+    for (int r = 0; r < 32; ++r) {
+      if (!src[r]) continue;
+      __builtin_prefetch(src[r] + b * 34 + kAhead);
+      const int j = r / 16, l = r % 16;
       const uint8_t* blk = src[r] + b * 34;
       for (int ch = 0; ch < 8; ++ch) std::memcpy(c + 512 * j + 64 * ch + 4 * l, blk + 2 + 4 * ch, 4);
       if (!put_float(c + 1024, r, f16(u16(blk)), half)) return false;
