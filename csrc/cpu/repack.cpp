@@ -628,8 +628,10 @@ at::Tensor dequant_rows(at::Tensor raw, at::Tensor ids, int64_t ggml_type) {
   at::Tensor out = big_empty(shape, at::kFloat);
   const uint8_t* base = raw.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
-  // a thread's share at least ~64K weights: a decode step's few rows stay on the calling thread
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / K);
+  // a thread's share at least 256K weights (1 MB out, ~0.1 ms): a decode step's rows (64 at K = 4096)
+  // stay on the calling thread, where waking the pool would cost more than it saves (and, on a
+  // loaded machine, milliseconds waiting for a core)
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / K);
   at::parallel_for(0, n, grain, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) t.row(base + id[i] * stride, blocks, o + i * K);
   });
