@@ -244,30 +244,55 @@ def pack(c: Codes) -> torch.Tensor:
     return out
 
 
-def _part_codes(type_name: str, part) -> Codes:
-    """A plan part's blocks decoded, in the part's row order (the path without native repacking)."""
-    raw = np.asarray(part.raw())
-    c = decode(type_name, raw)
-    rows = getattr(part, "rows", None)
-    return c if rows is None else Codes(c.type, **{k: v.index_select(0, rows) for k, v in c.tensors().items()})
-
-
-def repack(type_name: str, parts: list) -> torch.Tensor:
-    """The kernel's records of plan parts of one type stacked along the rows, straight from the
-    file's mapped bytes: the native repack where it built (one pass, no [N, K] codes), else decode
-    and `pack` (tests/test_repack.py holds the two equal)."""
-    from inferd.quant.gguf_rows import native_parts
-
-    args = native_parts(parts)
-    if args is not None:
-        return torch.ops.inferd.repack_blocks(*args, FORMATS[type_name].id)
-    codes = [_part_codes(type_name, p) for p in parts]
-    return pack(Codes(type_name, **{k: torch.cat([c.tensors()[k] for c in codes]) for k in codes[0].tensors()}))
-
-
 def record_bytes(type_name: str, N: int, K: int) -> int:
     f = FORMATS[type_name]
     return (N + PAIR - 1) // PAIR * (K // (32 * f.super_blocks)) * f.record
+
+
+def _stacked(parts, rows) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """The parts' raw bytes [N_i, row bytes] (no copies) and each one's row order (None: as stored)."""
+    from inferd.kernels.repack import raw_bytes, row_order
+
+    raws = [raw_bytes(p) for p in parts]
+    if not raws:
+        raise InferdError("nothing to repack: no parts")
+    rows = [None] * len(raws) if rows is None else list(rows)
+    if len(rows) != len(raws):
+        raise InferdError(f"{len(raws)} parts but {len(rows)} row orders")
+    if len({r.shape[1] for r in raws}) != 1:
+        raise InferdError(f"the parts disagree on their row bytes: {sorted({r.shape[1] for r in raws})}")
+    return raws, [row_order(r, raw.shape[0]) for r, raw in zip(rows, raws)]
+
+
+def _check_parts_type(type_name: str, parts) -> None:
+    for p in parts:
+        t = getattr(p, "tensor_type", None)
+        if t is not None and t.name != type_name:
+            raise InferdError(f"a {t.name} part among {type_name} ones: one call repacks one type")
+
+
+def repack(type_name: str, parts, rows=None) -> torch.Tensor:
+    """GGUF tensors of one block type stacked along the output rows -> the kernel's records: exactly
+    `pack(decode(type_name, stacked rows))`, without the [N, K] codes (csrc/cpu/repack.cpp: a pair of
+    output rows at a time, straight from the file's bytes; decode + pack where there is no native
+    code). `parts`: GGUF tensor objects or their raw bytes [N_i, row bytes] (numpy, a read-only
+    mapping included, or torch; never written). `rows`: None, or per part None (its rows as stored)
+    or the source row of each output row: a permutation (`unpermute_qk(torch.arange(n), heads)`
+    undoes llama.cpp's q/k interleave) or a subset (a tensor-parallel share)."""
+    from inferd.kernels.native import ops
+
+    if type_name not in FORMATS:
+        raise InferdError(f"no block kernel for GGUF type {type_name}")
+    _check_parts_type(type_name, parts)
+    raws, orders = _stacked(parts, rows)
+    kernels = ops()
+    if kernels is not None:
+        return kernels.repack_blocks(raws, orders, FORMATS[type_name].id)
+    f = FORMATS[type_name]
+    if raws[0].shape[1] % f.block_bytes:
+        raise InferdError(f"{raws[0].shape[1]} bytes a row is not whole {type_name} blocks")
+    rows_np = [r.numpy() if o is None else r.numpy()[o.numpy()] for r, o in zip(raws, orders)]
+    return pack(decode(type_name, np.concatenate(rows_np)))
 
 
 # -- the layer --------------------------------------------------------------------------------
@@ -294,17 +319,23 @@ class BlocksLinear(nn.Module):
         self.dtype = dtype
 
     @classmethod
-    def from_packed(cls, type_name: str, packed: torch.Tensor, N: int, K: int, bias: torch.Tensor | None,
-                    dtype: torch.dtype) -> "BlocksLinear":
-        """The layer over records `repack` (or `pack`) made: no codes kept."""
-        self = cls.__new__(cls)
-        nn.Module.__init__(self)
-        self.type, self.block_type = type_name, FORMATS[type_name].id
-        self.out_features, self.in_features = N, K
-        self.register_buffer("packed", packed)
-        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
-        self.dtype = dtype
-        return self
+    def from_packed(cls, type_name: str, packed: torch.Tensor, out_features: int, in_features: int,
+                    bias: torch.Tensor | None, dtype: torch.dtype) -> "BlocksLinear":
+        """A packed layer from its records (`repack`'s), never holding codes: for a model that is
+        already final (a tensor-parallel share is cut by repack's row lists, not afterwards)."""
+        f = FORMATS[type_name]
+        if in_features % (32 * f.super_blocks):
+            raise InferdError(f"{type_name} layers need an input size that is a multiple of {32 * f.super_blocks}")
+        if packed.dtype != torch.uint8 or packed.numel() != record_bytes(type_name, out_features, in_features):
+            raise InferdError(f"{type_name} records do not match a {out_features} x {in_features} layer")
+        m = cls.__new__(cls)
+        nn.Module.__init__(m)
+        m.type, m.block_type = type_name, f.id
+        m.out_features, m.in_features = out_features, in_features
+        m.register_buffer("packed", packed.contiguous())
+        m.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
+        m.dtype = dtype
+        return m
 
     def codes(self) -> Codes:
         if self.packed is not None:

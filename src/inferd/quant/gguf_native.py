@@ -18,6 +18,8 @@ kernel leaves its layer to the dense fallback, which the loader logs and counts.
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import torch
 
@@ -79,6 +81,50 @@ def q8_blocks(part) -> tuple[torch.Tensor, torch.Tensor]:
     d = blk[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     q = blk[..., 2:].copy().view(np.int8).reshape(raw.shape[0], -1)
     return torch.from_numpy(q), torch.from_numpy(d)
+
+
+def repack_w4a8(type_name: str, parts, rows=None) -> torch.Tensor:
+    """Q4_0, Q4_1 or Q4_K tensors stacked along the output rows -> W4A8Linear's records: exactly
+    `w4a8.pack4(*int4_blocks(stacked rows))` (half=None: fp16 scales and mins when every one is an
+    fp16 value, as GGUF's Q4_0/Q4_1 ones are unless a Q4_0 |d| > 8188 puts -8 d past fp16; Q4_K's
+    d * sc seldom are, so its records are mostly fp32's), in C++ from the file's bytes where the
+    native kernels are built. `parts` and `rows` as gguf_blocks.repack takes them."""
+    from gguf import GGMLQuantizationType as Q
+
+    from inferd.kernels.native import ops
+    from inferd.quant.gguf_blocks import _check_parts_type, _stacked
+    from inferd.quant.w4a8 import pack4
+
+    if type_name not in ("Q4_0", "Q4_1", "Q4_K"):
+        raise InferdError(f"W4A8 records come from Q4_0, Q4_1 or Q4_K tensors, not {type_name}")
+    _check_parts_type(type_name, parts)
+    raws, orders = _stacked(parts, rows)
+    kernels = ops()
+    if kernels is not None:
+        return kernels.repack_w4a8(raws, orders, int(Q[type_name]))
+    t = SimpleNamespace(data=_rows_np(raws, orders), tensor_type=Q[type_name])
+    return pack4(*int4_blocks(t))
+
+
+def repack_w8a8(parts, rows=None) -> torch.Tensor:
+    """Q8_0 tensors stacked along the output rows -> W8A8Linear's records: exactly
+    `w4a8.pack8(*q8_blocks(stacked rows))` (fp16 scales: GGUF's own), in C++ where built."""
+    from gguf import GGMLQuantizationType as Q
+
+    from inferd.kernels.native import ops
+    from inferd.quant.gguf_blocks import _check_parts_type, _stacked
+    from inferd.quant.w4a8 import pack8
+
+    _check_parts_type("Q8_0", parts)
+    raws, orders = _stacked(parts, rows)
+    kernels = ops()
+    if kernels is not None:
+        return kernels.repack_w8a8(raws, orders)
+    return pack8(*q8_blocks(SimpleNamespace(data=_rows_np(raws, orders), tensor_type=Q.Q8_0)))
+
+
+def _rows_np(raws: list[torch.Tensor], orders: list) -> np.ndarray:
+    return np.concatenate([r.numpy() if o is None else r.numpy()[o.numpy()] for r, o in zip(raws, orders)])
 
 
 def kind_of(type_name: str, shape) -> str | None:
@@ -157,15 +203,16 @@ class GGUFLinear(torch.nn.Module):
     def build(self) -> torch.nn.Module:
         from inferd.quant import gguf_blocks, w4a8
 
+        raws, rows = [p.raw() for p in self.parts], [p.rows for p in self.parts]
         if self.target == "blocks":
-            packed = gguf_blocks.repack(self.type, self.parts)
+            packed = gguf_blocks.repack(self.type, raws, rows)
             return gguf_blocks.BlocksLinear.from_packed(self.type, packed, self.out_features, self.in_features,
                                                         self.bias, self.dtype)
         if self.target == "w4a8":
-            return w4a8.W4A8Linear.from_packed(w4a8.repack4(self.type, self.parts), self.out_features,
+            return w4a8.W4A8Linear.from_packed(repack_w4a8(self.type, raws, rows), self.out_features,
                                                self.in_features, self.bias, self.dtype)
         if self.target == "w8a8":
-            return w4a8.W8A8Linear.from_packed(w4a8.repack8(self.parts), self.out_features, self.in_features,
+            return w4a8.W8A8Linear.from_packed(repack_w8a8(raws, rows), self.out_features, self.in_features,
                                                self.bias, self.dtype)
         raise InferdError(f"unknown GGUF layer target {self.target!r}")
 

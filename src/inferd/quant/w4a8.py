@@ -173,22 +173,13 @@ class W4A8Linear(nn.Module):
             y = y + self.bias
         return y.view(*shape[:-1], self.out_features)
 
-    @classmethod
-    def from_packed(cls, packed: torch.Tensor, N: int, K: int, bias: torch.Tensor | None,
-                    dtype: torch.dtype) -> "W4A8Linear":
-        """The layer over `pack4`'s records (made by `repack4` from a file's blocks)."""
-        self = cls.__new__(cls)
-        nn.Module.__init__(self)
-        self.out_features, self.in_features = N, K
-        self.kernel = load()
-        if self.kernel is None:
-            raise InferdError("W4A8 needs its C++ kernel, which did not build (no compiler?)")
-        self.register_buffer("packed", packed)
-        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
-        self.dtype = dtype
-        return self
-
     w8 = False  # the fused decode step's kind (inferd.model.fused_decode)
+
+    @classmethod
+    def from_packed(cls, packed: torch.Tensor, out_features: int, in_features: int, bias: torch.Tensor | None,
+                    dtype: torch.dtype) -> "W4A8Linear":
+        """A layer from `pack4`'s records (gguf_native.repack_w4a8 makes them from a file's bytes)."""
+        return _from_packed(cls, packed, out_features, in_features, bias, dtype, (640, 768))
 
     def codes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q int32 [N, K], scale, min fp32 [N, K / 32]): what the kernel multiplies by."""
@@ -215,21 +206,13 @@ class W8A8Linear(nn.Module):
         self.register_buffer("packed", pack8(q, block_scales(scale, self.in_features)))
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
 
-    @classmethod
-    def from_packed(cls, packed: torch.Tensor, N: int, K: int, bias: torch.Tensor | None,
-                    dtype: torch.dtype) -> "W8A8Linear":
-        """The layer over `pack8`'s records (made by `repack8` from a file's Q8_0 blocks)."""
-        self = cls.__new__(cls)
-        nn.Module.__init__(self)
-        self.out_features, self.in_features = N, K
-        self.kernel = load()
-        if self.kernel is None:
-            raise InferdError("W8A8 needs the W4A8 C++ kernel, which did not build (no compiler?)")
-        self.register_buffer("packed", packed)
-        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
-        return self
-
     w8 = True
+
+    @classmethod
+    def from_packed(cls, packed: torch.Tensor, out_features: int, in_features: int, bias: torch.Tensor | None,
+                    dtype: torch.dtype) -> "W8A8Linear":
+        """A layer from `pack8`'s records (gguf_native.repack_w8a8 makes them from a file's bytes)."""
+        return _from_packed(cls, packed, out_features, in_features, bias, dtype, (1088, 1152))
 
     def codes(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(q int8 [N, K], scale fp32 [N, K / 32])."""
@@ -250,29 +233,20 @@ class W8A8Linear(nn.Module):
         return y.view(*shape[:-1], self.out_features)
 
 
-def repack4(type_name: str, parts: list) -> torch.Tensor:
-    """`pack4`'s records of Q4_0/Q4_1 plan parts stacked along the rows, from the file's mapped
-    blocks: the native repack where it built, else the codes decoded and packed."""
-    from inferd.quant.gguf_native import int4_blocks
-    from inferd.quant.gguf_rows import ggml_type_id, native_parts
-
-    args = native_parts(parts)
-    if args is not None:
-        return torch.ops.inferd.repack_w4a8(*args, ggml_type_id(type_name))
-    q, s, m = (torch.cat(c) for c in zip(*(int4_blocks(p) for p in parts)))
-    return pack4(q, s, m)
-
-
-def repack8(parts: list) -> torch.Tensor:
-    """`pack8`'s records of Q8_0 plan parts, likewise."""
-    from inferd.quant.gguf_native import q8_blocks
-    from inferd.quant.gguf_rows import native_parts
-
-    args = native_parts(parts)
-    if args is not None:
-        return torch.ops.inferd.repack_w8a8(*args)
-    q, s = (torch.cat(c) for c in zip(*(q8_blocks(p) for p in parts)))
-    return pack8(q, s)
+def _from_packed(cls, packed, N: int, K: int, bias, dtype, cell_bytes: tuple[int, int]):
+    _check_k(K)
+    cells = (N + PAIR - 1) // PAIR * (K // BLOCK)
+    if packed.dtype != torch.uint8 or packed.numel() not in (cells * cell_bytes[0], cells * cell_bytes[1]):
+        raise InferdError(f"{cls.__name__} records do not match a {N} x {K} layer")
+    kernel = load()
+    if kernel is None:
+        raise InferdError(f"{cls.__name__} needs its C++ kernel, which did not build (no compiler?)")
+    m = cls.__new__(cls)
+    nn.Module.__init__(m)
+    m.out_features, m.in_features, m.kernel, m.dtype = N, K, kernel, dtype
+    m.register_buffer("packed", packed.reshape((N + PAIR - 1) // PAIR, -1).contiguous())
+    m.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
+    return m
 
 
 class PackedEmbedding(nn.Module):
