@@ -182,19 +182,29 @@ class RowParallel(nn.Module):
 
 class VocabParallelEmbedding(nn.Module):
     """Rows [start, end) of the embedding; ids outside them give zeros, and the all-reduce fills
-    each row from the one rank that owns it (a sum with zeros: exact)."""
+    each row from the one rank that owns it (a sum with zeros: exact). The rows are a float table's
+    slice, or read from a table kept in the file (quant.gguf_rows.GGUFEmbedding: `table`), which
+    costs a rank no memory at all."""
 
-    def __init__(self, weight: torch.Tensor, start: int, comm, dtype: torch.dtype | None = None):
+    def __init__(self, weight: torch.Tensor | None, start: int, comm, dtype: torch.dtype | None = None,
+                 table: nn.Module | None = None, end: int | None = None):
         super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight = None if weight is None else nn.Parameter(weight, requires_grad=False)
+        self.table = table
         self.start, self.comm = start, comm
-        self.dtype = dtype or weight.dtype  # a 16-bit table (a GGUF's F16 one) widens its rows to this
+        self.n = weight.shape[0] if weight is not None else end - start
+        # a 16-bit table (a GGUF's F16 one) widens its rows to this
+        self.dtype = dtype or (weight.dtype if weight is not None else table.dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.start
-        n = self.weight.shape[0]
+        n = self.n
         own = (local >= 0) & (local < n)
-        x = F.embedding(local.clamp(0, max(n - 1, 0)), self.weight).to(self.dtype)
+        local = local.clamp(0, max(n - 1, 0))
+        if self.table is not None:
+            x = self.table(local + self.start).to(self.dtype)
+        else:
+            x = F.embedding(local, self.weight).to(self.dtype)
         x = x.masked_fill(~own.unsqueeze(-1), 0).contiguous()
         self.comm.all_reduce_(x)
         return x
@@ -234,13 +244,13 @@ def apply_tp(model: nn.Module, shard: Shard, comm) -> nn.Module:
     v0, v1 = shard.vocab
     tied = model.lm_head.weight is getattr(model.embed_tokens, "weight", None) if hasattr(model.lm_head, "weight") else False
     emb = model.embed_tokens
-    if hasattr(emb, "dense_rows"):  # a table kept in the file's type (quant.gguf_rows.GGUFEmbedding)
-        table = emb.dense_rows(v0, v1)
+    if getattr(emb, "in_place", False):  # a table kept in the file's type, read in place (quant.gguf_rows)
+        model.embed_tokens = VocabParallelEmbedding(None, v0, comm, emb.dtype, table=emb, end=v1)
     elif isinstance(emb, nn.Embedding) or getattr(emb, "float16_weights", False):
-        table = emb.weight[v0:v1].contiguous()
+        model.embed_tokens = VocabParallelEmbedding(emb.weight[v0:v1].contiguous(), v0, comm,
+                                                    getattr(emb, "dtype", None))
     else:
         raise InferdError(f"tensor parallelism needs a float embedding table, not {type(emb).__name__}")
-    model.embed_tokens = VocabParallelEmbedding(table, v0, comm, getattr(emb, "dtype", None))
     if tied:
         head = copy.copy(model.lm_head)
         head._parameters, head._buffers = dict(model.lm_head._parameters), dict(model.lm_head._buffers)

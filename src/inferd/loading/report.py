@@ -41,14 +41,15 @@ class LoadReport:
         """A projection the gguf method could not serve from its blocks: one log line a type."""
         from inferd.model.planned import role
 
-        if role(name) not in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"):
+        # the output layer stays dense only where no --quantize-lm-head asked for it: a choice, not a fallback
+        if role(name) not in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
             return
         kinds = sorted({p.type for p in lin.parts})
         key = "+".join(kinds)
         size = lin.dense_bytes(self.dtype)
         self.dense_fallback_bytes += size
         if key not in self.dense_fallback:
-            log.warning("gguf: %s layers have no kernel for their type (first: %s): served dense, %.1f MiB each "
+            log.warning("gguf: %s layers have no kernel for their type (first: %s): served dense, %.2f MiB each "
                         "(counted in /v1/engine/state and inferd:dense_fallback_layers)", key, name, size / 2**20)
         self.dense_fallback[key] = self.dense_fallback.get(key, 0) + 1
 

@@ -24,6 +24,8 @@ class GGUFEmbedding(nn.Module):
     dequantizes just the rows it asks for. An 8B model's Q4_K table is 0.3 GB of the file instead of
     2.1 GB of float32, and only the rows ever looked up are read."""
 
+    in_place = True  # read by name where quant is not imported (tensor parallelism's vocabulary split)
+
     def __init__(self, part, dtype: torch.dtype):
         super().__init__()
         self.part = part  # inferd.loading.plan.GGUFPart (not a tensor: nothing to move or save)
@@ -45,10 +47,6 @@ class GGUFEmbedding(nn.Module):
         rows = k.dequant_rows(self._raw, flat, self._type) if k is not None else \
             repack.dequantize_rows(self._raw, flat, self._type)
         return rows.to(self.dtype).view(*ids.shape, self.embedding_dim)
-
-    def dense_rows(self, a: int, b: int) -> torch.Tensor:
-        """Rows [a, b) as a float table (tensor parallelism's vocabulary slice)."""
-        return repack.dequantize_rows(self._raw, torch.arange(a, b), self._type).to(self.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.type}, {self.num_embeddings} x {self.embedding_dim}, mapped"
