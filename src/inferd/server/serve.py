@@ -79,6 +79,10 @@ def serve(args) -> int:
 
     if parse_kv_events_config(specs[0].config.kv_events_config) is not None and not single:
         raise InferdError("--kv-events-config publishes one model's blocks: start one server per model")
+    if any(s.config.distributed_executor_backend == "ray" and s.config.tensor_parallel_size > 1 for s in specs):
+        from inferd.distributed.ray_address import check_address
+
+        check_address()  # an unreachable RAY_ADDRESS fails here, before an engine process starts
     if dp > 1 and args.engine_in_process:
         raise InferdError("--data-parallel-size > 1 runs each engine in its own process: drop --engine-in-process")
     if not single and args.engine_in_process:
