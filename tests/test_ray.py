@@ -255,16 +255,18 @@ class ServeApp:
                 p.kill()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def one_node(ray_tmp):
     """A one-node Ray cluster on loopback with two CPUs (room for two engine replicas), its files in
-    RAY_TMPDIR/1n/ray; `env` joins it by RAY_ADDRESS, `file` is the ray_current_cluster it wrote."""
+    a folder of RAY_TMPDIR; `env` joins it by RAY_ADDRESS, `file` is the ray_current_cluster it wrote.
+    A test's own: what a test left running on it (a Serve application) must not slow the next."""
     from conftest import free_port
 
     port = free_port()
-    temp_dir = os.path.join(ray_tmp, "1n", "ray")
+    temp_dir = os.path.join(ray_tmp, f"1n{port}", "ray")  # short: Ray's unix sockets live under it
     env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=os.urandom(16).hex(), RAY_ADDRESS=f"127.0.0.1:{port}")
-    log = os.path.join(ray_tmp, "1n.log")
+    os.makedirs(temp_dir)
+    log = os.path.join(os.path.dirname(temp_dir), "start.log")
     proc = subprocess.Popen([RAY, "start", "--head", "--block", "--temp-dir", temp_dir, "--node-ip-address", "127.0.0.1",
                              "--port", str(port), "--num-cpus", "2", "--object-store-memory", str(80 << 20),
                              "--include-dashboard=false", "--disable-usage-stats"],
@@ -550,7 +552,8 @@ CLIENT = textwrap.dedent('''
 
 def test_tensor_parallel_ranks_on_two_ray_nodes(two_nodes, default_gguf_path, tmp_path):
     """`inferd serve -tp 2 --distributed-executor-backend ray` on a two-node cluster (one CPU each):
-    1. Ray's placement group put rank 0 on the head and rank 1 on the worker node;
+    1. the server joined RAY_ADDRESS (its one line says so), and Ray's placement group put rank 0 on
+       the head and rank 1 on the worker node;
     2. the greedy texts are TP=1's (near-tie rule), and the all-reduces crossed the veth (bytes
        counted on it, at least 61 all-reduces of one row a token);
     3. the worker node's raylet killed under a stream: the stream ends with an error event naming
@@ -579,6 +582,7 @@ def test_tensor_parallel_ranks_on_two_ray_nodes(two_nodes, default_gguf_path, tm
     assert res["placed"] == [[hosts.ip_a, hosts.ip_b]], res["placed"]
     log = log_path.read_text()
     assert "tensor parallel: 2 ranks over gloo on 2 node(s), ray executor" in log
+    assert f"Ray: joined RAY_ADDRESS={hosts.address}\n" in log
     assert compare_texts(dict(enumerate(res["texts"])), ref, tok) <= 1
     tokens = 16 * len(PROMPTS)
     assert res["moved"] > tokens * 61 * 576 * 4, res["moved"]  # each decode token: >= 61 all-reduces of a row
