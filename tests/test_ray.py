@@ -69,6 +69,9 @@ def ray_tmp():
             mp.setenv("RAY_AUTH_MODE", "token")
             mp.setenv("RAY_AUTH_TOKEN", os.urandom(16).hex())
             mp.delenv("RAY_ADDRESS", raising=False)
+            # Ray's memory monitor kills workers when the whole machine's memory is 95% used: on a
+            # shared machine that is other people's memory, and a rank killed so fails these tests
+            mp.setenv("RAY_memory_monitor_refresh_ms", "0")
             yield base
     finally:
         shutil.rmtree(base, ignore_errors=True)
@@ -90,18 +93,19 @@ def session_pids(leader: int) -> list[int]:
 
 
 def kill_session(proc: subprocess.Popen, grace: float = 60):
-    """SIGTERM the session leader `proc` (Ray's `--block` start and the server stop what they
-    started), then SIGKILL whatever of its session is left: only this test's processes, never
-    every Ray process on the machine as `ray stop` would."""
-    if proc.poll() is None:
+    """SIGTERM the session leader `proc` (the server stops what it started) and wait up to `grace`
+    seconds (0: no SIGTERM), then SIGKILL whatever of its session is left: only this test's
+    processes, never every Ray process on the machine as `ray stop` would."""
+    if grace and proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(grace)
         except subprocess.TimeoutExpired:
             pass
-    for pid in session_pids(proc.pid):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    for _ in range(3):  # again, for what a dying daemon started meanwhile
+        for pid in session_pids(proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
     if proc.poll() is None:
         proc.wait(10)
 
@@ -279,7 +283,9 @@ def one_node(ray_tmp):
             time.sleep(0.2)
         yield {"env": env, "file": file}
     finally:
-        kill_session(proc)
+        # the whole cluster is this session: SIGKILL at once, as `ray stop --force` would (a
+        # graceful stop under a Serve application takes half a minute)
+        kill_session(proc, grace=0)
 
 
 # -- which cluster the Ray executor joins ------------------------------------------------------------
