@@ -150,6 +150,7 @@ def two_nodes(tmp_path_factory, ray_tmp):
         ray_node(hosts, hosts.a, hosts.ip_a, None, log, hosts.env, temp_dir)
         ray_node(hosts, hosts.b, hosts.ip_b, hosts.env["RAY_ADDRESS"], log, hosts.env, temp_dir)
         hosts.address = hosts.env["RAY_ADDRESS"]
+        hosts.cluster_file = os.path.join(temp_dir, "ray_current_cluster")
         yield hosts
     finally:  # every process of the cluster lives in one of the two namespaces: no `ray stop` (seconds) needed
         for ns in (hosts.b, hosts.a):
@@ -157,6 +158,103 @@ def two_nodes(tmp_path_factory, ray_tmp):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(int(pid), 9)
         hosts.close()
+
+
+# -- which cluster the Ray executor joins ------------------------------------------------------------
+
+JOIN = textwrap.dedent('''
+    import logging, ray
+    from inferd.distributed.ray_executor import join_cluster
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    join_cluster()
+    print("GCS", ray.get_runtime_context().gcs_address, flush=True)
+''')
+
+
+def test_an_unreachable_ray_address_is_one_line_at_once(monkeypatch):
+    """RAY_ADDRESS where nothing listens, or where something that is not a Ray GCS does (an HTTP
+    server): an InferdError naming the address, before Ray is asked (whose client would retry for
+    about two minutes); `inferd serve -tp 2 --distributed-executor-backend ray` exits 2 with that
+    one line, before it starts an engine."""
+    import http.server
+    import threading
+
+    from conftest import free_port
+    from inferd.distributed.ray_executor import join_cluster
+    from inferd.errors import InferdError
+
+    dead = f"127.0.0.1:{free_port()}"
+    monkeypatch.setenv("RAY_ADDRESS", dead)
+    with pytest.raises(InferdError, match=f"cannot join the Ray cluster at RAY_ADDRESS={dead}: Connection refused"):
+        join_cluster()
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{web.server_port}")
+        with pytest.raises(InferdError, match="answered, but not as gRPC: not a Ray GCS port"):
+            join_cluster()
+    finally:
+        web.shutdown()
+        web.server_close()
+    assert not ray.is_initialized()
+    # the guard is Ray's retries (about 120 s); the 10 s bound is test_..._within_10_s (integration)
+    out = subprocess.run([sys.executable, "-m", "inferd", "serve", "-tp", "2", "--distributed-executor-backend", "ray",
+                          "--kv-cache-memory", SMALL_KV, "--port", str(free_port())],
+                         capture_output=True, text=True, timeout=60, env=dict(os.environ, RAY_ADDRESS=dead))
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        f"inferd: error: cannot join the Ray cluster at RAY_ADDRESS={dead}: Connection refused"], out.stderr
+
+
+@pytest.mark.integration
+def test_an_unreachable_ray_address_fails_within_10_s():
+    from conftest import free_port
+
+    dead = f"127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "inferd", "serve", "-tp", "2", "--distributed-executor-backend", "ray",
+                          "--port", str(free_port())], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, RAY_ADDRESS=dead))
+    assert out.returncode == 2 and time.monotonic() - t0 < 10, out.stderr
+
+
+def test_a_stale_cluster_file_gets_one_line_and_a_local_cluster(ray_tmp, tmp_path):
+    """ray_current_cluster names a loopback port where nothing listens (a cluster that is gone), no
+    RAY_ADDRESS: `inferd serve -tp 2 --distributed-executor-backend ray` says in one line that the
+    file is stale, starts a local cluster (its session under RAY_TMPDIR), places both ranks on it
+    and answers; at SIGTERM the server takes its cluster down with it (no process of it left)."""
+    import httpx
+
+    from conftest import free_port, wait_healthy
+
+    tmpdir = os.path.join(ray_tmp, "stale")
+    file = os.path.join(tmpdir, "ray", "ray_current_cluster")
+    os.makedirs(os.path.dirname(file))
+    dead = f"127.0.0.1:{free_port()}"
+    with open(file, "w") as f:
+        f.write(dead)
+    port, log = free_port(), tmp_path / "serve.log"
+    srv = subprocess.Popen([sys.executable, "-m", "inferd", "serve", "-tp", "2", "--distributed-executor-backend", "ray",
+                            "--kv-cache-memory", SMALL_KV, "--port", str(port)],
+                           stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=dict(os.environ, RAY_TMPDIR=tmpdir),
+                           start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(base, srv, 300, "inferd serve on a local Ray cluster", lambda: log.read_text()[-3000:])
+        r = httpx.post(base + "/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 8,
+                                                       "temperature": 0}, timeout=120)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"], r.text
+        srv.send_signal(signal.SIGTERM)
+        assert srv.wait(60) == 0
+        wait_until(lambda: not session_pids(srv.pid), 30, "the local cluster to go with the server")
+    finally:
+        kill_session(srv)
+    said = [line.split(": ", 1)[1] for line in log.read_text().splitlines() if ": Ray: " in line]
+    assert len(said) == 2, said
+    assert said[0] == (f"Ray: {file} is stale: the cluster it names at {dead} does not answer (Connection refused); "
+                       "starting a local cluster")
+    assert said[1].startswith("Ray: started a local cluster (")
+    assert "tensor parallel: 2 ranks over shm on 1 node(s), ray executor" in log.read_text()
+    assert [n for n in os.listdir(os.path.dirname(file)) if n.startswith("session_2")]  # Ray kept its files here
 
 
 # -- the Ray Serve application ----------------------------------------------------------------------
@@ -262,8 +360,7 @@ class ServeApp:
 @pytest.fixture
 def one_node(ray_tmp):
     """A one-node Ray cluster on loopback with two CPUs (room for two engine replicas), its files in
-    a folder of RAY_TMPDIR; `env` joins it by RAY_ADDRESS, `file` is the ray_current_cluster it wrote.
-    A test's own: what a test left running on it (a Serve application) must not slow the next."""
+    a folder of RAY_TMPDIR; yields the environment that joins it (RAY_ADDRESS, its token)."""
     from conftest import free_port
 
     port = free_port()
@@ -281,122 +378,11 @@ def one_node(ray_tmp):
         while not os.path.exists(file):  # written once the node is up
             assert proc.poll() is None and time.monotonic() < deadline, open(log).read()[-2000:]
             time.sleep(0.2)
-        yield {"env": env, "file": file}
+        yield env
     finally:
         # the whole cluster is this session: SIGKILL at once, as `ray stop --force` would (a
         # graceful stop under a Serve application takes half a minute)
         kill_session(proc, grace=0)
-
-
-# -- which cluster the Ray executor joins ------------------------------------------------------------
-
-JOIN = textwrap.dedent('''
-    import logging, ray
-    from inferd.distributed.ray_executor import join_cluster
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
-    join_cluster()
-    print("GCS", ray.get_runtime_context().gcs_address, flush=True)
-''')
-
-
-def test_the_cluster_ray_start_left_here_is_joined_from_its_file(one_node):
-    """No RAY_ADDRESS: the executor reads ray_current_cluster in Ray's temp dir (RAY_TMPDIR here),
-    finds its cluster answering, joins it, and says so in one line naming the file."""
-    env = {k: v for k, v in one_node["env"].items() if k != "RAY_ADDRESS"}
-    env["RAY_TMPDIR"] = os.path.dirname(os.path.dirname(one_node["file"]))
-    out = subprocess.run([sys.executable, "-c", JOIN], capture_output=True, text=True, timeout=120, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    with open(one_node["file"]) as f:
-        recorded = f.read().strip()
-    assert f"GCS {recorded}" in out.stdout
-    said = [line for line in out.stderr.splitlines() if line.startswith(("INFO Ray: ", "WARNING Ray: "))]
-    assert said == [f"INFO Ray: joined the running cluster at {recorded} (from {one_node['file']})"], out.stderr
-
-
-def test_an_unreachable_ray_address_is_one_line_at_once(monkeypatch):
-    """RAY_ADDRESS where nothing listens, or where something that is not a Ray GCS does (an HTTP
-    server): an InferdError naming the address, before Ray is asked (whose client would retry for
-    about two minutes); `inferd serve -tp 2 --distributed-executor-backend ray` exits 2 with that
-    one line, before it starts an engine."""
-    import http.server
-    import threading
-
-    from conftest import free_port
-    from inferd.distributed.ray_executor import join_cluster
-    from inferd.errors import InferdError
-
-    dead = f"127.0.0.1:{free_port()}"
-    monkeypatch.setenv("RAY_ADDRESS", dead)
-    with pytest.raises(InferdError, match=f"cannot join the Ray cluster at RAY_ADDRESS={dead}: Connection refused"):
-        join_cluster()
-    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
-    threading.Thread(target=web.serve_forever, daemon=True).start()
-    try:
-        monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{web.server_port}")
-        with pytest.raises(InferdError, match="answered, but not as gRPC: not a Ray GCS port"):
-            join_cluster()
-    finally:
-        web.shutdown()
-        web.server_close()
-    assert not ray.is_initialized()
-    # the guard is Ray's retries (about 120 s); the 10 s bound is test_..._within_10_s (integration)
-    out = subprocess.run([sys.executable, "-m", "inferd", "serve", "-tp", "2", "--distributed-executor-backend", "ray",
-                          "--kv-cache-memory", SMALL_KV, "--port", str(free_port())],
-                         capture_output=True, text=True, timeout=60, env=dict(os.environ, RAY_ADDRESS=dead))
-    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
-        f"inferd: error: cannot join the Ray cluster at RAY_ADDRESS={dead}: Connection refused"], out.stderr
-
-
-@pytest.mark.integration
-def test_an_unreachable_ray_address_fails_within_10_s():
-    from conftest import free_port
-
-    dead = f"127.0.0.1:{free_port()}"
-    t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "inferd", "serve", "-tp", "2", "--distributed-executor-backend", "ray",
-                          "--port", str(free_port())], capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, RAY_ADDRESS=dead))
-    assert out.returncode == 2 and time.monotonic() - t0 < 10, out.stderr
-
-
-def test_a_stale_cluster_file_gets_one_line_and_a_local_cluster(ray_tmp, tmp_path):
-    """ray_current_cluster names a loopback port where nothing listens (a cluster that is gone), no
-    RAY_ADDRESS: `inferd serve -tp 2 --distributed-executor-backend ray` says in one line that the
-    file is stale, starts a local cluster (its session under RAY_TMPDIR), places both ranks on it
-    and answers; at SIGTERM the server takes its cluster down with it (no process of it left)."""
-    import httpx
-
-    from conftest import free_port, wait_healthy
-
-    tmpdir = os.path.join(ray_tmp, "stale")
-    file = os.path.join(tmpdir, "ray", "ray_current_cluster")
-    os.makedirs(os.path.dirname(file))
-    dead = f"127.0.0.1:{free_port()}"
-    with open(file, "w") as f:
-        f.write(dead)
-    port, log = free_port(), tmp_path / "serve.log"
-    srv = subprocess.Popen([sys.executable, "-m", "inferd", "serve", "-tp", "2", "--distributed-executor-backend", "ray",
-                            "--kv-cache-memory", SMALL_KV, "--port", str(port)],
-                           stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=dict(os.environ, RAY_TMPDIR=tmpdir),
-                           start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(base, srv, 300, "inferd serve on a local Ray cluster", lambda: log.read_text()[-3000:])
-        r = httpx.post(base + "/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 8,
-                                                       "temperature": 0}, timeout=120)
-        assert r.status_code == 200 and r.json()["choices"][0]["text"], r.text
-        srv.send_signal(signal.SIGTERM)
-        assert srv.wait(60) == 0
-        wait_until(lambda: not session_pids(srv.pid), 30, "the local cluster to go with the server")
-    finally:
-        kill_session(srv)
-    said = [line.split(": ", 1)[1] for line in log.read_text().splitlines() if ": Ray: " in line]
-    assert len(said) == 2, said
-    assert said[0] == (f"Ray: {file} is stale: the cluster it names at {dead} does not answer (Connection refused); "
-                       "starting a local cluster")
-    assert said[1].startswith("Ray: started a local cluster (")
-    assert "tensor parallel: 2 ranks over shm on 1 node(s), ray executor" in log.read_text()
-    assert [n for n in os.listdir(os.path.dirname(file)) if n.startswith("session_2")]  # Ray kept its files here
 
 
 def test_serve_app_autoscales_answers_the_openai_client_and_replaces_a_killed_replica(one_node, tmp_path):
@@ -420,7 +406,7 @@ def test_serve_app_autoscales_answers_the_openai_client_and_replaces_a_killed_re
                     "autoscaling_config": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2,
                                            "upscale_delay_s": 0.5, "downscale_delay_s": 3, "metrics_interval_s": 0.5,
                                            "look_back_period_s": 1}},
-                   tmp_path, one_node["env"]["RAY_ADDRESS"], one_node["env"], port=port)
+                   tmp_path, one_node["RAY_ADDRESS"], one_node, port=port)
     try:
         app.wait(lambda: app.running() == 1 and app.running("InferdIngress") == 1, 120, "the application")
         client = openai.OpenAI(base_url=app.base + "/v1", api_key="none", max_retries=0, timeout=60)
@@ -479,6 +465,23 @@ PD_CLIENT = textwrap.dedent('''
         out.append([r.choices[0].text, r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens])
     print(json.dumps({"out": out, "ingress": httpx.get(base + "/v1/ray/replica_failures").json()}), flush=True)
 ''')
+
+
+def test_the_cluster_ray_start_left_here_is_joined_from_its_file(two_nodes):
+    """On the head's host, no RAY_ADDRESS: the executor reads the ray_current_cluster `ray start`
+    wrote in Ray's temp dir (RAY_TMPDIR here), finds its cluster answering, joins it, and says so
+    in one line naming the file (the two-node cluster's head wrote it)."""
+    hosts = two_nodes
+    env = {k: v for k, v in hosts.env.items() if k != "RAY_ADDRESS"}
+    env["RAY_TMPDIR"] = os.path.dirname(os.path.dirname(hosts.cluster_file))
+    out = subprocess.run(["ip", "netns", "exec", hosts.a, sys.executable, "-c", JOIN], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    with open(hosts.cluster_file) as f:
+        recorded = f.read().strip()
+    assert recorded == hosts.address and f"GCS {recorded}" in out.stdout
+    said = [line for line in out.stderr.splitlines() if line.startswith(("INFO Ray: ", "WARNING Ray: "))]
+    assert said == [f"INFO Ray: joined the running cluster at {recorded} (from {hosts.cluster_file})"], out.stderr
 
 
 def test_disaggregated_prefill_and_decode_deployments_on_two_nodes(two_nodes, default_gguf_path, tmp_path):
