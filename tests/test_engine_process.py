@@ -4,7 +4,8 @@ The whole server suite (tests/test_server.py) runs against this mode; here: the 
 separate (its own pid, and the API process never loads the weights), a client disconnect crosses
 the boundary and frees the request's KV blocks, and an engine that dies mid-stream is a fault the
 server reports and exits on -- /health 503, the open stream ends with an error event, new requests
-get a 503 error body, the server exits non-zero within a bounded time."""
+get a 503 error body, the server exits non-zero within a bounded time. The two unix sockets between
+the processes live in a private directory that no kind of exit leaves behind."""
 import json
 import os
 import re

@@ -1,7 +1,8 @@
 """Hostile and faulty conditions: schemathesis over the OpenAPI document, request limits (413, 431, 408, counts), numbers past 64 bits and
-non-finite floats, unsupported output constraints, OpenAI error shapes everywhere, the constant-time
-key check, a stalled reader, faults injected into engine steps, the UTF-8 cut at max_tokens, and
-SIGTERM draining open streams."""
+non-finite floats, malformed prompts, messages, roles and content parts (the wording and param of
+each), unsupported output constraints, OpenAI error shapes everywhere, the constant-time key check,
+a stalled reader, faults injected into engine steps, the UTF-8 cut at max_tokens, and SIGTERM
+draining open streams (leaving no engine socket behind)."""
 import asyncio
 import contextlib
 import json

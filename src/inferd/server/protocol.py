@@ -412,7 +412,7 @@ class ContentPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
-    role: Literal["system", "user", "assistant", "tool", "developer"]
+    role: Literal["system", "user", "assistant", "tool", "developer"]  # ROLES, published in the schema
     content: Union[str, Annotated[list[ContentPart], Field(min_length=1)], None] = None
     tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS)  # an assistant's earlier calls
     tool_call_id: str | None = Field(None, max_length=256)  # a tool message: the call it answers
