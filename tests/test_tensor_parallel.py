@@ -221,8 +221,12 @@ def test_three_ranks_over_gloo_with_chunked_prefill_prefix_caching_and_preemptio
         assert eng.stats.preemptions > 0 and eng.block_manager.hits > 0 and eng.stats.max_prefill_chunks > 1
         assert eng.runner.comm.counts["all_reduce"] == 5 * eng.stats.steps  # 2 layers: 2 x 2 + the embedding
         assert_no_leaks(eng)
+        # the rendezvous file's directory: private to this process, and gone with the group
+        store_dir = eng.tp._dir
+        assert os.path.basename(store_dir).startswith(f"inferd-tp-{os.getpid()}-") and os.path.isdir(store_dir)
     finally:
         eng.close()
+    assert not os.path.exists(store_dir)
 
 
 def step_after_killing_rank_1(tmp_path) -> tuple[pytest.ExceptionInfo, float]:

@@ -1,6 +1,7 @@
 """`inferd serve`: load the model, start the engine thread, run uvicorn."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -21,9 +22,40 @@ def _exit_soon(reason: str):
     import threading
 
     log.error("engine process failed (%s): exiting with %d in %.0f s", reason, FAULT_EXIT_CODE, FAULT_GRACE_S)
-    t = threading.Timer(FAULT_GRACE_S, lambda: os._exit(FAULT_EXIT_CODE))
+    t = threading.Timer(FAULT_GRACE_S, _fault_exit)
     t.daemon = True
     t.start()
+
+
+def _fault_exit():
+    """os._exit skips atexit: the engines' socket directories are removed first."""
+    from inferd.distributed import tmpdirs
+
+    tmpdirs.remove_all()
+    os._exit(FAULT_EXIT_CODE)
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds():
+    """While models load (before uvicorn takes the signals over), SIGTERM unwinds like Ctrl-C does,
+    through the engine client's cleanup (its core process, its socket directory), instead of
+    Python's default of dying on the spot; the exit code stays a SIGTERM's, 143."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(sig, _frame):
+        log.info("signal %d while loading: stopping", sig)
+        raise SystemExit(128 + sig)
+
+    before = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def _exit_when_drained(llm, timeout: float):
@@ -37,7 +69,7 @@ def _exit_when_drained(llm, timeout: float):
         while llm.open_requests() and time.monotonic() < deadline:
             time.sleep(0.1)
         time.sleep(FAULT_GRACE_S)  # the last responses leave the socket
-        os._exit(FAULT_EXIT_CODE)
+        _fault_exit()
 
     log.error("an engine process failed (%s): no new requests; exiting with %d once the other engines' "
               "open requests finish (at most %.0f s)", llm.dead, FAULT_EXIT_CODE, timeout)
@@ -138,15 +170,20 @@ def serve(args) -> int:
 
     models = Models(specs, start, served, max_loaded=args.max_loaded_models or 0,
                     memory_budget=parse_budget(args.models_memory_budget), on_change=on_change)
-    if single:  # loaded before the server listens, as before: a model that cannot load fails the command
-        models.load_now(models.default)
-    else:
-        for e in models.entries:
-            if e.spec.preload:
-                try:
-                    models.load_now(e)
-                except InferdError as err:
-                    log.error("model %s failed to load at start: %s (it stays unloaded)", e.name, err)
+    try:
+        with _sigterm_unwinds():
+            if single:  # loaded before the server listens, as before: a model that cannot load fails the command
+                models.load_now(models.default)
+            else:
+                for e in models.entries:
+                    if e.spec.preload:
+                        try:
+                            models.load_now(e)
+                        except InferdError as err:
+                            log.error("model %s failed to load at start: %s (it stays unloaded)", e.name, err)
+    except BaseException:  # the models loaded before the failure or the signal stop with it
+        models.shutdown()
+        raise
     speculative = any(s.config.speculative_method for s in specs)
     metrics = Metrics(specs[0].name, speculative=speculative, engines=dp, kv_transfer=kv_cfg is not None,
                       kv_tier=any(s.config.kv_tier is not None for s in specs),
