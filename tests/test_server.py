@@ -104,7 +104,7 @@ def client(srv, key: str = "x") -> openai.OpenAI:
 # -- the offline engine and its reference outputs ------------------------------------------------
 @pytest.fixture(scope="module")
 def llm(server_proc):  # depends on server_proc so the server loads while this does
-    return LLM(model=MODEL, dtype="float32", kv_cache_memory="256MiB")
+    return LLM(model=MODEL, quantization="none", dtype="float32", kv_cache_memory="256MiB")
 
 
 @pytest.fixture(scope="module")
