@@ -15,18 +15,17 @@ from inferd.errors import InferdError
 from inferd.loading.peft import base_config, misfit, read_adapter_config, tensor_shapes, weights_file
 
 
-def assign_adapters(adapters: list[tuple[str, str]], models: list[tuple[str, set[str], str | None]]
+def assign_adapters(adapters: list[tuple[str, str]], models: list[tuple[str, set[str], str | None, str]]
                     ) -> dict[str, list[str]]:
-    """adapters: (name, path); models: (name, aliases, the --model it was given). -> model name ->
-    its adapters as `name=path` entries (lora_modules)."""
-    configs = {name: base_config(model) for name, _, model in models}
-    out: dict[str, list[str]] = {name: [] for name, _, _ in models}
+    """adapters: (name, path); models: (name, aliases, the --model it was given, its load format). ->
+    model name -> its adapters as `name=path` entries (lora_modules)."""
+    configs = {name: base_config(model, fmt) for name, _, model, fmt in models}
+    out: dict[str, list[str]] = {m[0]: [] for m in models}
     for ad_name, path in adapters:
         where = f"LoRA adapter {ad_name!r} ({path})"
         conf = read_adapter_config(where, path)
         shapes = tensor_shapes(weights_file(where, path))
-        why = {name: misfit(name, shapes, cfg) if cfg is not None else f"{name}: random weights, no shapes to match"
-               for name, cfg in configs.items()}
+        why = {name: misfit(name, shapes, cfg) for name, cfg in configs.items()}
         fits = [name for name, w in why.items() if w is None]
         if not fits:
             raise InferdError(f"--lora-modules: {where} fits none of the served models ({'; '.join(why.values())})")
@@ -43,12 +42,12 @@ def assign_adapters(adapters: list[tuple[str, str]], models: list[tuple[str, set
     return out
 
 
-def _names_base(model: tuple[str, set[str], str | None], declared) -> bool:
+def _names_base(model: tuple[str, set[str], str | None, str], declared) -> bool:
     """Whether an adapter's declared base is this served model: its name, an alias, the path it was
     given, or that path's last part (a hub id's last part names the same folder downloaded)."""
     if not isinstance(declared, str) or not declared:
         return False
-    name, aliases, path = model
+    name, aliases, path, _ = model
     mine = {name, *aliases}
     if path:
         mine |= {path, os.path.basename(os.path.normpath(path))}

@@ -137,8 +137,8 @@ class LLM:
 
 
 def is_batch(prompts) -> bool:
-    """A list of prompts, not one prompt (text, token ids or a dict)."""
-    return isinstance(prompts, (list, tuple)) and bool(prompts) and not isinstance(prompts[0], int)
+    """A list of prompts (an empty one too), not one prompt (text, token ids or a dict)."""
+    return isinstance(prompts, (list, tuple)) and not (prompts and isinstance(prompts[0], int))
 
 
 def prompt_of(p) -> str | list[int]:

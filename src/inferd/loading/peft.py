@@ -15,7 +15,7 @@ import struct
 from inferd.errors import InferdError
 from inferd.loading.checks import check_safetensors, read_config_json
 from inferd.loading.source import resolve_model
-from inferd.model.config import ModelConfig, config_from_hf
+from inferd.model.config import ModelConfig, builtin_config, config_from_hf
 
 ADAPTER_KEY = re.compile(
     r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
@@ -101,13 +101,13 @@ def misfit(where: str, shapes: dict[str, list[int]], cfg: ModelConfig) -> str | 
     return None
 
 
-def base_config(model: str | None) -> ModelConfig | None:
-    """A served model's shapes from its files' headers; None for one without files (dummy weights)."""
-    src = resolve_model(model)
+def base_config(model: str | None, load_format: str = "auto") -> ModelConfig | None:
+    """A served model's shapes from its files' headers (a built-in config's, for dummy weights)."""
+    src = resolve_model(model, load_format)
+    if src.kind == "builtin":
+        return builtin_config(src.name)
     if src.kind == "hf":
         return config_from_hf(read_config_json(os.path.join(src.path, "config.json")))
-    if src.kind != "gguf":
-        return None
     from inferd.gguf_file import read_gguf_metadata
 
     meta = read_gguf_metadata(src.path)

@@ -241,7 +241,7 @@ def attach_flag_adapters(specs: list, flags: list) -> None:
     from inferd.config import lora_module
     from inferd.engine.adapters import assign_adapters
 
-    placed = assign_adapters([lora_module(f) for f in flags], [(s.name, s.aliases, s.config.model) for s in specs])
+    placed = assign_adapters([lora_module(f) for f in flags], [(s.name, s.aliases, s.config.model, s.config.load_format) for s in specs])
     for s in specs:
         if placed[s.name]:
             s.config.lora_modules = [*(s.config.lora_modules or []), *placed[s.name]]
