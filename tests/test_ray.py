@@ -492,7 +492,7 @@ def test_disaggregated_prefill_and_decode_deployments_on_two_nodes(two_nodes, de
     from inferd.engine.engine import LLMEngine
 
     hosts = two_nodes
-    eng = LLMEngine(model=default_gguf_path, dtype="float32", kv_cache_memory=SMALL_KV, threads=1)
+    eng = LLMEngine(model=default_gguf_path, quantization="none", dtype="float32", kv_cache_memory=SMALL_KV, threads=1)
     tok = eng.tokenizer
     ref = run_recording(eng, [(tok.encode(p), 12) for p in PROMPTS])
     eng.close()
@@ -570,7 +570,7 @@ def test_tensor_parallel_ranks_on_two_ray_nodes(two_nodes, default_gguf_path, tm
     from inferd.engine.engine import LLMEngine
 
     hosts = two_nodes
-    eng = LLMEngine(model=default_gguf_path, dtype="float32", kv_cache_memory=SMALL_KV, threads=1)
+    eng = LLMEngine(model=default_gguf_path, quantization="none", dtype="float32", kv_cache_memory=SMALL_KV, threads=1)
     ref = [(ids[:16], logits[:16]) for ids, logits in run_recording(eng, [(eng.tokenizer.encode(p), 16) for p in PROMPTS])]
     tok = eng.tokenizer
     eng.close()
