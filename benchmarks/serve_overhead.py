@@ -46,7 +46,7 @@ from serving import free_port, inferd_env, inferd_serve_cmd, run_bench, server  
 IN_LEN, OUT_LEN = 128, 128
 SERVER_TEMPERATURE = 1.0  # the server's default (OpenAI's)
 # label -> `inferd serve` flags; the offline engine loads the model with the same options (load_options)
-CONFIGS = {"dense (auto dtype)": [], "gguf": ["--quantization", "gguf"],
+CONFIGS = {"dense (auto dtype)": ["--quantization", "none"], "gguf": ["--quantization", "gguf"],
            # the recommended CPU configuration: the file's 4-bit blocks, int8 activations, fused decode
            "gguf W4A8 +lm_head": ["--quantization", "gguf", "--quantize-lm-head", "--quantize-activations"]}
 CONFIG_KEYS = {"dense": "dense (auto dtype)", "gguf": "gguf", "w4a8": "gguf W4A8 +lm_head"}
@@ -56,7 +56,7 @@ def load_options(flags: list[str]) -> dict:
     """The load_model options of `inferd serve` flags, so that offline and served load the same
     model; a flag the offline side cannot mirror is refused rather than silently dropped."""
     ap = argparse.ArgumentParser(prog="serve flags", add_help=False, exit_on_error=False)
-    ap.add_argument("--quantization", default="none")
+    ap.add_argument("--quantization", default="auto")  # `inferd serve`'s
     ap.add_argument("--quant-group-size", type=int, default=32)
     ap.add_argument("--quantize-lm-head", action="store_true")
     ap.add_argument("--quantize-activations", action="store_true")

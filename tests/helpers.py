@@ -283,6 +283,15 @@ def wait_until(predicate, timeout: float = 20, what: str = "condition"):
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
+def engine_socket_dirs(pid: int, where: str | None = None) -> list[str]:
+    """The directories holding the engine sockets of server process `pid` under `where` (the
+    temporary directory): inferd-core-PID-... (inferd.distributed.tmpdirs)."""
+    import tempfile
+
+    where = where or tempfile.gettempdir()
+    return sorted(n for n in os.listdir(where) if n.startswith(f"inferd-core-{pid}-"))
+
+
 def compare_texts(texts, refs, tok):
     """Served texts against reference runs [(token ids, logits rows)]: equal, or equal up to the
     first reference token whose top-2 logits are within 1e-4. Returns how many were cut so."""

@@ -186,9 +186,11 @@ def test_runtime_load_unload_and_refusals(adapters, tmp_path):
         LLMEngine(dtype="float32", quantization="none", kv_cache_memory="32MiB").control("list_loras")
 
 
-def test_served_adapters_by_model_name_and_their_routes(adapters):
-    """`inferd serve --lora-modules`: the official client names an adapter as its `model`; /v1/models
-    lists adapters with their parent; vLLM's load/unload routes, with their refusals."""
+def test_served_adapters_by_model_name_and_their_routes(adapters, tiny_chat_gguf):
+    """`inferd serve --lora-modules` beside two `--model`s of different shapes: each adapter is served
+    on the base it fits (the default model, not the tiny one); the official client names an adapter
+    as its `model`; /v1/models lists adapters with their parent; vLLM's load/unload routes, with
+    their refusals."""
     import threading
 
     import httpx
@@ -197,7 +199,8 @@ def test_served_adapters_by_model_name_and_their_routes(adapters):
     from helpers import wait_until
 
     paths, refs = adapters
-    srv = ServerProc(["--quantization", "none", "--dtype", "float32", "--kv-cache-memory", "64MiB",
+    srv = ServerProc(["--model", "default", "--model", f"tiny={tiny_chat_gguf}", "--quantization", "none",
+                      "--dtype", "float32", "--kv-cache-memory", "64MiB", "--threads", "1",
                       "--lora-modules", f"ad0={paths['ad0']}", f"ad1={paths['ad1']}", "--max-loras", "2",
                       "--max-lora-rank", "8"]).wait_ready()
     client = openai.OpenAI(base_url=srv.base + "/v1", api_key="x", timeout=120, max_retries=0)
@@ -212,7 +215,8 @@ def test_served_adapters_by_model_name_and_their_routes(adapters):
 
     try:
         cards = {c.id: c for c in client.models.list().data}
-        assert {"ad0", "ad1"} <= set(cards) and cards["ad0"].parent == cards["ad1"].parent != "ad0"
+        assert {"ad0", "ad1", "default", "tiny"} <= set(cards)
+        assert cards["ad0"].parent == cards["ad1"].parent == "default"
         for name in ("ad0", "ad1", None):
             want = decode(refs[(name, PROMPTS[0])][0])
             assert text(name or cards["ad0"].parent) == want, name
@@ -250,6 +254,69 @@ def test_served_adapters_by_model_name_and_their_routes(adapters):
             text("ad3")
     finally:
         srv.stop()
+
+
+def _tiny_adapter(folder, cfg, base=None, layers=(0,)):
+    """A PEFT-format adapter of q_proj for a model of `cfg`'s shapes, written by hand (what the
+    matching reads is the config and the header; peft itself writes the served one above)."""
+    from safetensors.torch import save_file
+
+    from inferd.loading.peft import projection_shapes
+
+    os.makedirs(folder, exist_ok=True)
+    n_in, n_out = projection_shapes(cfg)["q_proj"]
+    sd = {}
+    for i in layers:
+        key = f"base_model.model.model.layers.{i}.self_attn.q_proj"
+        sd[f"{key}.lora_A.weight"] = torch.zeros(4, n_in)
+        sd[f"{key}.lora_B.weight"] = torch.zeros(n_out, 4)
+    save_file(sd, os.path.join(folder, "adapter_model.safetensors"))
+    conf = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
+    json.dump({**conf, **({"base_model_name_or_path": base} if base else {})},
+              open(os.path.join(folder, "adapter_config.json"), "w"))
+    return str(folder)
+
+
+def test_flag_adapters_with_several_models_go_to_the_base_they_fit(adapters, tiny_chat_gguf, tmp_path):
+    """Which model each --lora-modules adapter joins, decided at start from headers: by shape; between
+    two models of one shape by the base its adapter_config.json names; refused in one line (exit 2)
+    when it fits none, or several with none named."""
+    import shutil
+    import subprocess
+    import sys
+
+    from inferd.cli import build_parser
+    from inferd.loading.peft import base_config
+    from inferd.server.serve import model_specs
+
+    paths, _ = adapters
+    twin = str(tmp_path / "twin.gguf")
+    shutil.copyfile(tiny_chat_gguf, twin)
+    tiny = base_config(tiny_chat_gguf)
+    named = _tiny_adapter(tmp_path / "named", tiny, base=twin)
+    anonymous = _tiny_adapter(tmp_path / "anon", tiny, base="HuggingFaceTB/some-other-model")
+    # an adapter of a third shape: the default's q_proj with 100 inputs
+    alien = tmp_path / "alien"
+    alien.mkdir()
+    shutil.copyfile(os.path.join(paths["ad0"], "adapter_config.json"), alien / "adapter_config.json")
+    from safetensors.torch import load_file, save_file
+
+    save_file({k: (v[:, :100].contiguous() if "lora_A" in k else v) for k, v in load_file(
+        os.path.join(paths["ad0"], "adapter_model.safetensors")).items()}, str(alien / "adapter_model.safetensors"))
+
+    def specs(*argv):
+        return {s.name: s.config.lora_modules for s in model_specs(build_parser().parse_args(["serve", *argv]))}
+
+    got = specs("--model", "default", "--model", f"tiny={tiny_chat_gguf}", "--model", f"twin={twin}",
+                "--lora-modules", f"ad0={paths['ad0']}", f"named={named}")
+    assert got == {"default": [f"ad0={paths['ad0']}"], "tiny": None, "twin": [f"named={named}"]}
+    with pytest.raises(InferdError, match=r"'anon' .* fits tiny, twin, and its adapter_config.json names none"):
+        specs("--model", f"tiny={tiny_chat_gguf}", "--model", f"twin={twin}", "--lora-modules", f"anon={anonymous}")
+    r = subprocess.run([sys.executable, "-m", "inferd", "serve", "--model", "default", "--model",
+                        f"tiny={tiny_chat_gguf}", "--lora-modules", f"alien={alien}"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "'alien'" in r.stderr and "fits none of the served models" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_the_lora_kernel_on_every_variant():

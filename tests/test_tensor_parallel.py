@@ -221,8 +221,12 @@ def test_three_ranks_over_gloo_with_chunked_prefill_prefix_caching_and_preemptio
         assert eng.stats.preemptions > 0 and eng.block_manager.hits > 0 and eng.stats.max_prefill_chunks > 1
         assert eng.runner.comm.counts["all_reduce"] == 5 * eng.stats.steps  # 2 layers: 2 x 2 + the embedding
         assert_no_leaks(eng)
+        # the rendezvous file's directory: private to this process, and gone with the group
+        store_dir = eng.tp._dir
+        assert os.path.basename(store_dir).startswith(f"inferd-tp-{os.getpid()}-") and os.path.isdir(store_dir)
     finally:
         eng.close()
+    assert not os.path.exists(store_dir)
 
 
 def step_after_killing_rank_1(tmp_path) -> tuple[pytest.ExceptionInfo, float]:
@@ -281,7 +285,7 @@ def one_rank(default_gguf_path):
     batch, with the logits each token came from; and the reference loop's run of the one prompt."""
     from inferd.engine.reference import reference_generate
 
-    eng = LLMEngine(model=default_gguf_path, dtype="float32", kv_cache_memory=SMALL_KV, threads=2)
+    eng = LLMEngine(model=default_gguf_path, quantization="none", dtype="float32", kv_cache_memory=SMALL_KV, threads=2)
     tok = eng.tokenizer
     ids = tok.encode(PROMPTS[0])
     out = {"tok": tok, "ids": ids, "batch_in": [(tok.encode(p), 24) for p in PROMPTS]}
@@ -302,10 +306,11 @@ def test_real_model_two_ranks_against_one(default_gguf_path, one_rank):
     3. The split ran: 61 all-reduces a step (2 x 30 layers + the vocab-parallel embedding), one
        logits gather a step, and each rank holds its share of the weights (as that rank counts them)."""
     ids = one_rank["ids"]
-    eng = LLMEngine(model=default_gguf_path, dtype="float32", kv_cache_memory=SMALL_KV, threads=1)
+    eng = LLMEngine(model=default_gguf_path, quantization="none", dtype="float32", kv_cache_memory=SMALL_KV, threads=1)
     t1, l1 = run_recording(eng, [(ids, 33)])[0]
     eng.close()
-    eng = LLMEngine(model=default_gguf_path, dtype="float32", kv_cache_memory=SMALL_KV, tensor_parallel_size=2)
+    eng = LLMEngine(model=default_gguf_path, quantization="none", dtype="float32", kv_cache_memory=SMALL_KV,
+                    tensor_parallel_size=2)
     try:
         tp, ltp = run_recording(eng, [(ids, 33)])[0]
         assert eng.runner.comm.counts["all_reduce"] == 61 * eng.stats.steps

@@ -75,7 +75,8 @@ def add_lora_args(p: argparse.ArgumentParser):
     g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters beside the base model")
     g.add_argument("--lora-modules", nargs="+", default=None,
                    help="adapters to load at start, each name=path of a PEFT folder (adapter_config.json + "
-                        "adapter_model.safetensors) or JSON {\"name\", \"path\"}; a request's `model` names one")
+                        "adapter_model.safetensors) or JSON {\"name\", \"path\"}; a request's `model` names one; with "
+                        "several --model, each goes to the model whose shapes it fits")
     g.add_argument("--max-loras", type=int, default=1,
                    help="most adapters in one step (slots); requests of others wait for a slot")
     g.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted")

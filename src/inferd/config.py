@@ -18,7 +18,7 @@ class LoadConfig:
     load_format: str = "auto"  # auto | gguf | safetensors | dummy
     dtype: str = "auto"  # auto: what the fastest path on this device takes (inferd.loading.loader.auto_dtype)
     device: str = "cpu"
-    quantization: str = "none"  # a name in inferd.quant.METHODS
+    quantization: str = "none"  # a name in inferd.quant.METHODS; the loader builds what it is asked (the engine's default is auto)
     quant_group_size: int = 32
     quantize_lm_head: bool = False
     quantize_activations: bool = False  # int4/int8 weights x int8 activations (W4A8/W8A8)
@@ -41,7 +41,9 @@ class EngineConfig:
     load_format: str = "auto"
     dtype: str = "auto"
     device: str = "cpu"
-    quantization: str = "none"  # none | int8 | int4 | int8-gptq | int4-gptq | gguf | awq
+    # auto, as `inferd serve`: a GGUF file from its own blocks where the kernels run, else dense (vLLM's LLM
+    # also takes a GGUF's own quantization); none: the dequantized model
+    quantization: str = "auto"  # a name in inferd.quant.METHODS
     quant_group_size: int = 32
     quantize_lm_head: bool = False
     quantize_activations: bool = False  # int4 weights x int8 activations (W4A8 kernel)

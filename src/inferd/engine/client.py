@@ -32,6 +32,9 @@ class EngineInfo:
     speculative: bool
     pid: int
     cache: dict = field(default_factory=dict)  # LLMEngine.cache_info(): block size, blocks, dtype
+    # what a prompt may hold besides token ids: every family inferd serves today reads text only;
+    # the server refuses a chat's image or audio parts until a model here takes them
+    modalities: tuple[str, ...] = ("text",)
 
 
 @runtime_checkable

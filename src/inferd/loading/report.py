@@ -86,8 +86,7 @@ class LoadReport:
             self._draw(time.monotonic(), "\n")
 
     def lines(self) -> list[str]:
-        out = [f"loaded in {self.seconds:.1f} s: weights {self.weight_bytes / 2**20:.1f} MiB resident"
-               f"{f' (file {self.file_bytes / 2**20:.1f} MiB)' if self.file_bytes else ''}, "
+        out = [f"loaded in {self.seconds:.1f} s{f' from a {self.file_bytes / 2**20:.1f} MiB file' if self.file_bytes else ''}, "
                f"peak RSS {self.peak / 2**20:.0f} MiB"]
         if self.dense_fallback:
             out.append("dense fallback: " + ", ".join(f"{v} {k} layers" for k, v in self.dense_fallback.items()))

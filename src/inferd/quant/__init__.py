@@ -100,17 +100,62 @@ def method(name: str) -> Method | None:
 
 def apply(model, ctx: QuantContext, shard=None) -> list[str]:
     """Build the model's layers as `ctx` says, in place; returns what was done, one line each (for
-    the log). The model arrives as the loader's skeleton: every linear a placeholder holding its parts
-    of the file (inferd.model.planned). The method builds the layers it serves; whatever it leaves is
-    materialized dense, one layer at a time; then the layers are made final (the GGUF blocks repacked
-    for their kernels). `shard(model)` cuts the model to a tensor-parallel rank's share: before the
-    method where each layer's codes depend on its weights alone (a rank then reads and quantizes only
-    its share), else between the method and the final packing."""
-    from inferd.model.planned import materialize
-    from inferd.quant import w4a8
-    from inferd.quant.linear import hand_over, weight_bytes
+    the log), the last one the weights' resident size. The model arrives as the loader's skeleton:
+    every linear a placeholder holding its parts of the file (inferd.model.planned). The method builds
+    the layers it serves; whatever it leaves is materialized dense, one layer at a time; then the
+    layers are made final (the GGUF blocks repacked for their kernels). `shard(model)` cuts the model
+    to a tensor-parallel rank's share: before the method where each layer's codes depend on its
+    weights alone (a rank then reads and quantizes only its share), else between the method and the
+    final packing."""
+    from inferd.quant.linear import weight_bytes
 
     m = method(ctx.method)
+    built = str(model.dtype)[6:], dense_bytes(model)  # what the dense model would hold
+    lines = _apply(model, ctx, m, shard)
+    lines.append(resident_line(weight_bytes(model), built, m is not None and ctx.method, ctx.activations,
+                               shard is not None))
+    return lines
+
+
+def resident_line(now: int, built: tuple[str, int], method: str | None, activations: bool, shard: bool) -> str:
+    """The weights' resident size, said once at the end of the load (a method's own line says what it
+    did, not sizes midway through the packing); for a quantized model, beside the size of the dense
+    model it replaced, the one that quantization none builds in that dtype."""
+    dtype, dense = built
+    kind = f"{method}{' with int8 activations' if activations else ''}" if method else f"dense {dtype}"
+    line = f"weights: {now / 2**20:.1f} MiB resident ({kind})"
+    if shard:
+        return line + ", this rank's share"
+    return line + (f"; the dense {dtype} model would hold {dense / 2**20:.1f} MiB" if method else "")
+
+
+def dense_bytes(model) -> int:
+    """Bytes of the model dense in its dtype: its tensors, its placeholders' weights, a table read in
+    place from the file as if it were a float one."""
+    from inferd.model.planned import PlannedLinear
+    from inferd.quant.linear import weight_bytes
+
+    total = weight_bytes(model)
+    size = torch_dtype_size(model.dtype)
+    for m in model.modules():
+        if isinstance(m, PlannedLinear):
+            total += m.dense_bytes(model.dtype)
+        elif getattr(m, "in_place", False):
+            total += m.num_embeddings * m.embedding_dim * size
+    return total
+
+
+def torch_dtype_size(dtype) -> int:
+    import torch
+
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _apply(model, ctx: QuantContext, m: Method | None, shard) -> list[str]:
+    from inferd.model.planned import materialize
+    from inferd.quant import w4a8
+    from inferd.quant.linear import hand_over
+
     if ctx.activations and (m is None or ctx.dense):
         raise InferdError("--quantize-activations applies to quantized weights: add --quantization "
                           "int4, int4-gptq, gguf, awq (W4A8) or int8, int8-gptq (W8A8)" if m is None else
@@ -143,6 +188,5 @@ def apply(model, ctx: QuantContext, shard=None) -> list[str]:
     halves = sum(isinstance(x, HalfLinear) for x in model.modules())
     n = w4a8.quantize_activations(model, w4a8.int8_activation_layers(model), halves)
     lines.append(f"W4A8/W8A8: {n} linears take int8 activations (per 32-block)"
-                 f"{f', {halves} F16/BF16 ones float32' if halves else ''}; {str(model.dtype)[6:]} glue; "
-                 f"weights {weight_bytes(model) / 2**20:.1f} MiB")
+                 f"{f', {halves} F16/BF16 ones float32' if halves else ''}; {str(model.dtype)[6:]} glue")
     return lines

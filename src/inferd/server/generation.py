@@ -18,7 +18,7 @@ from fastapi.responses import StreamingResponse
 from inferd.engine.client import EngineClient, EngineDead, Overloaded
 from inferd.engine.processor import resolve_max_tokens
 from inferd.errors import InferdError
-from inferd.server.protocol import ApiError
+from inferd.server.protocol import ApiError, check_parts
 
 # When the HTTP request reached the server (time.monotonic()). Set by the outermost middleware and
 # read where the engine request is made (several calls down, in a streaming task that inherits the
@@ -62,9 +62,20 @@ class Served:
     def render_chat(self, messages, add_generation_prompt=True, kwargs=None, tools=None, tool_choice=None) -> list[int]:
         from inferd.server.tools import render_messages, template_knows_tools
 
+        check_parts(messages, self.info.modalities, self.name)
         msgs, extra = render_messages(messages, tools, tool_choice, template_knows_tools(self.tok.chat_template))
         return self.tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tokenize=True,
                                             **{**(kwargs or {}), **extra})
+
+    def check_vocab(self, prompts: list[list[int]], nested: bool):
+        """Token ids a client gave are this model's (negative ones never parse: protocol.check_prompt)."""
+        vocab = self.info.vocab_size
+        for i, ids in enumerate(prompts):
+            for j, t in enumerate(ids):
+                if t >= vocab:
+                    where = f"prompt[{i}][{j}]" if nested else f"prompt[{j}]"
+                    raise ApiError(f"{where} is {t}: past the vocabulary of model `{self.name}` (token ids 0 to "
+                                   f"{vocab - 1})", param="prompt")
 
     def token_str(self, t: int) -> str:
         return self.tok.decode([t], skip_special_tokens=False)
