@@ -140,7 +140,7 @@ def dense_bytes(model) -> int:
     for m in model.modules():
         if isinstance(m, PlannedLinear):
             total += m.dense_bytes(model.dtype)
-        elif getattr(m, "in_place", False):
+        elif getattr(m, "in_place", False) and not model.cfg.tie_word_embeddings:  # tied: the head's matrix
             total += m.num_embeddings * m.embedding_dim * size
     return total
 

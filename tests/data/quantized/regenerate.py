@@ -18,7 +18,7 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))  # tests/
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # tests/
 sys.path.insert(0, os.path.join(HERE, "..", "..", "..", "benchmarks"))
 
 BASE = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
@@ -32,10 +32,11 @@ FILES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", "llama", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     # fused attn_qkv and ffn_up (gate and up in one tensor)
     "phi3": ("Phi3Config", "Phi3ForCausalLM", "phi3", {"pad_token_id": 0, "sliding_window": None}),
-    # local and global layers (window 16), norms stored as 1 + w, a tied table
+    # llama.cpp's Gemma 3 pattern (five local layers of window 16, then one global), norms stored as
+    # 1 + w, a tied table
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", "gemma3",
-               {"sliding_window": 16, "query_pre_attn_scalar": 64, "tie_word_embeddings": True,
-                "layer_types": ["sliding_attention", "full_attention"]}),
+               {"num_hidden_layers": 6, "sliding_window": 16, "query_pre_attn_scalar": 64,
+                "tie_word_embeddings": True}),
 }
 
 
