@@ -43,18 +43,21 @@ FAMILIES: tuple[Family, ...] = (
     Family("mistral", "llama", "LlamaModel", ("MistralForCausalLM",), ("mistral",), True, sliding_window=True,
            tested="HF (sliding window)"),
     Family("qwen2", "llama", "LlamaModel", ("Qwen2ForCausalLM",), ("qwen2",), False, attention_bias=True,
-           tested="HF and GGUF (q/k/v biases); the engine"),
+           tested="HF and GGUF (q/k/v biases); the engine; a llama-quantize Q4_K_M file served from its blocks "
+                  "(a biased q/k/v whose parts differ in type)"),
     Family("qwen3", "qwen3", "Qwen3Model", ("Qwen3ForCausalLM",), ("qwen3",), False,
            tested="HF and GGUF; the engine; TP=2; structured output"),
     # Phi-3 is the Llama layer with q/k/v and gate/up stored fused, as inferd holds them anyway
     Family("phi3", "llama", "LlamaModel", ("Phi3ForCausalLM",), ("phi3",), False, sliding_window=True,
            gguf_names=(("attn_qkv.weight", "qkv_proj.weight"), ("ffn_up.weight", "gate_up_proj.weight")),
            tested="HF and GGUF (fused q/k/v and gate/up, sliding window, LongRoPE from config.json or the "
-                  "rope_factors_long/short tensors); the engine"),
+                  "rope_factors_long/short tensors); the engine; a llama-quantize Q4_K_M file served from its "
+                  "blocks"),
     # llama.cpp's converter writes Mixtral as `llama` with an expert count (loading/gguf.py tells them apart)
     Family("mixtral", "moe", "MixtralModel", ("MixtralForCausalLM",), ("mixtral",), True,
            tested="HF and GGUF (as llama.cpp writes it: arch llama with experts); the engine; "
-                  "one matmul per active expert; structured output"),
+                  "one matmul per active expert; structured output; a llama-quantize Q4_K_M file, its 3-D "
+                  "expert tensors served from their blocks"),
     Family("qwen3_moe", "moe", "Qwen3MoeModel", ("Qwen3MoeForCausalLM",), ("qwen3moe",), False,
            tested="HF and GGUF; the engine; int8 experts on the W8A8 kernel; TP=2 (whole experts a rank)"),
     Family("olmoe", "moe", "OlmoeModel", ("OlmoeForCausalLM",), ("olmoe",), False,
