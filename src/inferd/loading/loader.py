@@ -152,7 +152,8 @@ def build_skeleton(cfg: ModelConfig, plan, dtype, device) -> LlamaModel:
 
     if device.type != "cpu":
         raise InferdError("loading from a file builds CPU models in this build")
-    with torch.device("meta"):
+    # no random init: on the meta device nn.Embedding's normal_ imports torch's decompositions (1.4 s)
+    with torch.device("meta"), _no_default_init():
         model = registry.model_class(cfg.architecture)(cfg)
     cfg.tie_word_embeddings = plan.tied
     for path, (parts, bias_parts) in plan.linears.items():
@@ -203,7 +204,7 @@ def _embedding(part, cfg: ModelConfig, dtype) -> nn.Module:
         from inferd.quant.gguf_rows import GGUFEmbedding
 
         return GGUFEmbedding(part, dtype)
-    with torch.device("meta"):
+    with torch.device("meta"), _no_default_init():
         emb = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
     emb.weight = nn.Parameter(part.dense(dtype), requires_grad=False)
     return emb

@@ -54,8 +54,7 @@ class PlannedLinear(nn.Module):
 
     def materialize(self, dtype: torch.dtype) -> Linear:
         """The dense layer (the `none` method's, and every method's fallback)."""
-        with torch.device("meta"):
-            lin = Linear(self.in_features, self.out_features, bias=self.bias_parts is not None)
+        lin = Linear(self.in_features, self.out_features, bias=self.bias_parts is not None, device="meta")
         lin.weight = nn.Parameter(self.dense_weight(dtype), requires_grad=False)
         if self.bias_parts is not None:
             lin.bias = nn.Parameter(self.dense_bias(dtype), requires_grad=False)
