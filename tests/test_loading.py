@@ -74,6 +74,26 @@ def test_a_type_without_a_kernel_is_one_line_and_a_count(tmp_path, caplog):
     assert llm.engine.state()["load"]["dense_fallback"] == {"F32": L}
 
 
+def test_the_load_is_on_the_served_metrics(tmp_path):
+    """`inferd serve` on a file with an F32 projection in every layer: /metrics carries the dense
+    fallback by type, the weights held and the load's peak; /v1/engine/state the same report."""
+    import httpx
+    from conftest import running_server
+    from helpers import write_tiny_chat_gguf
+
+    L = 2
+    path = write_tiny_chat_gguf(tmp_path / "mixed.gguf", n_layers=L, types={"attn_output": "F32"})
+    with running_server(["--model", str(path), "--kv-cache-memory", "4MiB"]) as base:
+        metrics = httpx.get(base + "/metrics", timeout=30).text
+        state = httpx.get(base + "/v1/engine/state", timeout=30).json()
+    line = next(x for x in metrics.splitlines() if x.startswith("inferd:dense_fallback_layers{"))
+    assert 'type="F32"' in line and float(line.split()[-1]) == L
+    weights = next(x for x in metrics.splitlines() if x.startswith("inferd:model_weight_bytes{"))
+    assert float(weights.split()[-1]) > 0
+    load = state["load"] if "load" in state else state["engines"][0]["load"]
+    assert load["dense_fallback"] == {"F32": L} and load["peak_rss_bytes"] > 0
+
+
 def test_a_declared_context_is_clamped_to_the_kv_cache(default_gguf_path, caplog):
     """No --max-model-len: the model's context (8192) is clamped to the tokens the KV cache holds, in
     one line; an explicit one stays as given."""

@@ -35,6 +35,9 @@ class EngineInfo:
     # what a prompt may hold besides token ids: every family inferd serves today reads text only;
     # the server refuses a chat's image or audio parts until a model here takes them
     modalities: tuple[str, ...] = ("text",)
+    # how the load went (inferd.loading.report): seconds, peak resident memory, weights held, the
+    # layers left dense for want of a kernel, by GGUF type
+    load: dict = field(default_factory=dict)
 
 
 @runtime_checkable

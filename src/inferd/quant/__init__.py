@@ -172,7 +172,7 @@ def _apply(model, ctx: QuantContext, m: Method | None, shard) -> list[str]:
     lines = [] if m is None else [m.apply(model, ctx)]
     dense = materialize(model, on_layer=ctx.on_dense, release=ctx.release)
     if dense and m is not None:
-        lines.append(f"{dense} linears dense (float {str(model.dtype)[6:]})")
+        lines.append(f"{dense} linears dense ({str(model.dtype)[6:]})")
     if shard is not None and not first:
         shard(model)
     from inferd.quant.gguf_blocks import pack_all

@@ -200,6 +200,12 @@ class Metrics:
                                      "evicted, api, failed).", ML + ["reason"], registry=r)
         self.model_load_time = Histogram("inferd:model_load_seconds", "Time to load the model (start of its engine "
                                          "to ready).", ML, buckets=LATENCY_BUCKETS, registry=r)
+        self.model_weight_bytes = Gauge("inferd:model_weight_bytes", "Bytes the model's built layers hold (a GGUF's "
+                                        "token table read in place from the file is not counted).", ML, registry=r)
+        self.model_load_peak = Gauge("inferd:model_load_peak_rss_bytes", "The engine process's peak resident memory "
+                                     "at the end of its load (mapped file pages counted).", ML, registry=r)
+        self.dense_fallback = Gauge("inferd:dense_fallback_layers", "Projections served dense because their GGUF "
+                                    "type has no kernel, by type.", ML + ["type"], registry=r)
         self.add_model(model_name, engines)
 
     def add_model(self, name: str, engines: int = 1):
@@ -215,9 +221,15 @@ class Metrics:
                       self.ttft, self.itl, self.e2e, self.queue):
                 c.labels(**lab)
 
-    def model_event(self, name: str, event: str, seconds: float | None = None):
-        """A model loaded (its engines' counters start again from 0) or unloaded (`event`: the reason)."""
+    def model_event(self, name: str, event: str, seconds: float | None = None, load: dict | None = None):
+        """A model loaded (its engines' counters start again from 0; `load`: its load report) or unloaded
+        (`event`: the reason)."""
         if event == "loaded":
+            for key, gauge in (("weight_bytes", self.model_weight_bytes), ("peak_rss_bytes", self.model_load_peak)):
+                if (load or {}).get(key) is not None:
+                    gauge.labels(model_name=name).set(load[key])
+            for kind, n in (load or {}).get("dense_fallback", {}).items():
+                self.dense_fallback.labels(model_name=name, type=kind).set(n)
             self.model_loaded.labels(model_name=name).set(1)
             self.model_loads.labels(model_name=name).inc()
             if seconds is not None:

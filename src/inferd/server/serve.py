@@ -166,7 +166,11 @@ def serve(args) -> int:
 
     def on_change(entry, event):
         if "m" in box:
-            box["m"].model_event(entry.name, event, entry.load_seconds if event == "loaded" else None)
+            load = None
+            if event == "loaded" and entry.served is not None:
+                info = getattr(entry.served.llm, "info", None)
+                load = getattr(info, "load", None)
+            box["m"].model_event(entry.name, event, entry.load_seconds if event == "loaded" else None, load)
 
     models = Models(specs, start, served, max_loaded=args.max_loaded_models or 0,
                     memory_budget=parse_budget(args.models_memory_budget), on_change=on_change)
