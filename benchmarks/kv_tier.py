@@ -24,8 +24,8 @@ Parts (--parts, all by default):
              router knows only what it sent itself while the events are the same for both. The
              prefix-cache hit rate the backends count, every row printed.
 
---tiny runs the same command in seconds (the suite's smoke test, tests/test_benchmarks.py): 2
-families of 64 tokens, 4 requests, a pool of about 1 family, concurrency 2.
+--tiny runs the same command in seconds (the suite's smoke test, tests/test_benchmarks.py): 3
+families of 64 tokens, 6 requests, a pool of about 2 families, concurrency 2.
 
 Usage: .venv/bin/python benchmarks/kv_tier.py [--model F.gguf] [--parts ttft,bandwidth,router] [--input-len 1024]
        [--families 8] [--num-prompts 40] [--pool-families 3] [--concurrency 4] [--disk-dir /var/tmp]
@@ -288,11 +288,11 @@ def main():
     ap.add_argument("--disk-dir", default="/var/tmp", help="where the disk tier's directory goes")
     ap.add_argument("--json", default=None)
     ap.add_argument("--tiny", action="store_true",
-                    help="a seconds-long smoke run of the same command (the tests): 2 families of 64 tokens, 4 "
-                         "requests, a pool of about 1 family, concurrency 2")
+                    help="a seconds-long smoke run of the same command (the tests): 3 families of 64 tokens, 6 "
+                         "requests, a pool of about 2 families, concurrency 2")
     a = ap.parse_args()
     if a.tiny:
-        a.input_len, a.families, a.num_prompts, a.pool_families, a.concurrency = 64, 2, 4, 1, 2
+        a.input_len, a.families, a.num_prompts, a.pool_families, a.concurrency = 64, 3, 6, 2, 2
     parts = a.parts.split(",")
     setup = {"model": (os.path.basename(a.model) if a.model else "the embedded default (SmolLM2-135M Q4_1)")
              + ", --quantization auto",
