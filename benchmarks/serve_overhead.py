@@ -26,7 +26,8 @@ server the flags load_options reads back, the offline engine the same load optio
 default that differs between `inferd serve` (auto) and the Python API cannot split them.
 
 --tiny runs the same command in seconds (the suite's smoke test, tests/test_benchmarks.py): 16 in /
-8 out tokens, concurrency 1 and 2, 1 round, a 64 MiB KV cache.
+8 out tokens, concurrency 1 and 2, 1 round, a 64 MiB KV cache, and the in-process (thread) server for
+the first config only (the same code for every config; each server start costs seconds).
 
 Usage: .venv/bin/python benchmarks/serve_overhead.py [--model F.gguf] [--threads 2] [--rounds 3]
        [--configs gguf,dense,w4a8] [--config 'LABEL=SERVE FLAGS' ...] [--concurrency 1,8,32] [--no-thread]
@@ -232,7 +233,7 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--tiny", action="store_true",
                     help="a seconds-long smoke run of the same command (the tests): 16 in / 8 out, concurrency 1 "
-                         "and 2, 1 round, a 64 MiB KV cache")
+                         "and 2, 1 round, a 64 MiB KV cache, the thread server for the first config only")
     a = ap.parse_args()
     if a.tiny:
         global IN_LEN, OUT_LEN, KV_MEMORY
@@ -254,8 +255,9 @@ def main():
     for flags in configs.values():
         load_options(flags)  # refuse a config the offline side cannot mirror before anything runs
     rows, table, results, paths = [], [], {}, {}
-    for label, extra in configs.items():
-        vals = measure(a.model, label, extra, a.threads, concs, a.rounds, not a.no_thread, paths)
+    for i, (label, extra) in enumerate(configs.items()):
+        with_thread = not a.no_thread and not (a.tiny and i > 0)
+        vals = measure(a.model, label, extra, a.threads, concs, a.rounds, with_thread, paths)
         check_rows(paths)  # a label this config's paths do not back stops the run here, not after the last config
         results[label] = vals
         for c in concs:
