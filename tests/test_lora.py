@@ -164,10 +164,11 @@ def test_adapters_over_a_quantized_base_in_the_fused_step(adapters):
     """The default serving path (GGUF blocks, int8 activations) with adapters: decode steps with
     adapter rows run as one C++ call that adds the same deltas after the same layers, so its tokens
     equal the eager forward's exactly. Against peft-merged in fp32 the int8 activations are lossy, so
-    the bound is on the first token's distribution: within KL 0.02 of peft's for every job (the W4A8
-    base alone is 0.003 mean, 0.013 p99 KL from the dense model on WikiText, README), while every
-    adapter moves it further than that from the base (KL > 0.1): an adapter left out, or applied to
-    the wrong rows, fails. The quality over longer outputs is benchmarks/lora.py's."""
+    the bound is on the first token's distribution: within KL 0.02 of peft's for every job (measured
+    0.0003-0.005; the W4A8 base alone is 0.003 mean, 0.013 p99 KL from the dense model on WikiText,
+    README), and for an adapter under a quarter of the KL its own deltas put between peft's and the
+    base's (0.06-2.8): an adapter left out, or applied to the wrong rows, fails. The quality over
+    longer outputs is benchmarks/lora.py's."""
     paths, refs = adapters
     jobs = [(a, p) for a in [None, *NAMES] for p in PROMPTS]
     eng = engine(paths, quantization="auto", dtype="auto")
@@ -179,10 +180,10 @@ def test_adapters_over_a_quantized_base_in_the_fused_step(adapters):
     firsts = first_token_logits(eng, jobs)
     for (a, p), row in zip(jobs, firsts):
         want = refs[(a, p)][1][0]
-        print(a, p, f"KL to peft {kl(want, row):.4f}", f"adapter from base {kl(want, refs[(None, p)][1][0]):.3f}")
-        assert kl(want, row) < 0.02, (a, p, kl(want, row))
-        if a is not None:
-            assert kl(want, refs[(None, p)][1][0]) > 0.1, (a, p)
+        ours, base = kl(want, row), kl(want, refs[(None, p)][1][0])
+        print(f"{a} {p!r}: KL from peft-merged {ours:.4f}, the adapter's own from the base {base:.4f}")
+        assert ours < 0.02, (a, p, ours)
+        assert a is None or ours < base / 4, (a, p, ours, base)  # nearer peft's than the base's, by far
 
 
 def test_runtime_load_unload_and_refusals(adapters, tmp_path):
