@@ -305,7 +305,8 @@ def main():
     peaks = gemm_peaks(a.threads, gemm_shape, 0.05 if a.tiny else 0.5)
     prefill: dict = {}
     if not a.skip_prefill:
-        long_prompt = tok.encode("The history of the printing press begins in the fifteenth century, when " * 60)[:prefill_len]
+        text = "The history of the printing press begins in the fifteenth century, when " * 60
+        long_prompt = tok.encode(text)[:prefill_len]
 
         def prefill_run(k):
             got: dict = {}
@@ -362,7 +363,8 @@ def main():
                                       ("HF transformers bf16", ">= 4.0"), ("HF transformers fp32", None),
                                       (lk, None), (tg, None)) if k in med]
     for k in sorted(four_bit, key=med.get, reverse=True):
-        print(f"\n{k} = {med[k]:.1f} tok/s" + (" (the fastest 4-bit path run)" if k == best and len(four_bit) > 1 else ""))
+        fastest = " (the fastest 4-bit path run)" if k == best and len(four_bit) > 1 else ""
+        print(f"\n{k} = {med[k]:.1f} tok/s{fastest}")
         for base, bar in versus:
             print(f"  vs {base}: {med[k] / med[base]:.2f}x" + (f"   (bar: {bar})" if bar else ""))
         if bw:

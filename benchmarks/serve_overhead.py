@@ -283,7 +283,8 @@ def main():
                                       f"{'; TPOT' if c == 1 else '; out tok/s'})" for c in concs),
              "offline": "the same engine without a server: engine.rate.decode_rate at c=1, else one LLMEngine "
                         "with max_num_seqs=c",
-             "served": f"inferd serve --max-num-seqs {max(concs)} --kv-cache-memory {KV_MEMORY}, driven by inferd bench "
+             "served": f"inferd serve --max-num-seqs {max(concs)} --kv-cache-memory {KV_MEMORY}, driven by "
+                       "inferd bench "
                        "(--max-concurrency c); process = engine core in its own process, thread = --engine-in-process",
              "rounds": f"{a.rounds}, interleaved (offline, served process, served thread at each concurrency, "
                        "then again), servers up across rounds; every cell is the median, with the min-max",

@@ -115,7 +115,8 @@ def main():
         args.max_tokens, args.rounds = 16, 1
     if args.threads:
         torch.set_num_threads(args.threads)
-    lm = load_model(args.model, dtype=args.dtype, quantization=args.quantization, quant_group_size=args.quant_group_size)
+    lm = load_model(args.model, dtype=args.dtype, quantization=args.quantization,
+                    quant_group_size=args.quant_group_size)
     tok = lm.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
                for i, p in enumerate(PROMPTS) if args.prompts is None or i in args.prompts]

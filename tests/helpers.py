@@ -352,7 +352,8 @@ def compare_texts_by_gaps(texts, refs, tok, *, max_ties: int, gap: float = NEAR_
             compared += len(ids)
             continue
         k = next((k for k in range(len(ids)) if not texts[i].startswith(text(ids[:k + 1]))), len(ids) - 1)
-        assert any(g < gap for g in gaps[:k + 1]), f"{what}: {i}: {texts[i]!r} vs {text(ids)!r}, no near tie by token {k}"
+        assert any(g < gap for g in gaps[:k + 1]), \
+            f"{what}: {i}: {texts[i]!r} vs {text(ids)!r}, no near tie by token {k}"
         ties += 1
         compared += k
     return _within_bound(ties, max_ties, compared, total, what)

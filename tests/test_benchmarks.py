@@ -355,7 +355,8 @@ def test_serve_overhead_configs_load_one_model_on_both_sides(tiny_q41_gguf, tmp_
     configs = {"gguf W4A8 +lm_head": "W4A8Linear", "gguf": "Int4Linear", "dense (auto dtype)": "Linear"}
     for i, (label, fmt) in enumerate(configs.items()):
         # --tiny starts the in-process (thread) server for the first config only
-        modes = [doc["paths"][f"{label}, {m}"] for m in ("offline", "served (process)", "served (thread)")[:3 - (i > 0)]]
+        kinds = ("offline", "served (process)", "served (thread)")[:3 - (i > 0)]
+        modes = [doc["paths"][f"{label}, {m}"] for m in kinds]
         assert all(m["weight_formats"] == modes[0]["weight_formats"] for m in modes), (label, modes)
         assert fmt in modes[0]["weight_formats"], (label, modes[0]["weight_formats"])
     with pytest.raises(SystemExit, match="names no --quantization"):

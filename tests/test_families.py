@@ -108,15 +108,15 @@ def test_family_in_both_forms_equals_transformers(family, tmp_path):
 
 
 def test_mistral_window_counts_as_transformers_does(tmp_path):
-    """Mistral's window of W = 16 lets position i see keys i - 15 .. i: transformers' count (its mask
-    keeps key j where j > i - W; vLLM's flash window (W - 1, 0) is the same), which inferd applies
-    (`model.layers.ContiguousKV`, the paged kernels the engine test runs). Both forms equal
-    transformers past the window (test_family_in_both_forms_equals_transformers); here, that the
-    comparison would catch a window counted otherwise: one key fewer, one more, or none at all equals
-    transformers up to the first position whose keys differ (15, 16, 16) and leaves it there. "None at all" is a GGUF as llama.cpp's
-    converter writes a Mistral (arch `llama`, the window dropped: llama.cpp's llama graph has none),
-    which inferd, like llama.cpp, runs as Llama: only a file that keeps the window
-    (`llama.attention.sliding_window`) is Mistral."""
+    """Mistral's window of W = 16 lets position i see keys i - 15 .. i: transformers' count (its
+    mask keeps key j where j > i - W; its flash-attention path passes the window as W - 1), and
+    inferd's (`model.layers.ContiguousKV` here; the paged kernels count alike, phi3's engine case).
+    Both forms equal transformers past the window (test_family_in_both_forms_equals_transformers);
+    here, that the comparison would catch a window counted otherwise: one key fewer, one more, or
+    none at all equals transformers up to the first position whose keys differ (15, 16, 16) and
+    leaves it there. "None at all" is a GGUF as llama.cpp's converter writes a Mistral (arch
+    `llama`, the window dropped: llama.cpp's llama graph has none), which inferd, like llama.cpp,
+    runs as Llama: only a file that keeps the window (`llama.attention.sliding_window`) is Mistral."""
     import dataclasses
 
     hf = tiny("mistral")
