@@ -167,7 +167,7 @@ def test_adapters_over_a_quantized_base_in_the_fused_step(adapters):
     the bound is on the first token's distribution: within KL 0.05 of peft's for every job (measured
     0.0003-0.025; the W4A8 base alone is 0.003 mean, 0.013 p99 KL from the dense model on WikiText,
     README), and for an adapter under a quarter of the KL its own deltas put between peft's and the
-    base's (0.06-4.1): an adapter left out, or applied to the wrong rows, fails. The quality over
+    base's (0.06-4.7): an adapter left out, or applied to the wrong rows, fails. The quality over
     longer outputs is benchmarks/lora.py's."""
     paths, refs = adapters
     jobs = [(a, p) for a in [None, *NAMES] for p in PROMPTS]
