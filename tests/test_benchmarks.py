@@ -199,18 +199,18 @@ def readme_headlines() -> list[tuple[str, list[str]]]:
     for line in table.splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
         if len(cells) == 3 and cells[2].startswith("`") and ".py" in cells[2]:
-            out.append(doc_commands_in(cells[2])[0])
+            out.append(span_command(re.search(r"`([^`]+)`", cells[2]).group(1)))
         elif len(cells) == 3 and cells[2].startswith("the same") and out:
             out.append(out[-1])
     return out
 
 
-def doc_commands_in(cell: str) -> list[tuple[str, list[str]]]:
+def span_command(span: str) -> tuple[str, list[str]]:
+    """`quant_decode.py --only W4A8` -> ("quant_decode.py", ["--only", "W4A8"])."""
     import shlex
 
-    span = re.search(r"`([^`]+)`", cell).group(1)
     script, _, args = span.partition(" ")
-    return [(script.rsplit("/", 1)[-1], shlex.split(args))]
+    return script.rsplit("/", 1)[-1], shlex.split(args)
 
 
 def bench_module(script: str):
