@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from helpers import assert_no_leaks, same_or_near_tie
+from helpers import assert_no_leaks, compare
 
 from inferd.engine.engine import LLMEngine
 from inferd.engine.request import SamplingParams
@@ -87,8 +87,7 @@ def test_each_adapter_equals_peft_merged_with_all_in_shared_steps(adapters):
     eng = engine(paths)
     jobs = [(a, p) for a in [None, *NAMES] for p in PROMPTS] * 2
     got = run(eng, jobs)
-    ties = sum(same_or_near_tie(got[i], *refs[job]) for i, job in enumerate(jobs))
-    assert ties <= 2, ties
+    compare([got[i] for i in range(len(jobs))], [refs[job] for job in jobs], max_ties=2, what="peft's greedy tokens")
     lora = eng.lora
     assert lora.multi_adapter_steps > 0 and lora.lora_steps > 0
     layers = eng.model_config.num_hidden_layers
@@ -112,8 +111,7 @@ def test_max_loras_two_with_four_adapters_queues_and_completes(adapters):
     eng.runner.run = spy
     jobs = [(a, PROMPTS[0]) for a in NAMES for _ in range(2)] + [(None, PROMPTS[1])]
     got = run(eng, jobs)
-    for i, job in enumerate(jobs):
-        same_or_near_tie(got[i], *refs[job])
+    compare([got[i] for i in range(len(jobs))], [refs[job] for job in jobs], max_ties=1, what="peft's greedy tokens")
     assert max(len(s) for s in seen) == 2  # never more than --max-loras adapters in a step
     assert eng.lora.slot_writes >= 4  # all four went through the two slots
 
@@ -137,10 +135,40 @@ def test_prefix_cache_hits_never_cross_adapters(adapters):
     assert_no_leaks(eng)
 
 
+def first_token_logits(eng, jobs) -> list[torch.Tensor]:
+    """The logits each job's first token was sampled from (its prompt's last row), by job."""
+    rows: dict = {}
+    execute = eng.runner.execute
+
+    def keep(requests, num_new):
+        out = execute(requests, num_new)
+        for k, i in enumerate(out[1]):
+            rows.setdefault(requests[i].request_id, out[0][k].clone())
+        return out
+    eng.runner.execute = keep
+    rids = [eng.add_request(p, SamplingParams(max_tokens=1, temperature=0), lora=a) for a, p in jobs]
+    while eng.has_unfinished():
+        eng.step()
+    eng.runner.execute = execute
+    return [rows[r] for r in rids]
+
+
+def kl(want: torch.Tensor, got: torch.Tensor) -> float:
+    """KL(want || got) of the two logits rows' distributions (want's -inf entries weigh nothing)."""
+    lp, lq = torch.log_softmax(want.double(), -1), torch.log_softmax(got.double(), -1)
+    p = lp.exp()
+    return float(torch.where(p > 0, p * (lp - lq), 0.0).sum())
+
+
 def test_adapters_over_a_quantized_base_in_the_fused_step(adapters):
     """The default serving path (GGUF blocks, int8 activations) with adapters: decode steps with
     adapter rows run as one C++ call that adds the same deltas after the same layers, so its tokens
-    equal the eager forward's exactly; the quality against peft-merged is benchmarks/lora.py's."""
+    equal the eager forward's exactly. Against peft-merged in fp32 the int8 activations are lossy, so
+    the bound is on the first token's distribution: within KL 0.05 of peft's for every job (measured
+    0.0003-0.025; the W4A8 base alone is 0.003 mean, 0.013 p99 KL from the dense model on WikiText,
+    README), and for an adapter under a quarter of the KL its own deltas put between peft's and the
+    base's (0.06-4.7): an adapter left out, or applied to the wrong rows, fails. The quality over
+    longer outputs is benchmarks/lora.py's."""
     paths, refs = adapters
     jobs = [(a, p) for a in [None, *NAMES] for p in PROMPTS]
     eng = engine(paths, quantization="auto", dtype="auto")
@@ -149,8 +177,15 @@ def test_adapters_over_a_quantized_base_in_the_fused_step(adapters):
     assert eng.runner.lora_fused_steps > 0 and eng.lora.multi_adapter_steps > 0
     eager = engine(paths, quantization="auto", dtype="auto", enforce_eager=True)
     assert run(eager, jobs) == got and eager.runner.lora_fused_steps == 0
-    agree = sum(got[i][0] == refs[job][0][0] for i, job in enumerate(jobs))
-    assert agree >= len(jobs) - 3, got  # first tokens mostly the merged model's despite the int8 rounding
+    firsts = first_token_logits(eng, jobs)
+    kls = {}
+    for (a, p), row in zip(jobs, firsts):
+        want = refs[(a, p)][1][0]
+        kls[(a, p)] = ours, base = kl(want, row), kl(want, refs[(None, p)][1][0])
+        print(f"{a} {p!r}: KL from peft-merged {ours:.4f}, the adapter's own from the base {base:.4f}")
+    for (a, p), (ours, base) in kls.items():
+        assert ours < 0.05, (a, p, ours)
+        assert a is None or ours < base / 4, (a, p, ours, base)  # nearer peft's than the base's, by far
 
 
 def test_runtime_load_unload_and_refusals(adapters, tmp_path):
@@ -367,10 +402,10 @@ def test_tensor_parallel_ranks_hold_their_share_of_each_adapter(adapters):
     try:
         jobs = [(a, p) for a in [None, *NAMES[:3]] for p in PROMPTS]
         got = run(eng, jobs)
-        for i, job in enumerate(jobs):
-            same_or_near_tie(got[i], *refs[job])
+        compare([got[i] for i in range(len(jobs))], [refs[job] for job in jobs], max_ties=1,
+                what="peft's greedy tokens")
         assert eng.lora.multi_adapter_steps > 0 and eng.lora.slot_writes >= 3
         eng.control("load_lora", name="ad3", path=paths["ad3"])
-        same_or_near_tie(run(eng, [("ad3", PROMPTS[0])])[0], *refs[("ad3", PROMPTS[0])])
+        compare([run(eng, [("ad3", PROMPTS[0])])[0]], [refs[("ad3", PROMPTS[0])]], max_ties=1)
     finally:
         eng.close()

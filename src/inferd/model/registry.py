@@ -40,8 +40,12 @@ _GEMMA_NAMES = (("ffn_norm.weight", "pre_feedforward_layernorm.weight"),
 FAMILIES: tuple[Family, ...] = (
     Family("llama", "llama", "LlamaModel", ("LlamaForCausalLM",), ("llama",), True,
            tested="HF and GGUF (Llama 3 RoPE from rope_type or rope_freqs); the whole engine suite; TP"),
+    # llama.cpp's converter writes Mistral as `llama` and drops its window; a `llama` file that keeps
+    # it (llama.attention.sliding_window) is read as Mistral (loading/gguf.py)
     Family("mistral", "llama", "LlamaModel", ("MistralForCausalLM",), ("mistral",), True, sliding_window=True,
-           tested="HF (sliding window)"),
+           tested="HF and GGUF (arch `llama` with `llama.attention.sliding_window`), past the window, the "
+                  "window's count checked (one key more, one fewer, none: each differs from transformers); "
+                  "a file as llama.cpp's converter writes it (no window) runs as Llama, as in llama.cpp"),
     Family("qwen2", "llama", "LlamaModel", ("Qwen2ForCausalLM",), ("qwen2",), False, attention_bias=True,
            tested="HF and GGUF (q/k/v biases); the engine; a llama-quantize Q4_K_M file served from its blocks "
                   "(a biased q/k/v whose parts differ in type)"),
