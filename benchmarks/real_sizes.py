@@ -239,12 +239,9 @@ def inferd_worker(path: str, threads: int, gen: int, prompt: int) -> dict:
     tn = timed(ids[:8], gen + 1)
     decode = gen / max(tn - t1, 1e-9)
     tp = timed(ids[8:8 + prompt], 1)
-    paths = engine_paths(llm.engine)
     report = getattr(llm.engine, "load_report", None) or {}
     return {"load_s": load_s, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "decode": decode, "prefill": prompt / tp, "paths": {k: paths[k] for k in
-                                                               ("weight_formats", "activation_quant", "kernel_variant",
-                                                                "kv_dtype", "fused_steps")},
+            "decode": decode, "prefill": prompt / tp, "paths": engine_paths(llm.engine),
             "weight_bytes": report.get("weight_bytes"), "dense_fallback": report.get("dense_fallback")}
 
 
@@ -326,61 +323,83 @@ def main() -> None:
     if args.worker:
         print(json.dumps(inferd_worker(args.worker, args.threads, args.gen, args.prompt)))
         return
-    from common import cpu_features, read_bandwidth_gbs
+    from common import check_rows, cpu_features, read_bandwidth_gbs, report_header, tiny_skips, write_json
 
     if args.tiny:
         args.shapes, args.types, args.rounds, args.gen, args.prompt = "tiny", "Q8_0", 1, 8, 64
         args.skip_llamacpp = True
     bw = read_bandwidth_gbs(args.threads)
-    print(f"# real sizes: {cpu_features()}")
-    print(f"# threads {args.threads}, decode {args.gen} tokens at batch 1, prefill one {args.prompt}-token prompt, "
-          f"{args.rounds} interleaved round(s), medians (min-max); read bandwidth {bw:.1f} GB/s")
-    if not args.skip_llamacpp:
+    setup = {"threads": args.threads, "decode": f"{args.gen} tokens at batch 1 after an 8-token prompt",
+             "prefill": f"one {args.prompt}-token prompt", "rounds": f"{args.rounds}, interleaved, medians (min-max)",
+             "inferd": 'LLM(model=FILE, quantization="auto", max_model_len=1024, kv_cache_memory="256MiB")',
+             "read bandwidth": f"{bw:.1f} GB/s", "weights": "random, in the real shapes (fair for speed)"}
+    if args.skip_llamacpp:
+        if args.tiny:
+            tiny_skips("llama-bench and llama-server")
+    else:
         import llamacpp
 
-        print(f"# {llamacpp.isa_choice()['note']}; OpenMP wait policy {llamacpp.omp_env()['OMP_WAIT_POLICY']}")
-    else:
-        print("# llama.cpp skipped" + (" (tiny mode)" if args.tiny else ""))
-    results = []
+        setup["llama.cpp"] = (f"{llamacpp.isa_choice()['note']}; OpenMP wait policy "
+                              f"{llamacpp.omp_env()['OMP_WAIT_POLICY']}; llama-bench -p {args.prompt} -n {args.gen} -r 3, "
+                              "llama-server's start to /health")
+    rows, paths, lines = [], {}, []
     for shape in args.shapes.split(","):
         for qtype in args.types.split(","):
             path = model_file(shape, qtype)
-            size = os.path.getsize(path)
             ours, theirs = [], []
-            for r in range(args.rounds):
+            for _ in range(args.rounds):
                 ours.append(run_inferd(path, args.threads, args.gen, args.prompt))
                 if not args.skip_llamacpp:
                     theirs.append(run_llamacpp(path, args.threads, args.gen, args.prompt))
-            results.append(report(SHAPES[shape]["name"], qtype, path, size, ours, theirs, bw))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"cpu": cpu_features(), "bandwidth_gbs": bw, "results": results}, f, indent=1)
+            name = f"{SHAPES[shape]['name']} {qtype}"
+            paths[f"inferd {name}"] = ours[-1]["paths"]
+            if theirs:
+                import llamacpp
+
+                paths[f"{llamacpp.row_name(llamacpp.build_info(), 'llama-bench')} {name}"] = llamacpp.build_info()
+            rows += table_rows(name, path, ours, theirs)
+            lines += report(name, path, os.path.getsize(path), ours, theirs, bw)
+    report_header("# models of real sizes: inferd's default path against llama.cpp on the same file", setup, paths)
+    print("\n".join(lines))
+    check_rows(paths)
+    write_json(args.json, setup, rows, paths)
 
 
-def report(name: str, qtype: str, path: str, size: int, ours: list, theirs: list, bw: float) -> dict:
+def table_rows(name: str, path: str, ours: list, theirs: list) -> list[dict]:
+    from common import spread
+
+    out = []
+    for who, runs in (("inferd", ours), ("llama.cpp", theirs)):
+        for key in ("decode", "prefill", "load_s", "peak_rss") if runs else ():
+            out.append({"label": f"{who} {name} {key}", "file_bytes": os.path.getsize(path),
+                        **spread([r[key] for r in runs])})
+    return out
+
+
+def report(name: str, path: str, size: int, ours: list, theirs: list, bw: float) -> list[str]:
     gib = 2**30
-    # a decode step reads every weight but the token table once (and a tied head reads the table)
-    roof = bw * 1e9 / size
-    print(f"\n## {name} {qtype}: {path} ({size / gib:.2f} GiB); roofline ~{roof:.1f} tok/s at {bw:.1f} GB/s")
-    print(f"inferd    load {rng(ours, 'load_s', '{:.2f}')} s, peak RSS {med(ours, 'peak_rss') / gib:.2f} GiB "
-          f"({med(ours, 'peak_rss') / size:.2f}x the file), decode {rng(ours, 'decode')} tok/s, "
-          f"prefill {rng(ours, 'prefill')} tok/s")
-    print(f"          paths: {json.dumps(ours[-1]['paths'])}; dense fallback: {ours[-1]['dense_fallback']}")
-    row = {"model": name, "type": qtype, "file_bytes": size, "inferd": ours, "llamacpp": theirs}
+    roof = bw * 1e9 / size  # a decode step reads every weight once (a tied head reads the table)
+    out = [f"\n## {name}: {path} ({size / gib:.2f} GiB); decode roofline ~{roof:.1f} tok/s at {bw:.1f} GB/s",
+           f"inferd    load {rng(ours, 'load_s', '{:.2f}')} s, peak RSS {med(ours, 'peak_rss') / gib:.2f} GiB "
+           f"({med(ours, 'peak_rss') / size:.2f}x the file), decode {rng(ours, 'decode')} tok/s "
+           f"({med(ours, 'decode') / roof:.0%} of the roofline), prefill {rng(ours, 'prefill')} tok/s",
+           f"          dense fallback: {ours[-1]['dense_fallback']}"]
     if theirs:
-        print(f"llama.cpp load {rng(theirs, 'load_s', '{:.2f}')} s, peak RSS {med(theirs, 'peak_rss') / gib:.2f} GiB "
-              f"({med(theirs, 'peak_rss') / size:.2f}x), tg{ours and 128} {rng(theirs, 'decode')} tok/s, "
-              f"pp {rng(theirs, 'prefill')} tok/s")
+        out.append(f"llama.cpp load {rng(theirs, 'load_s', '{:.2f}')} s, peak RSS {med(theirs, 'peak_rss') / gib:.2f} "
+                   f"GiB ({med(theirs, 'peak_rss') / size:.2f}x), tg {rng(theirs, 'decode')} tok/s, "
+                   f"pp {rng(theirs, 'prefill')} tok/s")
         ratios = {"decode": med(ours, "decode") / med(theirs, "decode"),
                   "prefill": med(ours, "prefill") / med(theirs, "prefill"),
                   "load": med(ours, "load_s") / med(theirs, "load_s"),
-                  "peak_rss": med(ours, "peak_rss") / med(theirs, "peak_rss")}
-        print("ratios inferd / llama.cpp: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
-        row["ratios"] = ratios
+                  "peak RSS": med(ours, "peak_rss") / med(theirs, "peak_rss")}
+        out.append("ratios inferd / llama.cpp: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+        bound = 2 * med(theirs, "load_s") + 1
+        out.append(f"load bound 2 x llama.cpp's + 1 s = {bound:.2f} s: inferd "
+                   f"{'within' if med(ours, 'load_s') <= bound else 'OVER'}")
     bound = 1.3 * size + 1.25 * gib
-    print(f"memory bound 1.3 x file + 1.25 GiB = {bound / gib:.2f} GiB: inferd "
-          f"{'within' if med(ours, 'peak_rss') <= bound else 'OVER'}")
-    return row
+    out.append(f"memory bound 1.3 x file + 1.25 GiB = {bound / gib:.2f} GiB: inferd "
+               f"{'within' if med(ours, 'peak_rss') <= bound else 'OVER'}")
+    return out
 
 
 if __name__ == "__main__":
