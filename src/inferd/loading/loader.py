@@ -172,7 +172,7 @@ def build_skeleton(cfg: ModelConfig, plan, dtype, device) -> LlamaModel:
             raise InferdError(f"weight {path}: {e}, the config expects [{old.out_features}, {old.in_features}]") \
                 from None
     model.embed_tokens = _embedding(plan.embedding, cfg, dtype)
-    missing = []
+    missing, taken = [], set()
     for mod_name, mod in model.named_modules():
         if isinstance(mod, PlannedLinear):
             continue
@@ -190,8 +190,12 @@ def build_skeleton(cfg: ModelConfig, plan, dtype, device) -> LlamaModel:
             if tuple(part.shape) != tuple(param.shape):
                 raise InferdError(f"weight {full} has shape {tuple(part.shape)}, config expects {tuple(param.shape)}")
             mod._parameters[pname] = nn.Parameter(part.dense(dtype), requires_grad=False)
+            taken.add(full)
     if missing:
         raise InferdError(f"weights missing from the file: {sorted(missing)[:5]}")
+    unread = plan.unused + sorted(set(plan.tensors) - taken)
+    if unread:  # a tensor under a name nothing maps is a weight the model would silently go without
+        log.warning("%d tensors of the file are read by no layer: %s", len(unread), ", ".join(unread[:5]))
     return _finish(model, device)
 
 
