@@ -107,6 +107,13 @@ def add_engine_args(p: argparse.ArgumentParser):
     g.add_argument("--scheduling", default="continuous", choices=["continuous", "static"],
                    help="continuous: admit and retire sequences every step; static: run fixed batches to the "
                         "end (to compare)")
+    g.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
+                   help="auto: an encoder (BERT) runs as a pooling model, a decoder generates; pooling: "
+                        "embeddings from any model (/v1/embeddings, /pooling, /api/embed): one forward a request, "
+                        "no KV cache")
+    g.add_argument("--pooling", default=None, choices=["mean", "cls", "last"],
+                   help="how a pooling model makes one vector of a sequence's hidden states (default: the model's "
+                        "sentence-transformers files; else cls for an encoder, last for a decoder)")
     add_spec_args(p)
 
 
