@@ -58,6 +58,15 @@ def make_engine(cfg: EngineConfig, loaded=None, **kw):
     return LLMEngine(cfg, loaded=loaded, **kw)
 
 
+def pooling_paths(engine: "PoolingEngine") -> dict:
+    """What ran in a pooling engine (inferd.engine.paths' record, with the runner's counters)."""
+    from inferd.engine.paths import module_paths
+
+    return {"engine": "inferd", "runner": "pooling", "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            **module_paths(engine.model), "pooling": engine.pooling.mode, "steps": engine.stats.steps,
+            "prefill_tokens": engine.stats.prefill_tokens, "decode_tokens": 0, **engine.counters()}
+
+
 class _Queue:
     """The scheduler's face to the clients (AsyncLLM counts `waiting` and `running`)."""
 
@@ -167,7 +176,7 @@ class PoolingEngine:
                 "config": {**self.cache_info(), "max_num_seqs": self.config.max_num_seqs,
                            "max_num_batched_tokens": self.budget, "max_model_len": self.max_model_len,
                            "runner": "pooling", "pooling": self.pooling.mode},
-                "paths": {"runner": "pooling", "attention": self.runner_.strategy}}
+                "paths": pooling_paths(self)}
 
     # -- requests -----------------------------------------------------------------------------------
     def add_request(self, prompt, params=None, request_id: str | None = None, arrival: float | None = None,
