@@ -12,7 +12,7 @@ from inferd.model.pooling import SequenceAttention, pool
 
 
 class PoolingRunner:
-    def __init__(self, model, scale: float, causal: bool, strategy: str = "bucket"):
+    def __init__(self, model, scale: float, causal: bool, strategy: str = "kernel"):
         self.model = model
         self.scale = scale
         self.causal = causal  # a decoder run as a pooling model keeps its causal attention
@@ -24,6 +24,7 @@ class PoolingRunner:
         self.real_tokens = 0  # the sum of the sequences' lengths
         self.attention_padded_rows = 0  # rows attention computed past a sequence's end (its length buckets)
         self.max_batch_seqs = 0
+        self.kernel_forwards = 0  # forwards whose attention ran as the native varlen kernel
 
     def execute(self, prompts: list[list[int]], mode: str, normalize: list[bool]) -> list[list[float]]:
         lengths = [len(p) for p in prompts]
@@ -41,6 +42,7 @@ class PoolingRunner:
         self.tokens += hidden.shape[0]
         self.real_tokens += sum(lengths)
         self.attention_padded_rows += attn.padded_tokens
+        self.kernel_forwards += attn.kernel_calls > 0
         self.max_batch_seqs = max(self.max_batch_seqs, len(prompts))
         return vecs.tolist()
 
@@ -48,4 +50,4 @@ class PoolingRunner:
         return {"forwards": self.forwards, "sequences": self.sequences, "tokens": self.tokens,
                 "real_tokens": self.real_tokens, "padded_tokens": self.tokens - self.real_tokens,
                 "attention_padded_rows": self.attention_padded_rows, "max_batch_seqs": self.max_batch_seqs,
-                "attention": self.strategy}
+                "attention": self.strategy, "kernel_forwards": self.kernel_forwards}
