@@ -275,11 +275,13 @@ def test_served_embeddings_equal_sentence_transformers(server, oracle):
     assert_cos(vectors(post(server, "/v1/embeddings", {"model": "minilm", "input": ids[1]})), ref(oracle, short[1:]))
     b64 = post(server, "/v1/embeddings", {"model": "minilm", "input": short, "encoding_format": "base64"}).json()
     floats = vectors(post(server, "/v1/embeddings", {"model": "minilm", "input": short}))
+    # float32 both ways; another request's batch may round the matmuls' last bits differently
     for d, f in zip(b64["data"], floats):
         raw = base64.b64decode(d["embedding"])
-        assert torch.equal(torch.tensor(struct.unpack(f"<{len(raw) // 4}f", raw)), f)
+        assert len(raw) == 4 * 384
+        torch.testing.assert_close(torch.tensor(struct.unpack("<384f", raw)), f, atol=1e-6, rtol=0)
     pooled = post(server, "/pooling", {"model": "minilm", "input": short}).json()
-    assert torch.equal(torch.tensor([d["data"] for d in pooled["data"]]), floats)
+    torch.testing.assert_close(torch.tensor([d["data"] for d in pooled["data"]]), floats, atol=1e-6, rtol=0)
 
 
 class _Tok:
@@ -431,3 +433,33 @@ def test_inferd_bench_embeddings_workload(server, tmp_path):
     assert res["request_throughput"] > 0 and res["total_token_throughput"] > 0 and res["total_output_tokens"] == 0
     assert res["p99_e2el_ms"] >= res["median_e2el_ms"] > 0
     assert res["total_input_tokens_server"] >= 12 * 40
+
+
+def test_embeddings_benchmark_tiny(minilm_dir, tmp_path):
+    """benchmarks/embeddings.py --tiny: both contenders ran, the rows are medians with their spread,
+    and inferd's record shows one padding-free flat batch per call with the native attention."""
+    from pathlib import Path
+
+    from inferd.engine.paths import check_label
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "emb.json"
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "embeddings.py"), "--tiny", "--threads", "1",
+                        "--json", str(out)], cwd=root, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["cpu"] and doc["setup"]["batches"] == [1, 8]
+    assert set(doc["paths"]) == {"sentence-transformers fp32", "inferd", "inferd loop"}
+    for label, p in doc["paths"].items():
+        check_label(label, p)
+    inf = doc["paths"]["inferd"]
+    assert inf["runner"] == "pooling" and inf["padded_tokens"] == 0 and inf["tokens"] == inf["real_tokens"] > 0
+    from inferd.kernels import native
+
+    if native.load() is not None:
+        assert inf["attention"] == "kernel" and inf["kernel_forwards"] == inf["forwards"] > 0
+    assert doc["paths"]["inferd loop"]["attention"] == "loop"
+    rows = {(row["label"], row["batch"]): row for row in doc["rows"]}
+    assert len(rows) == 6 and all(row["min"] <= row["median"] <= row["max"] and row["median"] > 0
+                                  for row in rows.values())
+    assert "padding-free" in r.stdout and "paths that ran:" in r.stdout
