@@ -463,3 +463,27 @@ def test_embeddings_benchmark_tiny(minilm_dir, tmp_path):
     assert len(rows) == 6 and all(row["min"] <= row["median"] <= row["max"] and row["median"] > 0
                                   for row in rows.values())
     assert "padding-free" in r.stdout and "paths that ran:" in r.stdout
+
+
+@pytest.mark.parametrize("mode", ["last", "mean"])
+def test_served_decoder_with_runner_pooling_equals_transformers(tiny_chat_gguf, mode):
+    """`inferd serve --runner pooling` on a chat GGUF (its dequantized weights, fp32): /v1/embeddings'
+    vectors are transformers' normalised hidden states of the same file (transformers reads the GGUF),
+    for text and token-id inputs; the server then refuses chat."""
+    d, name = os.path.split(tiny_chat_gguf)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
+    s = ServerProc(["--model", tiny_chat_gguf, "--runner", "pooling", "--pooling", mode, "--quantization", "none",
+                    "--dtype", "float32", "--threads", "1"])
+    try:
+        s.wait_ready()
+        rng = random.Random(5)
+        seqs = [[rng.randrange(1, 2000) for _ in range(rng.randint(1, 60))] for _ in range(6)]
+        got = vectors(post(s, "/v1/embeddings", {"input": seqs}))
+        torch.testing.assert_close(got, hf_pooled(hf, seqs, mode), atol=1e-4, rtol=0)
+        ids = httpx.post(s.base + "/tokenize", json={"prompt": "a short text"}).json()["tokens"]
+        one = vectors(post(s, "/v1/embeddings", {"input": "a short text"}))
+        torch.testing.assert_close(one, hf_pooled(hf, [ids], mode), atol=1e-4, rtol=0)
+        r = post(s, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and "embedding model" in r.json()["error"]["message"]
+    finally:
+        s.stop()
