@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     llm = LLM(model="all-minilm-l6-v2", dtype="auto", threads=args.threads)
     loop = None if args.no_loop else LLM(loaded=llm.engine.loaded, threads=args.threads)
     if loop is not None:
-        loop.engine.runner_.strategy = "loop"
+        loop.engine.runner.strategy = "loop"
     batches = [int(b) for b in args.batches.split(",")]
     corpus = mixed_texts(args.texts, seed=0)
     tok = llm.tokenizer

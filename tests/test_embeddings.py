@@ -128,7 +128,7 @@ def test_minilm_fp32_is_exact(minilm_dir, oracle):
     want = ref(oracle, batch)
     got = torch.tensor([o.embedding for o in llm.embed(batch)])
     assert_cos(got, want, 0.999999)
-    llm.engine.runner_.strategy = "loop"
+    llm.engine.runner.strategy = "loop"
     loop = torch.tensor([o.embedding for o in llm.embed(batch)])
     torch.testing.assert_close(loop, got, atol=1e-5, rtol=0)
 

@@ -92,7 +92,7 @@ def model_pooling(cfg: EngineConfig, loaded) -> PoolingConfig:
 
 
 class PoolingEngine:
-    runner = "pooling"
+    kind = "pooling"  # the runner it is (LLMEngine generates)
 
     def __init__(self, config: EngineConfig, loaded=None):
         cfg = config.validate()
@@ -123,7 +123,7 @@ class PoolingEngine:
         # cut 64 texts into ~20 forwards: 2.6x slower, measured); never below one whole sequence
         self.budget = max(cfg.max_num_batched_tokens, self.max_model_len,
                           min(cfg.max_num_seqs * self.max_model_len, POOLING_BUDGET))
-        self.runner_ = PoolingRunner(self.model, attention_scale(mcfg), causal=not encoder)
+        self.runner = PoolingRunner(self.model, attention_scale(mcfg), causal=not encoder)
         self.scheduler = _Queue()
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
@@ -159,7 +159,7 @@ class PoolingEngine:
 
     def counters(self) -> dict:
         """The runner's counters: forwards, sequences, tokens computed against their real lengths."""
-        return self.runner_.counters()
+        return self.runner.counters()
 
     def state(self, steps: int = STEP_HISTORY) -> dict:
         """The dashboard's view (inferd.engine.state's shape where it applies; no KV cache)."""
@@ -263,7 +263,7 @@ class PoolingEngine:
             r.status = Status.RUNNING
         normalize = [self.pooling.normalize if r.params.normalize is None else r.params.normalize for r in batch]
         try:
-            vecs = self.runner_.execute([r.prompt_ids for r in batch], self.pooling.mode, normalize)
+            vecs = self.runner.execute([r.prompt_ids for r in batch], self.pooling.mode, normalize)
         except Exception as e:  # noqa: BLE001 - the step's requests fail; the engine goes on
             log.error("the pooling forward failed for %d request(s)", len(batch), exc_info=e)
             return out + self._finish(batch, None, f"the forward pass failed: {type(e).__name__}: {e}")
