@@ -270,6 +270,11 @@ def test_served_embeddings_equal_sentence_transformers(server, oracle):
     assert body["usage"] == {"prompt_tokens": n, "total_tokens": n} and body["model"] == "minilm"
     assert [d["index"] for d in body["data"]] == [0, 1, 2] and body["object"] == "list"
     assert_cos(vectors(post(server, "/v1/embeddings", {"model": "minilm", "input": mixed})), ref(oracle, mixed))
+    # the 64 inputs went to the engine as 64 requests and ran batched (the first may run alone: it
+    # starts a step before the rest arrive), every computed row a real token
+    state = httpx.get(server.base + "/v1/engine/state?steps=0", timeout=30).json()["engines"]
+    pool = next(e for e in state if e["model"] == "minilm")["counters"]["pooling"]
+    assert pool["max_batch_seqs"] >= 16 and pool["padded_tokens"] == 0 and pool["tokens"] == pool["real_tokens"]
     ids = [tok(t)["input_ids"] for t in short]
     assert_cos(vectors(post(server, "/v1/embeddings", {"model": "minilm", "input": ids})), ref(oracle, short))
     assert_cos(vectors(post(server, "/v1/embeddings", {"model": "minilm", "input": ids[1]})), ref(oracle, short[1:]))
