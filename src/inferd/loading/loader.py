@@ -175,6 +175,10 @@ def _no_default_init():
 
 def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor] | None, dtype, device,
                 seed: int = 0) -> LlamaModel:
+    if registry.by_name(cfg.architecture).encoder:  # BERT: its own names, no LM head (loading/encoder.py)
+        from inferd.loading.encoder import build_encoder
+
+        return build_encoder(cfg, state_dict, dtype, device, seed)
     # allocated where it runs, uninitialised (not on the meta device and then `to_empty`, whose
     # empty_like goes through torch's Python reference ops: ~1 s of every load)
     with torch.device(device), _no_default_init():
@@ -301,6 +305,8 @@ def _load(lc: LoadConfig, shard=None) -> LoadedModel:
         if lc.with_tokenizer and os.path.isfile(os.path.join(src.path, "tokenizer.json")):
             tok = _load_tokenizer(src.path)
     name = "awq" if checkpoint else (lc.quantization or "none")
+    if method is not None and registry.by_name(cfg.architecture).encoder:
+        raise InferdError(f"--quantization {name}: encoder models ({cfg.architecture}) are served unquantized")
     if method is not None and "gguf" in method.needs and (src.kind != "gguf" or dummy):
         raise InferdError("--quantization gguf needs a .gguf model file")
     if method is not None and "checkpoint" in method.needs and not checkpoint:
