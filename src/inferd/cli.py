@@ -108,6 +108,13 @@ def add_engine_args(p: argparse.ArgumentParser):
     g.add_argument("--scheduling", default="continuous", choices=["continuous", "static"],
                    help="continuous: admit and retire sequences every step; static: run fixed batches to the "
                         "end (to compare)")
+    g.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
+                   help="auto: an encoder (BERT) runs as a pooling model, a decoder generates; pooling: "
+                        "embeddings from any model (/v1/embeddings, /pooling, /api/embed): one forward a request, "
+                        "no KV cache")
+    g.add_argument("--pooling", default=None, choices=["mean", "cls", "last"],
+                   help="how a pooling model makes one vector of a sequence's hidden states (default: the model's "
+                        "sentence-transformers files; else cls for an encoder, last for a decoder)")
     add_spec_args(p)
 
 
@@ -289,7 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("action", nargs="*", help="`report TRACE.jsonl|SWEEP.json` recomputes a saved run (and "
                                              "redraws --html); `compare A.json B.json ...` puts results side by side")
     b.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, e.g. http://127.0.0.1:8000")
-    b.add_argument("--endpoint", default="/v1/completions", help="/v1/completions | /v1/chat/completions")
+    b.add_argument("--endpoint", default="/v1/completions",
+                   help="/v1/completions | /v1/chat/completions | /v1/embeddings (an embeddings workload: "
+                        "requests/s, latency percentiles, input tokens/s; /pooling and /api/embed too)")
     b.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
     b.add_argument("--api-key", default=None, help="Bearer token (default: $OPENAI_API_KEY if set)")
     b.add_argument("--dataset", default="random",

@@ -89,6 +89,11 @@ class EngineConfig:
     lora_modules: list | str | None = None
     max_loras: int = 1
     max_lora_rank: int = 16
+    # what the engine runs (vLLM's --runner): auto (an encoder pools, a decoder generates), generate,
+    # or pooling (embeddings: one forward a request, no KV cache; inferd.engine.pooling); --pooling
+    # overrides the model's own pooling (mean | cls | last)
+    runner: str = "auto"
+    pooling: str | None = None
 
     def validate(self):
         if self.block_size < 1:
@@ -143,6 +148,10 @@ class EngineConfig:
             self.lora_modules = [self.lora_modules]
         for spec in self.lora_modules or []:
             lora_module(spec)  # a malformed entry fails here, before any model loads
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise InferdError(f"unknown runner {self.runner!r} (choose auto, generate, pooling)")
+        if self.pooling not in (None, "mean", "cls", "last"):
+            raise InferdError(f"unknown pooling {self.pooling!r} (choose mean, cls, last)")
         if self.lora_modules and not self.enable_lora:
             self.enable_lora = True  # naming adapters asks for them (vLLM wants both flags; one is enough)
         if self.enable_lora:

@@ -35,6 +35,10 @@ class EngineInfo:
     # what a prompt may hold besides token ids: every family inferd serves today reads text only;
     # the server refuses a chat's image or audio parts until a model here takes them
     modalities: tuple[str, ...] = ("text",)
+    # generate, or pooling (embeddings: inferd.engine.pooling) with the model's pooling: mode,
+    # normalize and dimensions (the vector's length)
+    runner: str = "generate"
+    pooling: dict | None = None
     # how the load went (inferd.loading.report): seconds, peak resident memory, weights held, the
     # layers left dense for want of a kernel, by GGUF type
     load: dict = field(default_factory=dict)

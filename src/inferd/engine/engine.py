@@ -71,6 +71,9 @@ class LLMEngine:
 
             loaded = load_model(cfg.load_config(), shard=self.tp.shard if self.tp is not None else None)
         self.loaded = loaded
+        if getattr(loaded.model, "encoder", False):
+            raise InferdError(f"{loaded.config.architecture} is an encoder (embedding) model: it runs with "
+                              "--runner pooling (or auto), not generate")
         self.load_report = dict(getattr(loaded, "report", None) or {})  # how the load went (loading.report)
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inferd.errors import InferdError
-from inferd.server import chat, completions, web
+from inferd.server import chat, completions, embeddings, web
 from inferd.server.limits import Front, Limits
 from inferd.server.metrics import Metrics
 from inferd.server.models import Models
@@ -138,6 +138,7 @@ def create_app(models: Models, api_key: str | None = None, metrics: Metrics | No
     # -- generation -----------------------------------------------------------------------------
     app.include_router(completions.router(models))
     app.include_router(chat.router(models))
+    app.include_router(embeddings.router(models))  # /v1/embeddings, /pooling, /api/embed, /api/embeddings
     app.include_router(web.router(models, app.state))  # the chat page, the dashboard and its state JSON
     app.openapi = lambda: openapi_document(app)
     return app
