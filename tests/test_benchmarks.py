@@ -163,7 +163,10 @@ DOCS = ("README.md", "docs/performance.md")
 # the scripts of the README's headlines and the performance page's tables, each run by the suite in its
 # --tiny mode on a tiny Q4_1 GGUF; the flag each takes the model file by
 TINY = {"quant_decode.py": "--model", "serve_overhead.py": "--model", "llamacpp_server_bench.py": "--gguf",
-        "engine_vs_hf.py": "--model", "spec_decode.py": "--model", "w4a8_gemm.py": None, "real_sizes.py": None}
+        "engine_vs_hf.py": "--model", "spec_decode.py": "--model", "w4a8_gemm.py": None, "embeddings.py": None,
+        "real_sizes.py": None}
+# run in their tiny mode by their own module's test, with that feature's checks
+OWN_TEST = {"embeddings.py"}
 # cited with a command but not run here: kv_tier.py (11 servers and 6 routers: its --tiny takes over a
 # minute of two cores) and scheduling_bench.py (no number cited) have a --tiny the suite leaves to a
 # person; llamacpp.py and llamacpp_decode.py are the competitor's build and run, llama.cpp itself; the
@@ -310,7 +313,7 @@ def run_tiny(script: str, model: str, tmp_path) -> tuple[dict, str]:
     return doc, r.stdout
 
 
-@pytest.mark.parametrize("script", sorted(set(TINY) - {"quant_decode.py", "serve_overhead.py"}))
+@pytest.mark.parametrize("script", sorted(set(TINY) - {"quant_decode.py", "serve_overhead.py"} - OWN_TEST))
 def test_cited_command_runs_in_its_tiny_mode(script, tiny_q41_gguf, tmp_path):
     """The documented command with --tiny: every table of it at tiny sizes, in one round; llama.cpp's
     parts (they need it built) left out, saying so."""
