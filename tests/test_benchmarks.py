@@ -170,9 +170,11 @@ OWN_TEST = {"embeddings.py"}
 # cited with a command but not run here: kv_tier.py (11 servers and 6 routers: its --tiny takes over a
 # minute of two cores) and scheduling_bench.py (no number cited) have a --tiny the suite leaves to a
 # person; llamacpp.py and llamacpp_decode.py are the competitor's build and run, llama.cpp itself; the
-# rest are only listed in the performance page's table of scripts (their numbers are on other pages)
+# rest are only listed in the performance page's table of scripts (their numbers are on other pages;
+# gguf_repack.py's ops are held to the Python route by tests/test_repack.py)
 NOT_RUN = {"kv_tier.py", "scheduling_bench.py", "llamacpp.py", "llamacpp_decode.py", "decode_breakdown.py",
-           "structured.py", "scale_out.py", "disaggregated.py", "tensor_parallel.py", "soak.py", "dashboard.py"}
+           "structured.py", "scale_out.py", "disaggregated.py", "tensor_parallel.py", "soak.py", "dashboard.py",
+           "gguf_repack.py"}
 
 
 def doc_commands(doc: str) -> list[tuple[str, list[str]]]:
