@@ -220,7 +220,7 @@ def _embedding(part, cfg: ModelConfig, dtype) -> nn.Module:
 
 def tie_dense_head(model: nn.Module, cfg: ModelConfig) -> bool:
     """A tied model whose head and table are both dense floats holds the matrix once."""
-    head, emb = model.lm_head, model.embed_tokens
+    head, emb = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)  # an encoder has no head
     if not cfg.tie_word_embeddings or type(head) is not Linear or not isinstance(emb, nn.Embedding):
         return False
     if head.weight.shape != emb.weight.shape or head.weight.dtype != emb.weight.dtype or head.bias is not None:
