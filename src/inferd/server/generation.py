@@ -44,6 +44,7 @@ class Served:
         self.stall_timeout = limits.stall_timeout_s if limits is not None else None
         self.prompt_details = False  # usage.prompt_tokens_details (--enable-prompt-tokens-details)
         self.lora: str | None = None  # the LoRA adapter its requests run with (a request that names one)
+        self.reasoning_parser: str | None = None  # --reasoning-parser: splits <think> text from answers
 
     def with_adapter(self, name: str) -> "Served":
         """The same model answering as LoRA adapter `name` (vLLM's: the adapter is the `model`)."""
@@ -53,9 +54,9 @@ class Served:
         view.name, view.lora = name, name
         return view
 
-    def usage(self, prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict:
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached: int = 0, details: bool = False) -> dict:
         u = usage(prompt_tokens, completion_tokens)
-        if self.prompt_details:
+        if self.prompt_details or details:
             u["prompt_tokens_details"] = {"cached_tokens": cached}
         return u
 
@@ -213,8 +214,8 @@ class SSEResponse(StreamingResponse):
     longer than stall_timeout seconds ends the stream (its request is aborted, its KV blocks freed),
     so a client that stops reading cannot hold an engine slot without bound."""
 
-    def __init__(self, content, stall_timeout: float | None):
-        super().__init__(content, media_type="text/event-stream")
+    def __init__(self, content, stall_timeout: float | None, media_type: str = "text/event-stream"):
+        super().__init__(content, media_type=media_type)
         self.stall_timeout = stall_timeout
 
     async def stream_response(self, send) -> None:
@@ -256,6 +257,20 @@ async def primed(agen):
             await agen.aclose()
 
     return rest()
+
+
+async def framed(events, frame: Callable[[Any], str], on_error: Callable[[ApiError], str]):
+    """A dialect's events, each framed as its wire format writes it (`event:`/`data:` SSE, NDJSON);
+    an error after the stream started becomes the dialect's own error frame, which ends it."""
+    try:
+        async for ev in events:
+            yield frame(ev)
+    except ApiError as e:
+        yield on_error(e)
+
+
+def sse_event(name: str, data: dict) -> str:
+    return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
 async def sse(chunks):
