@@ -301,7 +301,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("action", nargs="*", help="`report TRACE.jsonl|SWEEP.json` recomputes a saved run (and "
                                              "redraws --html); `compare A.json B.json ...` puts results side by side")
     b.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, e.g. http://127.0.0.1:8000")
-    b.add_argument("--endpoint", default="/v1/completions", help="/v1/completions | /v1/chat/completions")
+    b.add_argument("--endpoint", default="/v1/completions",
+                   help="/v1/completions | /v1/chat/completions | /v1/responses | /v1/messages")
+    b.add_argument("--endpoint-type", default="auto", choices=["auto", "completions", "chat", "responses", "messages"],
+                   help="the API the endpoint speaks (auto: from its path): OpenAI's completions, chat completions "
+                        "or Responses API, or Anthropic's Messages; TTFT and TPOT are measured the same way in each")
     b.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
     b.add_argument("--api-key", default=None, help="Bearer token (default: $OPENAI_API_KEY if set)")
     b.add_argument("--dataset", default="random",

@@ -17,8 +17,9 @@ import os
 import re
 import time
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 
 from inferd.server.generation import ARRIVAL, SSEResponse, Served, framed, primed
 from inferd.server.models import Entry, Models, path_bytes, rfc3339
@@ -36,8 +37,23 @@ _DURATION = re.compile(r"(-?\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
 _UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
+class JSONBodies(APIRoute):
+    """Ollama's clients (and the curl lines of its docs) post JSON without saying so, or as a form:
+    every body of these routes is read as JSON."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def route(request: Request):
+            headers = [(k, v) for k, v in request.scope["headers"] if k != b"content-type"]
+            scope = {**request.scope, "headers": headers + [(b"content-type", b"application/json")]}
+            return await handler(Request(scope, request.receive))
+
+        return route
+
+
 def router(models: Models) -> APIRouter:
-    r = APIRouter()
+    r = APIRouter(route_class=JSONBodies)
 
     @r.post("/api/chat", responses={200: {"model": ChatResponse, "content": {NDJSON: {"schema": {"type": "string"}}}},
                                     **ERRORS})
@@ -376,15 +392,17 @@ def _read_facts(e: Entry) -> dict:
             path = default_model_path()
         except InferdError:
             path = None
-    facts = {"family": "", "format": "", "quantization": getattr(cfg, "quantization", "none"), "path": path}
+    quant = getattr(cfg, "quantization", "none")
+    facts = {"family": "", "format": "", "quantization": "" if quant in (None, "none", "auto") else quant,
+             "path": path}
     if path and os.path.isfile(path) and path.endswith(".gguf"):
         facts["format"] = "gguf"
         try:
             meta = read_gguf_metadata(path)
             facts["family"] = str(meta.get("general.architecture", ""))
             facts["parameter_size"] = str(meta.get("general.size_label", ""))
-            ft = meta.get("general.file_type")
-            facts["file_type"] = ft
+            if not facts["quantization"]:
+                facts["quantization"] = file_type_name(meta.get("general.file_type"))
         except InferdError:
             pass
     elif path and os.path.isdir(path):
@@ -401,7 +419,17 @@ def details(facts: dict) -> dict:
     fam = facts["family"]
     return {"parent_model": "", "format": facts["format"], "family": fam, "families": [fam] if fam else [],
             "parameter_size": facts.get("parameter_size", ""),
-            "quantization_level": "" if facts["quantization"] in (None, "none") else str(facts["quantization"])}
+            "quantization_level": facts["quantization"]}
+
+
+def file_type_name(ft) -> str:
+    """llama.cpp's file type number as Ollama names it (Q4_1, Q8_0, F16)."""
+    from gguf import LlamaFileType
+
+    try:
+        return LlamaFileType(int(ft)).name.removeprefix("MOSTLY_")
+    except (TypeError, ValueError):
+        return ""
 
 
 def modified(e: Entry) -> str:
