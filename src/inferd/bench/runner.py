@@ -319,7 +319,7 @@ def _http_error(resp: Response) -> str:
     return f"HTTP {resp.status}: {msg}".strip()
 
 
-def build_record(i: int, item, t0: int, prompt, kind: str, tokenizer) -> dict:
+def build_record(i: int, item, t0: int, prompt, endpoint_type: str, tokenizer) -> dict:
     sched, dispatch, slot, send, end, resp, kind, err, warm = item
     rec = {"type": "request", "index": i, "warmup": warm, "prompt_len": prompt.prompt_len,
            "output_len": prompt.output_len, "sched_ns": sched - t0, "dispatch_ns": dispatch - t0,
@@ -335,7 +335,7 @@ def build_record(i: int, item, t0: int, prompt, kind: str, tokenizer) -> dict:
         return rec
     if resp is None or resp.status is None:
         return rec
-    p = parse_events(resp, kind) if resp.sse else parse_plain(resp, kind)
+    p = parse_events(resp, endpoint_type) if resp.sse else parse_plain(resp, endpoint_type)
     for e in p["events"]:
         e[0] -= t0
     rec.update(events=p["events"], text=p["text"], response_id=p["response_id"], prompt_tokens=p["prompt_tokens"])

@@ -10,7 +10,9 @@ What Claude Code sends is taken as it comes: `anthropic-version` / `anthropic-be
 `?beta=true` (nothing here depends on them), `system` as blocks, `cache_control` on any block (the
 prefix cache keeps every full block of a prompt anyway: a repeated prefix is a hit without it),
 `metadata`, and `thinking` (the chat template's `enable_thinking`; the reasoning comes back as
-thinking blocks with --reasoning-parser). An earlier turn's thinking blocks go back to the template
+thinking blocks with --reasoning-parser). `output_config.format` (a JSON schema) is structured
+output; `temperature`, `top_p` and `top_k`, which Anthropic's newest SDK no longer offers, are still
+read when a client sends them. An earlier turn's thinking blocks go back to the template
 as that turn's reasoning.
 """
 from __future__ import annotations
@@ -93,7 +95,7 @@ def chat_body(req, srv: Served) -> dict:
     if req.tools:
         body["tools"] = [client_tool(t, i) for i, t in enumerate(req.tools)]
     tc = req.tool_choice
-    if tc is not None:
+    if tc is not None and (req.tools or tc.type not in ("auto", "none")):  # Claude Code sends auto without tools
         if tc.type == "tool":
             if not tc.name:
                 raise ApiError("tool_choice of type tool names the tool", param="tool_choice.name")
@@ -103,7 +105,10 @@ def chat_body(req, srv: Served) -> dict:
         if tc.disable_parallel_tool_use:
             body["parallel_tool_calls"] = False
     if req.thinking is not None and req.thinking.type != "adaptive":
-        body["chat_template_kwargs"] = {"enable_thinking": req.thinking.type == "enabled"}
+        body["chat_template_kwargs"] = {"enable_thinking": req.thinking.type != "disabled"}
+    fmt = req.output_config.format if req.output_config is not None else None
+    if fmt is not None:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}}
     if isinstance(req, MessagesRequest):
         body.update(max_tokens=req.max_tokens, stop=req.stop_sequences, temperature=req.temperature,
                     top_p=req.top_p, top_k=req.top_k, ignore_eos=req.ignore_eos)

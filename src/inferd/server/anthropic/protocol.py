@@ -67,8 +67,21 @@ class ToolChoice(Strict):
 
 class Thinking(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
-    type: Literal["enabled", "disabled", "adaptive"]
+    type: Literal["enabled", "disabled", "adaptive", "between_tools"]
     budget_tokens: Count | None = None
+
+
+class OutputFormat(Strict):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(BaseModel):
+    """Anthropic's output_config: `format` (a JSON schema the answer follows: structured output);
+    `effort` is the model's own business and is not read."""
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+    format: OutputFormat | None = None
+    effort: str | None = Field(None, max_length=16)
 
 
 class _Conversation(Strict):
@@ -78,6 +91,8 @@ class _Conversation(Strict):
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
+    cache_control: dict[str, Any] | None = None  # the whole prompt's marker: the prefix cache keeps it anyway
 
     @model_validator(mode="before")
     @classmethod

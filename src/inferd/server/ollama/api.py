@@ -16,6 +16,7 @@ import json
 import os
 import re
 import time
+import uuid
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -256,7 +257,7 @@ async def answer(srv: Served, req, chat, kind: str, ids: list[int] | None = None
     chat.max_tokens = output_budget(req, len(ids), srv.max_len)
     turn = prepare(srv, chat, ids)
     builder = OllamaBuilder(srv, req, kind, turn, arrival)
-    chunks = chat_chunks(srv, chat, turn, "ollama", 0, True, False, cached_details=True)
+    chunks = chat_chunks(srv, chat, turn, f"ollama-{uuid.uuid4().hex}", 0, True, False, cached_details=True)
     if req.stream:
         chunks = await primed(chunks)
 
@@ -374,25 +375,27 @@ _FACTS: dict[str, dict] = {}
 
 
 def model_facts(e: Entry) -> dict:
-    """Family, format and quantization of a served model, from its file's metadata (read once)."""
-    key = e.name
+    """Family, format and quantization of a served model: from its engine once loaded, from its
+    file's metadata (read once) before."""
+    info = e.served.info if e.served is not None else None
+    path = info.model_path if info is not None else e.spec.source_path
+    facts = dict(_file_facts(path, getattr(e.spec.config, "quantization", "none")))
+    if info is not None and info.architecture:
+        facts["family"] = info.architecture
+    return facts
+
+
+def _file_facts(path: str | None, quant: str | None) -> dict:
+    key = f"{path}\0{quant}"
     if key not in _FACTS:
-        _FACTS[key] = _read_facts(e)
+        _FACTS[key] = _read_facts(path, quant)
     return _FACTS[key]
 
 
-def _read_facts(e: Entry) -> dict:
+def _read_facts(path: str | None, quant: str | None) -> dict:
     from inferd.errors import InferdError
-    from inferd.gguf_file import default_model_path, read_gguf_metadata
+    from inferd.gguf_file import read_gguf_metadata
 
-    cfg = e.spec.config
-    path = e.spec.source_path
-    if path is None and getattr(cfg, "model", None) is None:
-        try:
-            path = default_model_path()
-        except InferdError:
-            path = None
-    quant = getattr(cfg, "quantization", "none")
     facts = {"family": "", "format": "", "quantization": "" if quant in (None, "none", "auto") else quant,
              "path": path}
     if path and os.path.isfile(path) and path.endswith(".gguf"):

@@ -153,7 +153,7 @@ def chat_body(req: ResponsesRequest, history: list[dict], items: list[dict], srv
             "parallel_tool_calls": req.parallel_tool_calls}
     if req.tools:
         body["tools"] = [function_tool(t, i) for i, t in enumerate(req.tools)]
-    if req.tool_choice is not None:
+    if req.tool_choice is not None and (req.tools or req.tool_choice not in ("auto", "none")):
         tc = req.tool_choice
         body["tool_choice"] = tc if isinstance(tc, str) else {"type": "function", "function": {"name": tc.name}}
     fmt = req.text.format if req.text is not None else None
