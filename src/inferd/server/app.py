@@ -69,7 +69,10 @@ def create_app(models: Models, api_key: str | None = None, metrics: Metrics | No
         if e.status_code == 404 and msg == "Not Found":
             msg = f"no such route (path: {request.url.path[:128]})"
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return answer(request, ApiError(msg, status=e.status_code, type_=kind, headers=getattr(e, "headers", None)))
+        headers = getattr(e, "headers", None)
+        if e.status_code == 405:  # every method of the path, not only the first route's that matched it
+            headers = {**(headers or {}), "Allow": ", ".join(allowed_methods(app, request.scope))}
+        return answer(request, ApiError(msg, status=e.status_code, type_=kind, headers=headers))
 
     if allowed_origins:  # CORS only when asked for (vLLM's --allowed-origins): a browser page elsewhere
         from starlette.middleware.cors import CORSMiddleware  # may not drive the API by default
@@ -159,6 +162,18 @@ def create_app(models: Models, api_key: str | None = None, metrics: Metrics | No
     app.include_router(web.router(models, app.state))  # the chat page, the dashboard and its state JSON
     app.openapi = lambda: openapi_document(app)
     return app
+
+
+def allowed_methods(app: FastAPI, scope) -> list[str]:
+    """The methods of every route whose path matches (a path such as /v1/responses/{id} has one
+    route a method)."""
+    from starlette.routing import Match
+
+    methods: set[str] = set()
+    for route in app.router.routes:
+        if getattr(route, "methods", None) and route.matches(scope)[0] != Match.NONE:
+            methods |= route.methods
+    return sorted(methods)
 
 
 def openapi_document(app: FastAPI) -> dict:

@@ -654,6 +654,12 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+# A streamed answer in the OpenAPI document: each server-sent event (its `event` name, if it has one,
+# and its `data`, one JSON document or [DONE]), as OpenAPI before 3.2 describes an event stream
+SSE_CONTENT = {"text/event-stream": {"schema": {
+    "type": "object", "properties": {"event": {"type": "string"}, "data": {"type": "string"}}, "required": ["data"]}}}
+
+
 def error_responses(*statuses: int) -> dict:
     """OpenAPI `responses` entries: an OpenAI error body for each status."""
     return {s: {"model": ErrorResponse, "description": _REASONS.get(s, "error")} for s in statuses}

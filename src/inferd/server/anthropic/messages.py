@@ -29,7 +29,7 @@ from inferd.server.dialects import anthropic_error
 from inferd.server.generation import SSEResponse, Served, framed, primed, sse_event
 from inferd.server.models import Models
 from inferd.server.openai.chat import chat_chunks, chat_request, prepare, render
-from inferd.server.protocol import COMMON_ERRORS, ApiError, check_part
+from inferd.server.protocol import COMMON_ERRORS, SSE_CONTENT, ApiError, check_part
 
 ERRORS = anthropic_error_responses(*COMMON_ERRORS, 404, 500)
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
@@ -39,7 +39,7 @@ def router(models: Models) -> APIRouter:
     r = APIRouter()
 
     @r.post("/v1/messages", responses={
-        200: {"model": MessageResponse, "content": {"text/event-stream": {"schema": {"type": "string"}}}}, **ERRORS})
+        200: {"model": MessageResponse, "content": SSE_CONTENT}, **ERRORS})
     async def messages(req: MessagesRequest):
         """Anthropic's Messages API over the served model (text, client tools, thinking)."""
         async with models.use(req.model) as srv:

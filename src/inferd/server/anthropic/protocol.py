@@ -140,7 +140,7 @@ def check_messages(msgs):
         at = f"messages[{i}]"
         if not isinstance(m, dict):
             raise ApiError(f"{at} is {kind(m)}: a message is an object with a role and content", param=at)
-        if m.get("role") not in ROLES:
+        if not isinstance(m.get("role"), str) or m["role"] not in ROLES:
             raise ApiError(f"{at}.role is {shown(m.get('role')) if 'role' in m else 'missing'}: a role is user or "
                            "assistant (the system prompt is the top-level system field)", param=f"{at}.role")
         content = m.get("content")
@@ -155,7 +155,7 @@ def check_messages(msgs):
                 raise ApiError(f'{where} is {kind(b)}: a content block is an object such as {{"type": "text", '
                                '"text": "..."}', param=where)
             t = b.get("type")
-            if t not in BLOCK_TYPES:
+            if not isinstance(t, str) or t not in BLOCK_TYPES:
                 raise ApiError(f"{where}.type is {shown(t) if 'type' in b else 'missing'}: a content block is one of "
                                f"{', '.join(BLOCK_TYPES)}", param=f"{where}.type")
             need = {"text": "text", "tool_use": "name", "tool_result": "tool_use_id"}.get(t)

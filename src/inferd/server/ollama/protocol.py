@@ -110,7 +110,7 @@ def check_messages(msgs):
         at = f"messages[{i}]"
         if not isinstance(m, dict):
             raise ApiError(f"{at} is {kind(m)}: a message is an object with a role and content", param=at)
-        if m.get("role") not in ROLES:
+        if not isinstance(m.get("role"), str) or m["role"] not in ROLES:
             raise ApiError(f"{at}.role is {shown(m.get('role')) if 'role' in m else 'missing'}: a role is one of "
                            f"{', '.join(ROLES)}", param=f"{at}.role")
         if "content" in m and not isinstance(m["content"], str):

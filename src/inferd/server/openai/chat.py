@@ -19,8 +19,8 @@ from inferd.engine.request import SamplingParams
 from inferd.errors import InferdError
 from inferd.server.generation import Served, logprob_sum, respond
 from inferd.server.models import Models
-from inferd.server.protocol import (COMMON_ERRORS, ApiError, ChatCompletionRequest, ChatCompletionResponse,
-                                    error_responses, validation_error)
+from inferd.server.protocol import (COMMON_ERRORS, SSE_CONTENT, ApiError, ChatCompletionRequest,
+                                    ChatCompletionResponse, error_responses, validation_error)
 from inferd.server.reasoning import REASONING, ReasoningSplit, prompt_opens_block
 from inferd.server.tools import call_stream, tool_constraint, tool_mode
 
@@ -29,7 +29,7 @@ def router(models: Models) -> APIRouter:
     r = APIRouter()
 
     @r.post("/v1/chat/completions", responses={
-        200: {"model": ChatCompletionResponse, "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+        200: {"model": ChatCompletionResponse, "content": SSE_CONTENT},
         **error_responses(*COMMON_ERRORS, 404, 500)})
     async def chat(req: ChatCompletionRequest):
         async with models.use(req.model) as srv:

@@ -27,7 +27,7 @@ from inferd.server.openai.chat import chat_chunks, chat_request, prepare
 from inferd.server.openai.responses_protocol import (DeletedResponse, InputItemList, ResponseObject,
                                                      ResponsesRequest)
 from inferd.server.openai.store import ResponseStore
-from inferd.server.protocol import COMMON_ERRORS, ApiError, check_part, error_responses
+from inferd.server.protocol import COMMON_ERRORS, SSE_CONTENT, ApiError, check_part, error_responses
 
 ENCRYPTED = "reasoning.encrypted_content"
 OPAQUE_PREFIX = "inferd-reasoning:"  # our own opaque reasoning; anyone else's is not ours to read
@@ -39,7 +39,7 @@ def router(models: Models, store: ResponseStore) -> APIRouter:
     rid_path = Path(max_length=256)
 
     @r.post("/v1/responses", responses={
-        200: {"model": ResponseObject, "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+        200: {"model": ResponseObject, "content": SSE_CONTENT},
         **error_responses(*COMMON_ERRORS, 404, 500)})
     async def create(req: ResponsesRequest):
         """OpenAI's Responses API over the served model (text, function tools, `text.format`)."""

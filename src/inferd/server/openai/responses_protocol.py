@@ -146,12 +146,12 @@ def check_input(v):
         if t is None:
             raise ApiError(f"{at} has no type and no role: give a message's role, or the item's type "
                            f"({', '.join(ITEM_TYPES)})", param=at)
-        if t not in ITEM_TYPES:
+        if not isinstance(t, str) or t not in ITEM_TYPES:
             raise ApiError(f"{at}.type is {shown(t)}: this server takes input items of type "
                            f"{', '.join(ITEM_TYPES)}", param=f"{at}.type")
         if t == "message":
             role = item.get("role")
-            if role not in ROLES:
+            if not isinstance(role, str) or role not in ROLES:
                 raise ApiError(f"{at}.role is {shown(role) if 'role' in item else 'missing'}: a message's role is "
                                f"one of {', '.join(ROLES)}", param=f"{at}.role")
             _check_parts(item.get("content"), f"{at}.content", allow_none=False)
