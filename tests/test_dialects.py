@@ -658,3 +658,17 @@ def test_bench_loads_the_responses_and_messages_routes(srv, tmp_path, endpoint):
     assert res["endpoint_type"] == endpoint.rsplit("/", 1)[-1]
     assert res["output_tokens_source"] == {"usage": 3}
     assert res["mean_ttft_ms"] > 0 and res["mean_tpot_ms"] > 0
+
+
+def test_metrics_count_requests_by_route_and_dialect(srv):
+    """/metrics: every route's answers by dialect and status (the requests of this module so far)."""
+    text = httpx.get(srv.base + "/metrics", headers=srv.auth, timeout=30).text
+    seen = {(s.labels["route"], s.labels["dialect"], s.labels["status"])
+            for fam in text_string_to_metric_families(text) if fam.name == "inferd:http_requests"
+            for s in fam.samples if s.name.endswith("_total")}
+    for want in (("/v1/responses", "openai", "200"), ("/v1/responses/{id}", "openai", "404"),
+                 ("/v1/messages", "anthropic", "200"), ("/v1/messages", "anthropic", "401"),
+                 ("/v1/messages/count_tokens", "anthropic", "200"), ("/api/chat", "ollama", "200"),
+                 ("/api/generate", "ollama", "200"), ("/api/tags", "ollama", "200"), ("/api/pull", "ollama", "400"),
+                 ("/v1/chat/completions", "openai", "200")):
+        assert want in seen, (want, sorted(seen))

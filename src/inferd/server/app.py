@@ -11,6 +11,7 @@ client can cause is a 4xx in the error shape of the dialect its path speaks (dia
 from __future__ import annotations
 
 import contextlib
+import re
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -70,8 +71,9 @@ def create_app(models: Models, api_key: str | None = None, metrics: Metrics | No
             msg = f"no such route (path: {request.url.path[:128]})"
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         headers = getattr(e, "headers", None)
-        if e.status_code == 405:  # every method of the path, not only the first route's that matched it
-            headers = {**(headers or {}), "Allow": ", ".join(allowed_methods(app, request.scope))}
+        methods = allowed_methods(app, request.url.path) if e.status_code == 405 else None
+        if methods:  # every method of the path, not only the first route's that matched it
+            headers = {**(headers or {}), "Allow": ", ".join(methods)}
         return answer(request, ApiError(msg, status=e.status_code, type_=kind, headers=headers))
 
     if allowed_origins:  # CORS only when asked for (vLLM's --allowed-origins): a browser page elsewhere
@@ -164,16 +166,15 @@ def create_app(models: Models, api_key: str | None = None, metrics: Metrics | No
     return app
 
 
-def allowed_methods(app: FastAPI, scope) -> list[str]:
-    """The methods of every route whose path matches (a path such as /v1/responses/{id} has one
-    route a method)."""
-    from starlette.routing import Match
-
-    methods: set[str] = set()
-    for route in app.router.routes:
-        if getattr(route, "methods", None) and route.matches(scope)[0] != Match.NONE:
-            methods |= route.methods
-    return sorted(methods)
+def allowed_methods(app: FastAPI, path: str) -> list[str] | None:
+    """The methods the OpenAPI document gives the path (a path such as /v1/responses/{id} has a
+    route a method, of which Starlette's 405 names only the first), or None for a path it lacks."""
+    for template, ops in openapi_document(app).get("paths", {}).items():
+        parts = re.split(r"(\{[^/{}]+\})", template)
+        pattern = "".join("[^/]+" if p.startswith("{") else re.escape(p) for p in parts)
+        if re.fullmatch(pattern, path):
+            return sorted(m.upper() for m in ops)
+    return None
 
 
 def openapi_document(app: FastAPI) -> dict:
