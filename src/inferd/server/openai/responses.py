@@ -18,6 +18,7 @@ import base64
 import json
 import time
 import uuid
+from typing import Literal
 
 from fastapi import APIRouter, Path
 
@@ -60,10 +61,14 @@ def router(models: Models, store: ResponseStore) -> APIRouter:
 
     @r.get("/v1/responses/{response_id}/input_items", responses={200: {"model": InputItemList},
                                                                   **error_responses(*COMMON_ERRORS, 404)})
-    async def input_items(response_id: str = rid_path):
+    async def input_items(response_id: str = rid_path, order: Literal["asc", "desc"] = "desc"):
+        """The items the response answered (its conversation before its output), newest first unless
+        `order=asc`, as OpenAI lists them."""
         st = stored(store, response_id)
         n_out = len(st.response["output"])
         items = st.conversation[:len(st.conversation) - n_out]
+        if order == "desc":
+            items = items[::-1]
         return {"object": "list", "data": items, "first_id": items[0].get("id") if items else None,
                 "last_id": items[-1].get("id") if items else None, "has_more": False}
 
