@@ -557,7 +557,7 @@ def test_chat_reasoning_content(think):
 
 def test_responses_reasoning_item_and_codex_round_trip(think):
     c = oai(think, key="x")
-    r = c.responses.create(model="think.gguf", input="hi", max_output_tokens=20, temperature=0, store=False,
+    r = c.responses.create(model="think.gguf", input="hi", max_output_tokens=100000, temperature=0, store=False,
                            include=["reasoning.encrypted_content"], reasoning={"effort": "medium", "summary": "auto"})
     assert [o.type for o in r.output] == ["reasoning", "message"]
     reasoning = r.output[0]
@@ -592,7 +592,8 @@ def test_responses_reasoning_item_and_codex_round_trip(think):
 
 def test_messages_thinking_blocks(think):
     c = claude(think, key="x")
-    m = c.messages.create(model="think.gguf", max_tokens=20, **GREEDY, messages=[{"role": "user", "content": "hi"}],
+    # max_tokens past the context (512) is a ceiling, as Claude Code's 32,000 is meant
+    m = c.messages.create(model="think.gguf", max_tokens=32000, **GREEDY, messages=[{"role": "user", "content": "hi"}],
                           thinking={"type": "enabled", "budget_tokens": 1024})
     assert [b.type for b in m.content] == ["thinking", "text"]
     assert m.content[0].thinking == THINKING_REASONING and m.content[0].signature
@@ -677,3 +678,25 @@ def test_metrics_count_requests_by_route_and_dialect(srv):
                  ("/api/generate", "ollama", "200"), ("/api/tags", "ollama", "200"), ("/api/pull", "ollama", "400"),
                  ("/v1/chat/completions", "openai", "200")):
         assert want in seen, (want, sorted(seen))
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/responses", {"input": QUESTION, "stream": True, "max_output_tokens": 1000, "ignore_eos": True}),
+    ("/v1/messages", {"messages": [{"role": "user", "content": QUESTION}], "stream": True, "max_tokens": 1000,
+                      "ignore_eos": True}),
+    ("/api/chat", {"model": MODEL, "messages": [{"role": "user", "content": QUESTION}],
+                   "options": {"num_predict": 1000}}),
+])
+def test_a_client_that_leaves_a_stream_frees_its_request(srv, path, body):
+    """Closing the connection mid-stream aborts the engine request: nothing runs, no KV block held."""
+    with httpx.stream("POST", srv.base + path, json=body, headers=srv.auth, timeout=TIMEOUT) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        for _ in range(4):
+            next(lines)
+
+    def idle():
+        m = metrics(srv)
+        return m["inferd:num_requests_running"] == 0 and m["inferd:kv_cache_usage_perc"] == 0
+
+    wait_until(idle, 60, "the abandoned request to be aborted")

@@ -81,9 +81,11 @@ class Served:
     def token_str(self, t: int) -> str:
         return self.tok.decode([t], skip_special_tokens=False)
 
-    def max_tokens_for(self, req_max: int | None, n_prompt: int) -> int:
+    def max_tokens_for(self, req_max: int | None, n_prompt: int, ceiling: bool = False) -> int:
+        """`ceiling`: the request's max_tokens bounds the output rather than demands it (Anthropic's and
+        the Responses API's meaning): past the context it stops at the context's end."""
         try:
-            return resolve_max_tokens(req_max, n_prompt, self.max_len)
+            return resolve_max_tokens(req_max, n_prompt, self.max_len, clamp=ceiling)
         except InferdError as e:
             raise ApiError(str(e), param="max_tokens") from None
 
@@ -259,6 +261,23 @@ async def primed(agen):
     return rest()
 
 
+async def translated(chunks: AsyncIterator[Chunk], start: Callable[[], list], feed: Callable[[Chunk], list],
+                     finish: Callable[[], list]):
+    """A dialect's events made from the chat stream by its translator (`start()`, `feed(chunk)`,
+    `finish()`, each a list of events). Leaving it early (a client gone) closes the chat stream at
+    once, which aborts the engine request and frees its blocks."""
+    try:
+        for ev in start():
+            yield ev
+        async for c in chunks:
+            for ev in feed(c):
+                yield ev
+        for ev in finish():
+            yield ev
+    finally:
+        await chunks.aclose()
+
+
 async def framed(events, frame: Callable[[Any], str], on_error: Callable[[ApiError], str]):
     """A dialect's events, each framed as its wire format writes it (`event:`/`data:` SSE, NDJSON);
     an error after the stream started becomes the dialect's own error frame, which ends it."""
@@ -267,6 +286,8 @@ async def framed(events, frame: Callable[[Any], str], on_error: Callable[[ApiErr
             yield frame(ev)
     except ApiError as e:
         yield on_error(e)
+    finally:
+        await events.aclose()
 
 
 def sse_event(name: str, data: dict) -> str:

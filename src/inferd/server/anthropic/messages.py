@@ -26,7 +26,7 @@ from fastapi import APIRouter
 from inferd.server.anthropic.protocol import (CountTokensRequest, CountTokensResponse, MessageResponse,
                                               MessagesRequest, anthropic_error_responses)
 from inferd.server.dialects import anthropic_error
-from inferd.server.generation import SSEResponse, Served, framed, primed, sse_event
+from inferd.server.generation import SSEResponse, Served, framed, primed, sse_event, translated
 from inferd.server.models import Models
 from inferd.server.openai.chat import chat_chunks, chat_request, prepare, render
 from inferd.server.protocol import COMMON_ERRORS, SSE_CONTENT, ApiError, check_part
@@ -56,27 +56,19 @@ def router(models: Models) -> APIRouter:
 
 async def create_message(srv: Served, req: MessagesRequest):
     chat = chat_request(chat_body(req, srv))
-    turn = prepare(srv, chat)
+    turn = prepare(srv, chat, ceiling=True)  # Claude Code asks for 32,000 tokens whatever the context
     builder = MessageBuilder(srv, req, len(turn.ids))
     chunks = chat_chunks(srv, chat, turn, builder.id, 0, True, False, cached_details=True)
     if req.stream:  # the engine takes the request (or refuses it: a status) before the stream starts
         chunks = await primed(chunks)
 
-    async def events():
-        for ev in builder.start():
-            yield ev
-        async for c in chunks:
-            for ev in builder.feed(c):
-                yield ev
-        for ev in builder.finish():
-            yield ev
-
+    events = translated(chunks, builder.start, builder.feed, builder.finish)
     if req.stream:
         def on_error(e: ApiError) -> str:
             return sse_event("error", anthropic_error(e.message, e.status))
 
-        return SSEResponse(framed(events(), lambda ev: sse_event(ev["type"], ev), on_error), srv.stall_timeout)
-    async for _ in events():
+        return SSEResponse(framed(events, lambda ev: sse_event(ev["type"], ev), on_error), srv.stall_timeout)
+    async for _ in events:
         pass
     return builder.message
 

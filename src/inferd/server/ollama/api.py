@@ -22,7 +22,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 
-from inferd.server.generation import ARRIVAL, SSEResponse, Served, framed, primed
+from inferd.server.generation import ARRIVAL, SSEResponse, Served, framed, primed, translated
 from inferd.server.models import Entry, Models, path_bytes, rfc3339
 from inferd.server.ollama.protocol import (ChatRequest, ChatResponse, GenerateRequest, GenerateResponse, ModelTags,
                                            ShowRequest, ShowResponse, Version, ollama_error_responses)
@@ -261,17 +261,11 @@ async def answer(srv: Served, req, chat, kind: str, ids: list[int] | None = None
     if req.stream:
         chunks = await primed(chunks)
 
-    async def lines():
-        async for c in chunks:
-            for line in builder.feed(c):
-                yield line
-        for line in builder.finish():
-            yield line
-
+    lines = translated(chunks, list, builder.feed, builder.finish)  # Ollama's stream has no opening line
     if req.stream:
-        return SSEResponse(framed(lines(), lambda d: json.dumps(d, ensure_ascii=False) + "\n",
+        return SSEResponse(framed(lines, lambda d: json.dumps(d, ensure_ascii=False) + "\n",
                                   lambda e: json.dumps({"error": e.message}) + "\n"), srv.stall_timeout, NDJSON)
-    async for _ in lines():
+    async for _ in lines:
         pass
     return JSONResponse(builder.body)
 

@@ -70,9 +70,10 @@ def render(srv: Served, req: ChatCompletionRequest) -> list[int]:
         raise ApiError(str(e), param="messages") from None
 
 
-def prepare(srv: Served, req: ChatCompletionRequest, ids: list[int] | None = None) -> ChatTurn:
-    """Render (unless the prompt's `ids` are given), resolve max_tokens, sampling and the tool
-    constraint: every 400 before the engine."""
+def prepare(srv: Served, req: ChatCompletionRequest, ids: list[int] | None = None,
+            ceiling: bool = False) -> ChatTurn:
+    """Render (unless the prompt's `ids` are given), resolve max_tokens (a ceiling within the
+    context with `ceiling`), sampling and the tool constraint: every 400 before the engine."""
     mode, name = tool_mode(req)
     if ids is None:
         ids = render(srv, req)
@@ -80,7 +81,7 @@ def prepare(srv: Served, req: ChatCompletionRequest, ids: list[int] | None = Non
     top = req.top_logprobs if req.logprobs else None
     if req.logprobs and top is None:
         top = 0
-    params = req.sampling_params(srv.max_tokens_for(mt_req, len(ids)), top)
+    params = req.sampling_params(srv.max_tokens_for(mt_req, len(ids), ceiling), top)
     tc = tool_constraint(req, mode, name)
     if tc is not None:
         if params.structured_outputs is not None:

@@ -22,7 +22,7 @@ from typing import Literal
 
 from fastapi import APIRouter, Path
 
-from inferd.server.generation import SSEResponse, Served, framed, primed, sse_event
+from inferd.server.generation import SSEResponse, Served, framed, primed, sse_event, translated
 from inferd.server.models import Models
 from inferd.server.openai.chat import chat_chunks, chat_request, prepare
 from inferd.server.openai.responses_protocol import (DeletedResponse, InputItemList, ResponseObject,
@@ -96,27 +96,23 @@ async def create_response(srv: Served, req: ResponsesRequest, store: ResponseSto
         history = prev.conversation
     items = input_items_of(req)
     chat = chat_request(chat_body(req, history, items, srv))
-    turn = prepare(srv, chat)
+    turn = prepare(srv, chat, ceiling=True)
     builder = ResponseBuilder(srv, req, turn.params)
     chunks = chat_chunks(srv, chat, turn, builder.id, builder.created, True, False, cached_details=True)
     if req.stream:  # the engine takes the request (or refuses it: a status) before the stream starts
         chunks = await primed(chunks)
 
-    async def events():
-        for ev in builder.start():
-            yield ev
-        async for c in chunks:
-            for ev in builder.feed(c):
-                yield ev
-        for ev in builder.finish():
-            yield ev
+    def finish() -> list[dict]:
+        events = builder.finish()
         if req.store:
             store.put(builder.response, history + items + builder.response["output"])
+        return events
 
+    events = translated(chunks, builder.start, builder.feed, finish)
     if req.stream:
-        return SSEResponse(framed(events(), lambda ev: sse_event(ev["type"], ev), stream_error(builder)),
+        return SSEResponse(framed(events, lambda ev: sse_event(ev["type"], ev), stream_error(builder)),
                            srv.stall_timeout)
-    async for _ in events():
+    async for _ in events:
         pass
     return builder.response
 
