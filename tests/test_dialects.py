@@ -116,6 +116,46 @@ def sse(s, path, body, headers=None) -> list[tuple[str, dict]]:
     return out
 
 
+# -- the pieces without a server: the reasoning split, the store -----------------------------------------
+
+@pytest.mark.parametrize("parser,opened,text,want", [
+    ("qwen3", False, "<think>\nLet me think.\n</think>\n\nHello!", ("Let me think.", "Hello!")),
+    ("qwen3", False, "Hello <b>there</b>!", ("", "Hello <b>there</b>!")),  # no think block: all answer
+    ("qwen3", False, "<think>cut short", ("cut short", "")),
+    ("qwen3", True, "Let me\n think.</think>Hi", ("Let me\n think.", "Hi")),  # the template opened the block
+    ("deepseek_r1", False, "Let me think.\n</think>\n\nHi", ("Let me think.", "Hi")),
+    ("deepseek_r1", False, "<think>a < b </thi", ("a < b </thi", "")),  # an unfinished tag is text at the end
+])
+def test_reasoning_split_is_the_same_however_the_text_is_cut(parser, opened, text, want):
+    from inferd.server.reasoning import ReasoningSplit
+
+    for step in range(1, len(text) + 1):
+        split = ReasoningSplit(parser, opened)
+        pieces = [p for i in range(0, len(text), step) for p in split.feed(text[i:i + step])] + split.finish()
+        got = tuple("".join(t for k, t in pieces if k == kind) for kind in ("reasoning", "content"))
+        assert got == want, (step, pieces)
+
+
+def test_store_bounds_entries_bytes_and_time():
+    from inferd.server.openai.store import ResponseStore, json_size
+
+    now = [0.0]
+    store = ResponseStore(max_entries=3, max_bytes=2000, ttl_s=10, clock=lambda: now[0])
+
+    def put(i, pad=0):
+        return store.put({"id": f"r{i}", "output": []}, [{"type": "message", "content": "x" * pad}])
+
+    for i in range(5):
+        assert put(i)
+    assert len(store) == 3 and store.get("r0") is None and store.get("r4") is not None and store.evicted == 2
+    assert store.bytes == sum(json_size(s.response) + json_size(s.conversation) for s in store.entries.values())
+    assert put(9, pad=1850) and store.get("r9") is not None  # the bytes bound: the oldest went to fit it
+    assert len(store) < 3 and store.bytes <= 2000 and store.get("r2") is None
+    assert not put(10, pad=5000) and store.get("r10") is None  # alone past the bound: not kept
+    now[0] = 11.0
+    assert len(store) == 0 and store.bytes == 0  # past its time to live
+
+
 # -- OpenAI's Responses API ----------------------------------------------------------------------------
 
 def test_responses_plain_and_streamed_equal_chat(srv):
