@@ -173,8 +173,7 @@ def test_dp2_greedy_fp32_equals_the_reference_loop():
             t.start()
         for t in ts:
             t.join()
-        near_ties = compare_texts(outs, [(r.token_ids, r.logits) for r in refs], tok)
-        print("near ties:", near_ties)
+        compare_texts(outs, [(r.token_ids, r.logits) for r in refs], tok, max_ties=1)
         m = samples(httpx.get(srv.base + "/metrics", timeout=10).text)
         served = [sum(series(m, "inferd:request_success_total", engine=e).values()) for e in (0, 1)]
         assert all(s > 0 for s in served), served  # both engines answered some of them

@@ -550,8 +550,10 @@ def test_a_failed_request_alone_gets_500_and_the_rest_complete(servers):
 
 @contextlib.contextmanager
 def _open_stream(s, max_tokens=1000):
-    """A greedy completion stream on server s, once its first event came: (first event, the rest)."""
-    body = {"prompt": "Once", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    """A greedy completion stream on server s, once its first event came: (first event, the rest);
+    its last chunk before [DONE] carries the usage."""
+    body = {"prompt": "Once", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
     with httpx.stream("POST", s.base + "/v1/completions", json=body, timeout=120) as r:
         lines = r.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
@@ -580,8 +582,8 @@ def test_sigterm_drains_open_streams_then_exits_0(servers):
         assert rest[-1] == "[DONE]"
         n = sum(len(json.loads(e)["choices"][0]["text"]) > 0 for e in [first, *rest[:-1]] if json.loads(e)["choices"])
         assert n > 100  # the stream ran to its end after the signal
-        usage = json.loads(rest[-2]).get("usage") if len(rest) > 1 else None
-        assert usage is None or usage["completion_tokens"] == 1000
+        usage = json.loads(rest[-2])["usage"]  # every token was generated and counted, none cut by the drain
+        assert usage["completion_tokens"] == 1000, usage
         assert s.proc.wait(60) == 0
         assert not engine_socket_dirs(s.proc.pid)  # the engine's sockets went with it
     finally:

@@ -492,7 +492,7 @@ def test_disaggregated_prefill_and_decode_deployments_on_two_nodes(two_nodes, de
     from inferd.engine.engine import LLMEngine
 
     hosts = two_nodes
-    eng = LLMEngine(model=default_gguf_path, dtype="float32", kv_cache_memory=SMALL_KV, threads=1)
+    eng = LLMEngine(model=default_gguf_path, quantization="none", dtype="float32", kv_cache_memory=SMALL_KV, threads=1)
     tok = eng.tokenizer
     ref = run_recording(eng, [(tok.encode(p), 12) for p in PROMPTS])
     eng.close()
@@ -510,7 +510,7 @@ def test_disaggregated_prefill_and_decode_deployments_on_two_nodes(two_nodes, de
         assert out.returncode == 0, out.stderr[-3000:] + app.log.read_text()[-3000:]
         res = json.loads(out.stdout.strip().splitlines()[-1])
         texts = {i: t for i, (t, _, _) in enumerate(res["out"])}
-        assert compare_texts(texts, ref, tok) <= 1
+        compare_texts(texts, ref, tok, max_ties=1)
         assert all(cached == prompt - 1 for _, prompt, cached in res["out"]), res["out"]
         assert res["ingress"]["paths"] == {"disagg": len(PROMPTS), "fallback": 0, "ineligible": 0}
         print(f"disaggregated on Ray: prefill on {nodes['InferdPrefill']}, decode on {nodes['InferdEngine']}; "
@@ -570,7 +570,7 @@ def test_tensor_parallel_ranks_on_two_ray_nodes(two_nodes, default_gguf_path, tm
     from inferd.engine.engine import LLMEngine
 
     hosts = two_nodes
-    eng = LLMEngine(model=default_gguf_path, dtype="float32", kv_cache_memory=SMALL_KV, threads=1)
+    eng = LLMEngine(model=default_gguf_path, quantization="none", dtype="float32", kv_cache_memory=SMALL_KV, threads=1)
     ref = [(ids[:16], logits[:16]) for ids, logits in run_recording(eng, [(eng.tokenizer.encode(p), 16) for p in PROMPTS])]
     tok = eng.tokenizer
     eng.close()
@@ -592,7 +592,7 @@ def test_tensor_parallel_ranks_on_two_ray_nodes(two_nodes, default_gguf_path, tm
     log = log_path.read_text()
     assert "tensor parallel: 2 ranks over gloo on 2 node(s), ray executor" in log
     assert f"Ray: joined RAY_ADDRESS={hosts.address}\n" in log
-    assert compare_texts(dict(enumerate(res["texts"])), ref, tok) <= 1
+    compare_texts(dict(enumerate(res["texts"])), ref, tok, max_ties=1)
     tokens = 16 * len(PROMPTS)
     assert res["moved"] > tokens * 61 * 576 * 4, res["moved"]  # each decode token: >= 61 all-reduces of a row
     assert client.stdout.readline().strip() == b"KILL"

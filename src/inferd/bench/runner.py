@@ -34,11 +34,14 @@ async def sleep_until(deadline_ns: int) -> None:
 
 # Anthropic's API requires max_tokens: a request whose dataset names no output length gets this
 MESSAGES_MAX_TOKENS = 1024
-ENDPOINT_TYPES = ("completions", "chat", "responses", "messages")
+ENDPOINT_TYPES = ("completions", "chat", "responses", "messages", "embeddings")
 
 
 def endpoint_type(endpoint: str) -> str:
-    """The API an endpoint path speaks, for --endpoint-type auto."""
+    """The API an endpoint path speaks, for --endpoint-type auto (embeddings: /v1/embeddings, /pooling,
+    /api/embed: one answer, no output tokens; latency is the whole request's)."""
+    if "embed" in endpoint or endpoint.rstrip("/").endswith("/pooling"):
+        return "embeddings"
     for kind, part in (("chat", "chat"), ("responses", "responses"), ("messages", "messages")):
         if part in endpoint:
             return kind
@@ -48,6 +51,11 @@ def endpoint_type(endpoint: str) -> str:
 def request_body(cfg: dict, prompt: str, output_len: int | None) -> bytes:
     kind = cfg["endpoint_type"]
     body: dict = {"model": cfg["model"]} if cfg.get("model") else {}
+    if kind == "embeddings":  # one forward, one JSON answer: no stream, no output tokens
+        body["input"] = prompt
+        for k, v in (cfg.get("extra_body") or {}).items():
+            body.pop(k, None) if v is None else body.__setitem__(k, v)
+        return json.dumps(body).encode()
     if kind in ("chat", "messages"):
         body["messages"] = [{"role": "user", "content": prompt}]
     elif kind == "responses":
@@ -280,6 +288,21 @@ def parse_events(resp: Response, kind: str) -> dict:
             "prompt_tokens": prompt_tokens, "response_id": rid, "error": err, "done": done}
 
 
+def parse_embeddings(resp: Response) -> dict:
+    """An embeddings answer: its latency is the whole request's (no first token); usage counts the
+    input tokens the server embedded."""
+    body = b"".join(resp.body)
+    try:
+        d = json.loads(body)
+        n = len(d["data"] if "data" in d else d["embeddings"])
+    except (ValueError, KeyError, TypeError):
+        return {"events": [], "text": "", "completion_tokens": None, "prompt_tokens": None, "response_id": None,
+                "error": f"unexpected response body: {body[:100]!r}", "done": False}
+    usage = d.get("usage") if isinstance(d.get("usage"), dict) else {}
+    return {"events": [], "text": "", "completion_tokens": 0, "response_id": d.get("id"), "error": None,
+            "prompt_tokens": usage.get("prompt_tokens", d.get("prompt_eval_count")), "done": n > 0}
+
+
 def _plain_text(d: dict, kind: str) -> str:
     if kind == "responses":
         return "".join(c.get("text") or "" for item in d.get("output") or () if item.get("type") == "message"
@@ -335,7 +358,8 @@ def build_record(i: int, item, t0: int, prompt, endpoint_type: str, tokenizer) -
         return rec
     if resp is None or resp.status is None:
         return rec
-    p = parse_events(resp, endpoint_type) if resp.sse else parse_plain(resp, endpoint_type)
+    p = (parse_embeddings(resp) if endpoint_type == "embeddings" else parse_events(resp, endpoint_type) if resp.sse
+         else parse_plain(resp, endpoint_type))
     for e in p["events"]:
         e[0] -= t0
     rec.update(events=p["events"], text=p["text"], response_id=p["response_id"], prompt_tokens=p["prompt_tokens"])

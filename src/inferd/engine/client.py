@@ -37,6 +37,10 @@ class EngineInfo:
     modalities: tuple[str, ...] = ("text",)
     architecture: str = ""  # the model's family (ModelConfig.architecture): what APIs that describe a model tell
     model_path: str | None = None  # the file or folder the weights came from (None: built in)
+    # generate, or pooling (embeddings: inferd.engine.pooling) with the model's pooling: mode,
+    # normalize and dimensions (the vector's length)
+    runner: str = "generate"
+    pooling: dict | None = None
 
 
 @runtime_checkable

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inferd.errors import InferdError
-from inferd.server import anthropic, ollama, openai, web
+from inferd.server import anthropic, embeddings, ollama, openai, web
 from inferd.server.dialects import dialect_of, error_body
 from inferd.server.limits import Front, Limits
 from inferd.server.metrics import Metrics
@@ -161,6 +161,7 @@ def create_app(models: Models, api_key: str | None = None, metrics: Metrics | No
     app.include_router(openai.router(models, store))
     app.include_router(anthropic.router(models))
     app.include_router(ollama.router(models))
+    app.include_router(embeddings.router(models))  # /v1/embeddings, /pooling, /api/embed, /api/embeddings
     app.include_router(web.router(models, app.state))  # the chat page, the dashboard and its state JSON
     app.openapi = lambda: openapi_document(app)
     return app

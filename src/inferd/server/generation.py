@@ -81,9 +81,22 @@ class Served:
     def token_str(self, t: int) -> str:
         return self.tok.decode([t], skip_special_tokens=False)
 
+    def require_runner(self, runner: str):
+        """A generation route to an embedding model, or an embedding route to a generating one: a 400
+        saying which the model answers."""
+        have = getattr(self.info, "runner", "generate")
+        if have == runner:
+            return
+        if have == "pooling":
+            raise ApiError(f"model `{self.name}` is an embedding model: it answers /v1/embeddings, /pooling and "
+                           "/api/embed, not text generation", param="model")
+        raise ApiError(f"model `{self.name}` generates text and has no embeddings: serve an embedding model, or "
+                       "this one with --runner pooling", param="model")
+
     def max_tokens_for(self, req_max: int | None, n_prompt: int, ceiling: bool = False) -> int:
         """`ceiling`: the request's max_tokens bounds the output rather than demands it (Anthropic's and
         the Responses API's meaning): past the context it stops at the context's end."""
+        self.require_runner("generate")
         try:
             return resolve_max_tokens(req_max, n_prompt, self.max_len, clamp=ceiling)
         except InferdError as e:

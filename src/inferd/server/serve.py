@@ -252,13 +252,12 @@ def model_specs(args) -> list:
     if multi and args.served_model_name:
         raise InferdError("--served-model-name names one model: with several, name each as --model NAME=PATH "
                           "or with name: in the config's models list")
-    if multi and getattr(args, "lora_modules", None):
-        raise InferdError("--lora-modules with several models: give each model its adapters as lora_modules in "
-                          "the config's models list")
+    # with several models each --lora-modules adapter goes to the one it fits (attach_flag_adapters)
+    flag_adapters = getattr(args, "lora_modules", None) if multi else None
     keep = args.keep_alive
     if keep is None:
         keep = DEFAULT_KEEP_ALIVE_S if multi else -1
-    base = EngineConfig.from_args(_without(args, "model"))
+    base = EngineConfig.from_args(_without(args, *(("model", "lora_modules") if flag_adapters else ("model",))))
     fields = EngineConfig.field_names()
     specs, seen = [], set()
     for i, ent in enumerate(entries):
@@ -285,7 +284,23 @@ def model_specs(args) -> list:
         specs.append(ModelSpec(name=str(name), config=cfg, aliases=aliases, preload=preload or not multi,
                                keep_alive=parse_keep_alive(ka), source_path=path if path and os.path.exists(path)
                                else None))
+    if flag_adapters:
+        attach_flag_adapters(specs, flag_adapters)
     return specs
+
+
+def attach_flag_adapters(specs: list, flags: list) -> None:
+    """`--lora-modules` beside several models: each adapter into the config of the model it fits
+    (inferd.engine.adapters), after the adapters a YAML entry gave its model itself."""
+    from inferd.config import lora_module
+    from inferd.engine.adapters import assign_adapters
+
+    placed = assign_adapters([lora_module(f) for f in flags], [(s.name, s.aliases, s.config.model, s.config.load_format) for s in specs])
+    for s in specs:
+        if placed[s.name]:
+            s.config.lora_modules = [*(s.config.lora_modules or []), *placed[s.name]]
+            s.config.validate()
+            log.info("model %s: LoRA adapters %s", s.name, ", ".join(m.split("=", 1)[0] for m in placed[s.name]))
 
 
 def split_named(spec: str) -> dict:
