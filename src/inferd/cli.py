@@ -175,7 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--system", default=None, help="system message")
     c.set_defaults(func=cmd_chat)
 
-    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (streaming, Prometheus /metrics)")
+    sv = sub.add_parser("serve", help="HTTP server speaking OpenAI's, Anthropic's and Ollama's APIs (streaming, "
+                                      "Prometheus /metrics)")
     add_model_args(sv, several=True)
     add_engine_args(sv)
     add_lora_args(sv)
@@ -183,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     sv.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     sv.add_argument("--served-model-name", default=None, help="model id the API reports and accepts")
-    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or INFERD_API_KEY)")
+    sv.add_argument("--api-key", default=None,
+                    help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' (or INFERD_API_KEY)")
     sv.add_argument("--max-waiting", type=int, default=512, help="queued requests beyond this get 503")
     sv.add_argument("--log-level", default="info", help="debug | info | warning | error")
     sv.add_argument("--max-request-body-bytes", type=int, default=4 * 1024 * 1024,
@@ -211,6 +213,17 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--enable-prompt-tokens-details", action="store_true",
                     help="usage.prompt_tokens_details.cached_tokens in answers: prompt tokens not computed "
                          "for this request (prefix cache hits, KV pulled from a prefill worker)")
+    sv.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                    help="split a thinking model's <think>...</think> text from its answer: chat's "
+                         "reasoning_content, Responses' reasoning items, Anthropic's thinking blocks, Ollama's "
+                         "thinking")
+    rg = sv.add_argument_group("the Responses API's store (previous_response_id, GET /v1/responses/ID)")
+    rg.add_argument("--responses-store-entries", type=int, default=1024,
+                    help="most responses kept; past it the oldest go (0: keep none)")
+    rg.add_argument("--responses-store-bytes", default="64MiB",
+                    help="most bytes of kept responses and their conversations (JSON); past it the oldest go")
+    rg.add_argument("--responses-store-ttl", type=float, default=3600.0,
+                    help="seconds a response stays retrievable after it was made")
     mg = sv.add_argument_group("several models (repeated --model, or models: in the --config YAML)")
     mg.add_argument("--preload", action="store_true",
                     help="load every model at start (default with one model; with several each loads on its "
@@ -297,8 +310,12 @@ def build_parser() -> argparse.ArgumentParser:
                                              "redraws --html); `compare A.json B.json ...` puts results side by side")
     b.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, e.g. http://127.0.0.1:8000")
     b.add_argument("--endpoint", default="/v1/completions",
-                   help="/v1/completions | /v1/chat/completions | /v1/embeddings (an embeddings workload: "
-                        "requests/s, latency percentiles, input tokens/s; /pooling and /api/embed too)")
+                   help="/v1/completions | /v1/chat/completions | /v1/responses | /v1/messages | /v1/embeddings "
+                        "(an embeddings workload: requests/s, latency percentiles, input tokens/s; /pooling and "
+                        "/api/embed too)")
+    b.add_argument("--endpoint-type", default="auto", choices=["auto", "completions", "chat", "responses", "messages", "embeddings"],
+                   help="the API the endpoint speaks (auto: from its path): OpenAI's completions, chat completions "
+                        "or Responses API, Anthropic's Messages, or embeddings; TTFT and TPOT are measured the same way in each")
     b.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
     b.add_argument("--api-key", default=None, help="Bearer token (default: $OPENAI_API_KEY if set)")
     b.add_argument("--dataset", default="random",

@@ -201,7 +201,8 @@ class LLMEngine:
     def info(self) -> EngineInfo:
         """What a client of this engine knows of it (inferd.engine.client)."""
         return EngineInfo(self.loaded.source.name, self.tokenizer, self.max_model_len, self.model_config.vocab_size,
-                          self.spec is not None, os.getpid(), self.cache_info(), load=self.load_report)
+                          self.spec is not None, os.getpid(), self.cache_info(),
+                          architecture=self.model_config.architecture, model_path=self.loaded.source.path, load=self.load_report)
 
     def tokenizer_path(self) -> str | None:
         """The file another process loads this engine's tokenizer from (None: no tokenizer)."""

@@ -96,6 +96,10 @@ class Metrics:
         # reading (LoRA-aware routers, e.g. the Gateway API Inference Extension, read the newest series)
         self.lora_info = Gauge("inferd:lora_requests_info", "LoRA adapters of running and waiting requests.",
                                ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
+        # one series per route and dialect (OpenAI, Anthropic, Ollama) and status: which APIs are used
+        self.http_requests = Counter("inferd:http_requests", "HTTP requests answered, by route, API dialect "
+                                     "(openai, anthropic, ollama) and status.", ["route", "dialect", "status"],
+                                     registry=r)
         self.cache_config = Gauge("inferd:cache_config_info", "KV cache configuration (value 1).",
                                   L + ["block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching"],
                                   registry=r)
@@ -245,6 +249,19 @@ class Metrics:
                     lab = self.labels(key[1], name)
                     for g in (self.running, self.waiting, self.kv_usage):
                         g.labels(**lab).set(0)
+
+    def watch_store(self, store):
+        """The Responses API's store: its size read at every scrape (it is bounded: store.py)."""
+        r = self.registry
+        Gauge("inferd:responses_store_entries", "Responses kept for previous_response_id and GET /v1/responses.",
+              registry=r).set_function(lambda: len(store))
+        Gauge("inferd:responses_store_bytes", "Bytes of the kept responses and their conversations (JSON).",
+              registry=r).set_function(lambda: store.stats()["bytes"])
+        Gauge("inferd:responses_store_evictions", "Responses evicted from the store (its bounds or time to live) "
+              "since the start.", registry=r).set_function(lambda: store.evicted)
+
+    def on_response(self, route: str, dialect: str, status: int):
+        self.http_requests.labels(route=route, dialect=dialect, status=str(status)).inc()
 
     def labels(self, engine: int = 0, model: str | None = None) -> dict:
         return {"model_name": model or self.model_name, "engine": str(engine)}
