@@ -124,8 +124,10 @@ class LLMEngine:
                 name, path = lora_module(spec)
                 self.lora.add(name, path)
             self.scheduler.max_loras = cfg.max_loras
+        # verify chunks of every length the configuration allows (k + 1 rows) go through the decode kernel
+        rows = {"max_rows": cfg.num_speculative_tokens + 1} if cfg.speculative_method is not None else {}
         self.runner = ModelRunner(self.model, attention(self.pool, mcfg.head_dim, window, scale=attention_scale(mcfg),
-                                                        layout=layout, softcap=mcfg.attn_logit_softcapping),
+                                                        layout=layout, softcap=mcfg.attn_logit_softcapping, **rows),
                                   cfg.enforce_eager,
                                   comm=self.tp.comm if self.tp is not None else None, lora=self.lora)
         self.requests: dict[str, Request] = {}
