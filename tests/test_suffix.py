@@ -1,0 +1,215 @@
+"""Suffix decoding (inferd.engine.speculative.suffix) and the cost model (cost.py): the structures
+by themselves, the shared cache's bound and isolation, the choice of draft lengths, vLLM's
+--speculative-config spelling; then the engine: lossless greedy at batch 1 and 16 with preemption,
+prefix caching, a grammar and LoRA rows in the batch, the distribution kept under sampling, the
+cost model skipping rows that do not pay, and the counters that prove each path ran."""
+from __future__ import annotations
+
+import gc
+import random
+import tracemalloc
+
+import pytest
+
+from inferd.config import EngineConfig, parse_speculative_config
+from inferd.engine.engine import LLMEngine
+from inferd.engine.request import Request, SamplingParams
+from inferd.engine.speculative.cost import Calibration, StepCost, choose_lengths
+from inferd.engine.speculative.suffix import SuffixCache, SuffixProposer, TokenIndex, walk
+from inferd.errors import InferdError
+from helpers import assert_speculated, compare, mixed_requests, reference_outputs, run_spec
+
+
+# -- the structures -----------------------------------------------------------------------------
+
+def _req(rid, prompt, out=(), **params):
+    r = Request(rid, list(prompt), SamplingParams(max_tokens=64, temperature=0, **params))
+    r.output_ids = list(out)
+    return r
+
+
+def test_index_finds_the_longest_context_and_counts_continuations():
+    idx = TokenIndex(vocab=100)
+    idx.extend(0, [1, 2, 3, 4, 9, 9, 2, 3, 4, 5, 7, 1, 2, 3, 4])
+    ctx = idx.seqs[0]
+    cands = idx.candidates(ctx)  # the last three tokens (2 3 4) occurred twice before with a token after
+    assert sorted(p for _, p in cands) == [4, 9]
+    prop = SuffixProposer(vocab=100, max_cached_requests=0)
+    d = prop.draft(_req("a", [1, 2, 3, 4, 9, 9, 2, 3, 4, 5, 7, 1, 2, 3, 4]), 8)
+    # "1 2 3 4" is the longest context that occurred before (at 0): its continuation, share 1
+    assert d.match_len == 4 and d.tokens[:4] == [9, 9, 2, 3] and d.probs[:4] == [1.0] * 4
+    assert d.source == "request"
+    # a draft is at most spec_factor x the context's length (vLLM's max_spec_factor)
+    prop = SuffixProposer(vocab=100, spec_factor=0.5, max_cached_requests=0)
+    assert len(prop.draft(_req("a", [1, 2, 3, 4, 9, 9, 2, 3, 4, 5, 7, 1, 2, 3, 4]), 8).tokens) == 2
+
+
+def test_walk_follows_the_majority_and_stops_below_min_prob():
+    s1, s2, s3 = [5, 6, 7, 8], [5, 6, 7, 9], [5, 6, 1, 2]
+    occ = [(s1, 1), (s2, 1), (s3, 1)]  # all three after "5"
+    toks, probs, support, score, live = walk(occ, 3, min_prob=0.1)
+    assert toks == [6, 7, 8] and probs == [1.0, 2 / 3, 0.5] and support == [3, 3, 2]
+    assert score == pytest.approx(1 + 2 / 3 + 1 / 3) and live == [(s1, 1)]
+    toks, *_ = walk(occ, 3, min_prob=0.5)  # 1 * 2/3 = 0.67 >= 0.5, then 0.33 < 0.5: stop
+    assert toks == [6, 7]
+
+
+def test_drop_removes_exactly_a_sequences_entries():
+    rng = random.Random(0)
+    idx = TokenIndex(vocab=20)
+    seqs = {sid: [rng.randrange(20) for _ in range(rng.randint(1, 60))] for sid in range(8)}
+    for sid, s in seqs.items():
+        idx.extend(sid, s[:len(s) // 2])
+        idx.extend(sid, s[len(s) // 2:])  # in two pieces: the entry across the seam too
+    assert idx.num_entries() == sum(max(0, len(s) - 1) + max(0, len(s) - 2) for s in seqs.values())
+    for sid in (3, 0, 7):
+        assert idx.drop(sid) == len(seqs.pop(sid))
+    assert idx.num_tokens == sum(len(s) for s in seqs.values())
+    assert idx.num_entries() == sum(max(0, len(s) - 1) + max(0, len(s) - 2) for s in seqs.values())
+    for sid in list(seqs):
+        idx.drop(sid)
+    assert not idx.bi and not idx.tri and idx.num_tokens == 0
+
+
+def test_shared_cache_drafts_across_requests_within_a_namespace_only():
+    prop = SuffixProposer(vocab=1000)
+    text = list(range(100, 160))
+    first = _req("a", [1, 2, 3], text)
+    prop.draft(first, 8)  # indexes its output into the shared cache
+    prop.free("a")
+    # another request that starts writing the same text drafts its continuation from the cache
+    d = prop.draft(_req("b", [7, 8], text[:5]), 8)
+    assert d is not None and d.source == "cache" and d.tokens == text[5:10]
+    assert prop.from_cache == 1
+    # another tenant (cache_salt) or adapter sees nothing of it; nor does a request that opted out
+    assert prop.draft(_req("c", [7, 8], text[:5], cache_salt="tenant-2"), 8) is None
+    lora = _req("d", [7, 8], text[:5])
+    lora.lora = "adapter-1"
+    assert prop.draft(lora, 8) is None
+    assert prop.draft(_req("e", [7, 8], text[:5], suffix_cache=False), 8) is None
+    # ... and an opted-out request's output is not kept
+    prop.draft(_req("f", [9], list(range(500, 540)), suffix_cache=False), 4)
+    prop.free("f")
+    assert prop.draft(_req("g", [7], list(range(500, 505))), 4) is None
+
+
+def test_shared_cache_stays_within_its_bound():
+    """Fed five times its bound in tokens: it keeps at most the bound, drops the least recently used
+    first, its index holds exactly the entries of what it keeps, and its memory stops growing."""
+    bound = 5_000
+    cache = SuffixCache(vocab=50_000, max_requests=10_000, max_tokens=bound)
+    rng = random.Random(1)
+
+    def feed(n_tokens):
+        fed = 0
+        while fed < n_tokens:
+            sid = cache.new_seq((None, rng.choice([None, "t1", "t2"])))
+            n = rng.randint(50, 400)
+            for i in range(0, n, 37):  # as a running request grows
+                cache.extend(sid, [rng.randrange(50_000) for _ in range(min(37, n - i))])
+            fed += n
+            assert cache.num_tokens <= bound
+    gc.collect()
+    tracemalloc.start()
+    feed(bound)
+    gc.collect()
+    at_bound = tracemalloc.get_traced_memory()[0]
+    feed(4 * bound)
+    gc.collect()
+    after = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    assert cache.evicted > 0 and cache.num_tokens <= bound
+    kept = sum(len(s) for idx in cache.spaces.values() for s in idx.seqs.values())
+    assert kept == cache.num_tokens
+    assert cache.num_entries() == sum(max(0, len(s) - 1) + max(0, len(s) - 2)
+                                      for idx in cache.spaces.values() for s in idx.seqs.values())
+    print(f"memory at the bound {at_bound / 2**20:.1f} MiB, after 5x {after / 2**20:.1f} MiB "
+          f"({after / bound:.0f} bytes a token)")
+    assert after < 1.5 * at_bound
+    # least recently used first: a sequence touched (drafted from) survives one that was not
+    c = SuffixCache(vocab=100, max_requests=2, max_tokens=1000)
+    a, b = c.new_seq(()), c.new_seq(())
+    c.extend(a, [1, 2, 3])
+    c.extend(b, [4, 5, 6])
+    c.touch([a])
+    c.new_seq(())
+    assert c.alive(a) and not c.alive(b)
+    # a count bound of requests too (vLLM's suffix_decoding_max_cached_requests)
+    assert len(c.lru) == 2
+
+
+# -- the cost model -----------------------------------------------------------------------------
+
+def test_step_cost_is_monotone_and_bounded_by_single_rows():
+    c = StepCost([(1, 1.0), (2, 5.0), (4, 1.2), (8, 2.0)])
+    assert c(1) == 1.0 and c(2) == 2.0  # a noisy 5.0 is capped at two one-row steps
+    assert c(4) == 2.0  # never below a smaller step
+    assert c(16) == pytest.approx(2.0)  # past the last point: the last segment's slope (flat here)
+    assert StepCost([(1, 1.0), (4, 1.3), (8, 2.1)])(6) == pytest.approx(1.7)
+
+
+def test_choose_lengths_pays_for_rows():
+    flat = StepCost([(1, 1.0), (64, 1.0)])  # rows are free: verify everything with a chance
+    assert choose_lengths([[0.9, 0.5, 0.01], [0.2]], 2, 2, flat) == [3, 1]
+    linear = StepCost([(1, 1.0), (64, 64.0)])  # every row costs a decode row: nothing pays
+    assert choose_lengths([[0.9, 0.8], [0.7]], 16, 16, linear) == [0, 0]
+    # batch 1, an extra row costs 5 %: a guess pays when it is accepted more than ~5 % of the time
+    b1 = StepCost([(1, 1.0), (2, 1.05), (17, 1.8)])
+    ks = choose_lengths([[0.99, 0.97, 0.9, 0.02]], 1, 1, b1)
+    assert ks == [3]
+    assert choose_lengths([[0.01]], 1, 1, b1) == [0]
+
+
+def test_calibration_learns_from_verification():
+    from inferd.engine.speculative.suffix import Draft
+
+    cal = Calibration()
+    d = Draft([1, 2, 3], [1.0, 1.0, 1.0], [1, 1, 1], 3, "request")
+    first = cal.expected("r", d)
+    assert 0 < first[2] < first[1] < first[0] < 1
+    for _ in range(30):  # such drafts are never accepted: their expectation falls
+        cal.update("r", d, cal.expected("r", d), 3, 0)
+    low = cal.expected("r", d)
+    assert low[0] < 0.2 * first[0]
+    cal = Calibration()
+    for _ in range(30):  # ... always accepted: it rises
+        cal.update("s", d, cal.expected("s", d), 3, 3)
+    assert cal.expected("s", d)[0] > 0.9
+
+
+# -- configuration ------------------------------------------------------------------------------
+
+def test_speculative_config_in_vllms_spelling():
+    cfg = EngineConfig(speculative_config='{"method": "suffix", "num_speculative_tokens": 16, '
+                                          '"suffix_decoding_max_tree_depth": 32, "suffix_decoding_max_spec_factor": 2,'
+                                          ' "suffix_decoding_min_token_prob": 0.2, '
+                                          '"suffix_decoding_max_cached_requests": 500}').validate()
+    assert (cfg.speculative_method, cfg.num_speculative_tokens, cfg.suffix_max_tree_depth, cfg.suffix_max_spec_factor,
+            cfg.suffix_min_token_prob, cfg.suffix_max_cached_requests) == ("suffix", 16, 32, 2.0, 0.2, 500)
+    # vLLM: suffix guesses as many tokens as the tree is deep unless told
+    assert parse_speculative_config({"method": "suffix"})["num_speculative_tokens"] == 24
+    ng = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2,
+                                          "prompt_lookup_max": 3}).validate()
+    assert (ng.speculative_method, ng.num_speculative_tokens, ng.ngram_min, ng.ngram_max) == ("ngram", 5, 2, 3)
+    dm = EngineConfig(speculative_config='{"method": "draft_model", "model": "self:layers=1", '
+                                         '"num_speculative_tokens": 2}').validate()
+    assert (dm.speculative_method, dm.draft_model) == ("draft", "self:layers=1")
+
+
+@pytest.mark.parametrize("value, msg", [
+    ("{not json", "not valid JSON"),
+    ('{"method": "eagle"}', "method must be one of"),
+    ('{"method": "suffix", "draft_tensor_parallel_size": 2}', "unknown or unsupported key"),
+    ('{"method": "suffix", "num_speculative_tokens": "16"}', "num_speculative_tokens must be int"),
+    ('{"method": "suffix", "suffix_decoding_min_token_prob": 2}', "min_token_prob must be in"),
+    ('{"method": "suffix", "num_speculative_tokens": 1000}', "at most 64"),
+    ('[1]', "must be a JSON object"),
+])
+def test_bad_speculative_config_is_one_error(value, msg):
+    with pytest.raises(InferdError, match=msg):
+        EngineConfig(speculative_config=value).validate()
+
+
+def test_speculative_config_and_method_together_are_refused():
+    with pytest.raises(InferdError, match="not both"):
+        EngineConfig(speculative_config='{"method": "suffix"}', speculative_method="ngram").validate()
