@@ -17,7 +17,7 @@ from inferd.engine.request import Request, SamplingParams
 from inferd.engine.speculative.cost import Calibration, StepCost, choose_lengths
 from inferd.engine.speculative.suffix import SuffixCache, SuffixProposer, TokenIndex, walk
 from inferd.errors import InferdError
-from helpers import assert_speculated, compare, mixed_requests, reference_outputs, run_spec
+from helpers import assert_speculated, compare, make_requests, mixed_requests, reference_outputs
 
 
 # -- the structures -----------------------------------------------------------------------------
@@ -144,7 +144,7 @@ def test_step_cost_is_monotone_and_bounded_by_single_rows():
     c = StepCost([(1, 1.0), (2, 5.0), (4, 1.2), (8, 2.0)])
     assert c(1) == 1.0 and c(2) == 2.0  # a noisy 5.0 is capped at two one-row steps
     assert c(4) == 2.0  # never below a smaller step
-    assert c(16) == pytest.approx(2.0)  # past the last point: the last segment's slope (flat here)
+    assert c(16) == pytest.approx(4.0)  # past the last point: proportional to the rows
     assert StepCost([(1, 1.0), (4, 1.3), (8, 2.1)])(6) == pytest.approx(1.7)
 
 
@@ -213,3 +213,117 @@ def test_bad_speculative_config_is_one_error(value, msg):
 def test_speculative_config_and_method_together_are_refused():
     with pytest.raises(InferdError, match="not both"):
         EngineConfig(speculative_config='{"method": "suffix"}', speculative_method="ngram").validate()
+
+
+# -- the engine: lossless, and the machinery proven to have run ---------------------------------
+
+FLAT = StepCost([(1, 1.0), (1024, 1.0)])  # rows for free: every guess with a chance is verified
+STEEP = StepCost([(1, 1.0), (1024, 1024.0)])  # every row costs a decode row: at batch 16 few guesses pay
+
+
+def suffix_engine(loaded, cost=FLAT, k=8, **opts):
+    """A suffix engine whose cost model is given (the one measured at start depends on the machine's
+    load: a test that needs guesses verified, or skipped, says which costs it assumes)."""
+    eng = LLMEngine(loaded=loaded, dtype="float32", speculative_method="suffix", num_speculative_tokens=k,
+                    spec_cost_model=False, **opts)
+    eng.spec.cost = cost
+    return eng
+
+
+def run_waves(eng, reqs, waves=2, params=None, lora=None):
+    """The same requests `waves` times, each wave after the last finished (so later waves can draft
+    from earlier outputs); every step checks the block pool. -> outputs per wave."""
+    out = []
+    for _ in range(waves):
+        rids = [eng.add_request(p, SamplingParams(max_tokens=n, temperature=0) if params is None else params(i, n),
+                                lora=lora(i) if lora else None) for i, (p, n) in enumerate(reqs)]
+        got = {r: [] for r in rids}
+        while eng.has_unfinished():
+            for o in eng.step():
+                got[o.request_id].extend(o.new_token_ids)
+            eng.block_manager.check_invariants(eng.scheduler.running)
+        out.append([got[r] for r in rids])
+    assert not eng.spec.pending and not eng.spec.proposer.seqs  # nothing of a finished request is kept
+    return out
+
+
+@pytest.fixture(scope="module")
+def mixed16(tiny_model):
+    reqs = mixed_requests(seed=5, n=16)
+    return reqs, reference_outputs(tiny_model.model, reqs)
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+def test_suffix_greedy_equals_the_reference(tiny_model, mixed16, batch):
+    """Batch 1 and 16: two waves of the same 16 requests give the reference loop's tokens (near-tie
+    rule); the second wave drafts the first one's outputs from the shared cache and accepts them."""
+    reqs, ref = mixed16
+    if batch == 1:  # a few requests suffice one at a time
+        reqs, ref = reqs[:6], ref[:6]
+    eng = suffix_engine(tiny_model, max_num_seqs=batch)
+    w1, w2 = run_waves(eng, reqs)
+    print("near ties:", compare(w1, ref), compare(w2, ref))
+    assert eng.stats.max_batch_seqs == batch
+    sp = eng.spec.stats
+    assert_speculated(eng, min_rate=0.5)
+    assert sp.num_cache_drafts > 0 and eng.spec.proposer.from_cache == sp.num_cache_drafts
+    assert sp.num_verified_rows == sp.num_draft_tokens + sp.num_drafts
+    assert sum(sp.accepted_per_pos) == sp.num_accepted_tokens and sp.accepted_per_pos[0] <= sp.num_drafts
+    assert sp.num_proposed_tokens == sp.num_draft_tokens + sp.num_cost_skipped_tokens + sp.num_grammar_cut_tokens
+
+
+def test_suffix_under_preemption_prefix_caching_and_a_small_budget(tiny_model):
+    reqs = make_requests(seed=2, n=12, shared_prefixes=3)
+    ref = reference_outputs(tiny_model.model, reqs)
+    eng = suffix_engine(tiny_model, num_kv_blocks=40, block_size=8, max_num_batched_tokens=24)
+    w1, w2 = run_waves(eng, reqs)
+    print("near ties:", compare(w1, ref), compare(w2, ref), "preemptions:", eng.stats.preemptions)
+    assert eng.stats.preemptions >= 1 and eng.block_manager.hits > 0
+    assert_speculated(eng)
+
+
+def test_cost_model_skips_guesses_that_do_not_pay(tiny_model, mixed16):
+    """With every row priced as a decode row, a batch of 16 verifies only guesses near certain: the
+    guesses it skipped are counted, the outputs are the same."""
+    reqs, ref = mixed16
+    eng = suffix_engine(tiny_model, cost=STEEP)
+    w1, w2 = run_waves(eng, reqs)
+    compare(w1, ref)
+    compare(w2, ref)
+    sp = eng.spec.stats
+    print(sp.as_dict())
+    assert sp.num_cost_skipped_tokens > 0 and sp.num_cost_skipped_drafts > 0
+    assert sp.num_proposed_tokens == sp.num_draft_tokens + sp.num_cost_skipped_tokens
+    flat = suffix_engine(tiny_model)
+    run_waves(flat, reqs)
+    assert flat.spec.stats.num_cost_skipped_tokens == 0
+    assert sp.num_draft_tokens < flat.spec.stats.num_draft_tokens
+
+
+def test_cache_salt_keeps_tenants_apart(tiny_model, mixed16):
+    import itertools
+
+    reqs, ref = mixed16
+    reqs, ref = reqs[:8], ref[:8]
+    eng = suffix_engine(tiny_model)
+    tenant = itertools.count()
+    salted = run_waves(eng, reqs, waves=2, params=lambda i, n: SamplingParams(
+        max_tokens=n, temperature=0, cache_salt=f"tenant-{next(tenant)}"))
+    for w in salted:
+        compare(w, ref)
+    assert eng.spec.stats.num_cache_drafts == 0  # each request its own tenant: no one drafts from another
+
+
+def test_the_measured_cost_model_runs_at_start(tiny_model, caplog):
+    """Without a given curve the engine measures one (a few rows' steps through the runner) and logs
+    it; the runner's path counters still count requests' steps only."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="inferd"):
+        eng = LLMEngine(loaded=tiny_model, dtype="float32", speculative_config='{"method": "suffix"}',
+                        max_num_seqs=4, num_kv_blocks=64)
+    cost = eng.spec.cost
+    assert cost is not None and cost.rows[0] == 1 and cost.rows[-1] >= 2 and cost(1) > 0
+    assert eng.runner.eager_decode_steps == 0 and eng.runner.attn.kernel_calls == 0
+    assert "speculative cost model" in caplog.text
+    assert eng.runner.attn.max_rows_per_chunk == 25  # 24 guesses (vLLM's default) + 1, through the decode kernel

@@ -27,9 +27,9 @@ MEASURE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384
 
 
 class StepCost:
-    """Seconds of a step of R rows: the measured points, linear between them and past the last
-    (its last segment's slope). Kept non-decreasing and at most R one-row steps: a noisy point
-    never says rows are free, nor that a batch costs more than its rows one by one."""
+    """Seconds of a step of R rows: the measured points, linear between them, proportional to R past
+    the last. Kept non-decreasing and at most R one-row steps: a noisy point never says rows are
+    free, nor that a batch costs more than its rows one by one."""
 
     def __init__(self, points: list[tuple[int, float]]):
         pts = sorted(points)
@@ -42,12 +42,11 @@ class StepCost:
 
     def __call__(self, R: float) -> float:
         rows, secs = self.rows, self.secs
-        if len(rows) == 1:
-            return secs[0] * max(R, 1) / rows[0]
+        if R >= rows[-1]:  # past what was measured: as if every row cost the last point's share (no
+            return secs[-1] * R / rows[-1]  # cheaper rows are assumed than were seen)
         i = bisect.bisect_left(rows, R)
-        if i < len(rows) and rows[i] == R:
+        if rows[i] == R or i == 0:
             return secs[i]
-        i = min(max(i, 1), len(rows) - 1)
         r0, r1, t0, t1 = rows[i - 1], rows[i], secs[i - 1], secs[i]
         return t0 + (t1 - t0) * (R - r0) / (r1 - r0)
 
