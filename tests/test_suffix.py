@@ -327,3 +327,78 @@ def test_the_measured_cost_model_runs_at_start(tiny_model, caplog):
     assert eng.runner.eager_decode_steps == 0 and eng.runner.attn.kernel_calls == 0
     assert "speculative cost model" in caplog.text
     assert eng.runner.attn.max_rows_per_chunk == 25  # 24 guesses (vLLM's default) + 1, through the decode kernel
+
+
+def _tiny_adapter(path, cfg, seed=0, r=4):
+    """A PEFT-format LoRA folder for every projection of a small model, random A and B."""
+    import json
+    import os
+
+    import torch
+    from safetensors.torch import save_file
+
+    from inferd.loading.lora import projection_shapes
+
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg.num_hidden_layers):
+        for proj, (n_in, n_out) in projection_shapes(cfg).items():
+            part = "self_attn" if proj.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
+            key = f"base_model.model.model.layers.{layer}.{part}.{proj}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(r, n_in, generator=g) * 0.3
+            tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, r, generator=g) * 0.3
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": r, "lora_alpha": 2 * r}, f)
+    return str(path)
+
+
+def test_grammar_and_lora_rows_in_the_batch(tiny_chat_gguf, tmp_path):
+    """A tokenizer-bearing tiny model: requests with a grammar, with a LoRA adapter and plain ones in
+    one batch, three waves. Wave 2 adds grammars to wave 1's prompts, so the cache's drafts (wave 1's
+    free outputs) break them: those guesses are cut before verification, never verified. Every wave
+    equals the engine without speculation, token for token (fp32 greedy)."""
+    from inferd.engine.request import StructuredOutputs
+    from inferd.loading.loader import load_model
+
+    lm = load_model(tiny_chat_gguf, dtype="float32")
+    adapter = _tiny_adapter(tmp_path / "ad", lm.config)
+    tok = lm.tokenizer
+    texts = ["Tell me about the sea.", "List three colours.", "Count to ten.", "Name a city.", "What is two plus two?",
+             "Say hello.", "Describe a cat.", "Spell the word dog."]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True)
+               for t in texts]
+    reqs = [(p, 24) for p in prompts]
+    grammar = [None, {"regex": r"[a-z ]{4,30}\."}, None, {"choice": ["alpha beta gamma", "delta"]},
+               None, {"json_object": True}, None, {"regex": r"(yes|no), [a-z]{2,12}"}]
+
+    def params(wave):
+        def make(i, n):
+            g = grammar[i] if wave else None
+            return SamplingParams(max_tokens=n, temperature=0, structured_outputs=StructuredOutputs(**g) if g else None)
+        return make
+
+    def lora(i):
+        return "ad" if i % 4 == 2 else None
+
+    opts = dict(lora_modules=[f"ad={adapter}"], max_loras=2, max_num_seqs=8)
+    plain = LLMEngine(loaded=lm, dtype="float32", **opts)
+    want = [run_waves_plain(plain, reqs, params(w), lora) for w in (0, 1, 1)]
+    eng = suffix_engine(lm, **opts)
+    got = [run_waves(eng, reqs, waves=1, params=params(w), lora=lora)[0] for w in (0, 1, 1)]
+    assert got == want
+    sp = eng.spec.stats
+    print(sp.as_dict(), "lora steps", eng.lora.lora_steps)
+    assert sp.num_grammar_cut_tokens > 0 and sp.num_accepted_tokens > 0 and sp.num_cache_drafts > 0
+    assert eng.lora.lora_steps > 0
+    assert sp.num_proposed_tokens == sp.num_draft_tokens + sp.num_grammar_cut_tokens + sp.num_cost_skipped_tokens
+
+
+def run_waves_plain(eng, reqs, params, lora):
+    rids = [eng.add_request(p, params(i, n), lora=lora(i)) for i, (p, n) in enumerate(reqs)]
+    got = {r: [] for r in rids}
+    while eng.has_unfinished():
+        for o in eng.step():
+            got[o.request_id].extend(o.new_token_ids)
+    return [got[r] for r in rids]
