@@ -402,3 +402,52 @@ def run_waves_plain(eng, reqs, params, lora):
         for o in eng.step():
             got[o.request_id].extend(o.new_token_ids)
     return [got[r] for r in rids]
+
+
+# -- served -------------------------------------------------------------------------------------
+
+def test_served_with_vllms_config_spelling_and_its_metrics(tiny_chat_gguf):
+    """`inferd serve --speculative-config '{"method": "suffix", ...}'`: the same chat request twice
+    gives the same text, the second drafted from the first's output in the shared cache; /metrics
+    carries vLLM's spec-decode series (and inferd's), the dashboard state the counters it shows."""
+    import json
+
+    import httpx
+    from conftest import running_server
+
+    conf = json.dumps({"method": "suffix", "num_speculative_tokens": 12, "suffix_decoding_max_tree_depth": 16,
+                       "suffix_decoding_max_cached_requests": 100, "cost_model": False})
+    args = ["--model", tiny_chat_gguf, "--dtype", "float32", "--kv-cache-memory", "32MiB",
+            "--speculative-config", conf]
+    with running_server(args) as base:
+        body = {"messages": [{"role": "user", "content": "Tell me a story about the sea."}], "max_tokens": 40,
+                "temperature": 0, "ignore_eos": True}
+        texts = [httpx.post(base + "/v1/chat/completions", json=body, timeout=120).json()["choices"][0]["message"]
+                 ["content"] for _ in range(2)]
+        assert texts[0] == texts[1]
+        other = httpx.post(base + "/v1/chat/completions", json={**body, "cache_salt": "tenant-b"}, timeout=120)
+        assert other.status_code == 200
+        metrics = httpx.get(base + "/metrics", timeout=30).text
+        state = httpx.get(base + "/v1/engine/state?steps=0", timeout=30).json()
+    spec = state["engines"][0]["speculative"]
+    assert spec["method"] == "suffix" and spec["num_cache_drafts"] > 0 and spec["num_accepted_tokens"] > 0
+    assert state["engines"][0]["config"]["speculative_method"] == "suffix"
+    for name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+                 "vllm:spec_decode_num_accepted_tokens_total", "inferd:spec_decode_num_cost_skipped_tokens_total",
+                 "inferd:spec_decode_num_verified_rows_total"):
+        assert name + "{" in metrics, name
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name=' in metrics
+    assert 'position="0"' in metrics
+
+
+def test_bad_speculative_config_on_the_command_line_exits_2():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "inferd", "serve", "--load-format", "dummy", "--speculative-config",
+                        '{"method": "suffix", "suffix_decoding_max_tree_depth": "deep"}'],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("inferd: error:") and "suffix_decoding_max_tree_depth must be int" in last
+    assert "Traceback" not in r.stderr

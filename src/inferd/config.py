@@ -108,6 +108,7 @@ class EngineConfig:
                 raise InferdError("give --speculative-config or --speculative-method, not both")
             for k, v in parse_speculative_config(self.speculative_config).items():
                 setattr(self, k, v)
+            self.speculative_config = None  # applied: validating again (a copy, another process) is a no-op
         if self.speculative_method in ("none", ""):
             self.speculative_method = None
         if self.speculative_method is not None:

@@ -394,8 +394,12 @@ class LLMEngine:
             return None
         st = self.spec.stats
         spec = {k: getattr(st, k) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens",
-                                            "num_emitted_tokens", "draft_time", "verify_time")}
-        spec.update(acceptance_rate=st.acceptance_rate, mean_accepted_length=st.mean_accepted_length)
+                                            "num_emitted_tokens", "draft_time", "verify_time", "num_verified_rows",
+                                            "num_proposed_tokens", "num_cost_skipped_tokens",
+                                            "num_cost_skipped_drafts", "num_grammar_cut_tokens", "num_cache_drafts",
+                                            "num_explored", "num_skipped")}
+        spec.update(acceptance_rate=st.acceptance_rate, mean_accepted_length=st.mean_accepted_length,
+                    accepted_per_pos=list(st.accepted_per_pos), method=self.spec.method)
         return spec
 
     def state(self, steps: int = STEP_HISTORY) -> dict:
