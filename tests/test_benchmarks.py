@@ -194,3 +194,38 @@ def test_quant_decode_tiny_records_the_paths_that_ran(default_gguf_path, tmp_pat
         assert row["min"] <= row["median"] <= row["max"] and row["median"] > 0
     # the header printed the same record
     assert "paths that ran:" in r.stdout and f"{w4a8}: inferd kernels {q['kernel_variant']}" in r.stdout
+
+
+def test_suffix_decode_tiny_reports_screening_ratios_and_paths(default_gguf_path, tmp_path):
+    """benchmarks/suffix_decode.py --tiny: every contender on every workload and batch size, the
+    loop screening per workload, ratios to plain decode and to prompt lookup, the suffix contender's
+    record showing its cost model, and each label checked against its record."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "suffix.json"
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "suffix_decode.py"), "--tiny", "--json", str(out)],
+                       cwd=root, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    labels = {"plain decode", "ngram k=8", "suffix k=16, cost model"}
+    assert set(doc["paths"]) == labels
+    sp = doc["paths"]["suffix k=16, cost model"]["speculative"]
+    assert sp["method"] == "suffix" and sp["cost_model"] and sp["num_speculative_tokens"] == 16
+    for label, p in doc["paths"].items():
+        check_label(label, p)
+    assert set(doc["screens"]) == {"agent-loop", "low-rep-chat"}
+    for s in doc["screens"].values():
+        assert s["screened"] >= s["kept"] + s["looping"] and 0 <= s["mean_self_repeat"] <= 1
+    rows = doc["rows"]
+    assert {(r["workload"], r["batch"], r["label"]) for r in rows} == {
+        (w, b, n) for w in doc["screens"] for b in (1, 2) for n in labels}
+    for row in rows:
+        assert row["median"] > 0 and len(row["runs"]) == 1
+        if row["label"] == "plain decode":
+            assert row["speedup_vs_plain"] == 1.0
+        else:
+            assert row["spec_num_verified_rows"] == row["spec_num_draft_tokens"] + row["spec_num_drafts"]
+    assert "cost model: suffix k=16, cost model: 1:" in r.stdout and "/ngram" in r.stdout

@@ -300,9 +300,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--api-key", default=None, help="Bearer token (default: $OPENAI_API_KEY if set)")
     b.add_argument("--dataset", default="random",
                    choices=["random", "wikitext", "jsonl", "sharegpt", "prefix-families", "multi-turn", "mixed",
-                            "mooncake-trace", "azure-trace"],
+                            "mooncake-trace", "azure-trace", "agent-loop", "code-edit", "json-extraction",
+                            "low-rep-chat"],
                    help="mixed: request classes from --mix; mooncake-trace / azure-trace: replay a trace at its "
-                        "own arrival times (default: a small synthetic one shipped with inferd)")
+                        "own arrival times (default: a small synthetic one shipped with inferd); agent-loop, "
+                        "code-edit, json-extraction, low-rep-chat: chat workloads for speculative decoding (their "
+                        "messages to a chat endpoint, a transcript to a completions one)")
     b.add_argument("--mix", default=None, help="mixed: NAME:FRACTION:INPUT_LEN:OUTPUT_LEN,... (lengths as "
                    "--input-len; fractions add up to 1; default chat:0.8:128:128,rag:0.2:2048:16)")
     b.add_argument("--trace-speedup", default="1", help="trace datasets: divide the trace's inter-arrival times "

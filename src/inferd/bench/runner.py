@@ -32,10 +32,10 @@ async def sleep_until(deadline_ns: int) -> None:
         await asyncio.sleep(delay / 1e9)
 
 
-def request_body(cfg: dict, prompt: str, output_len: int | None) -> bytes:
+def request_body(cfg: dict, prompt: str, output_len: int | None, messages: list | None = None) -> bytes:
     body: dict = {"model": cfg["model"]} if cfg.get("model") else {}
     if cfg["endpoint_type"] == "chat":
-        body["messages"] = [{"role": "user", "content": prompt}]
+        body["messages"] = messages or [{"role": "user", "content": prompt}]
     else:
         body["prompt"] = prompt
     if output_len is not None:
@@ -268,7 +268,7 @@ def run_benchmark(cfg: dict, prompts: list, offsets_ns: list[int], tokenizer=Non
     """Run and return the trace as a list of JSON-ready records: header, requests..., footer.
     `progress` (a bench.progress.Progress) is redrawn during the run; `on_start()` is called after
     the warm-up, just before the clock starts."""
-    bodies = [request_body(cfg, p.prompt, p.output_len) for p in prompts]
+    bodies = [request_body(cfg, p.prompt, p.output_len, getattr(p, "messages", None)) for p in prompts]
     nw = cfg.get("warmup") or 0
     warm_prompts = [prompts[i % len(prompts)] for i in range(nw)] if prompts else []
     warm_bodies = bodies[:nw] if nw <= len(bodies) else [bodies[i % len(bodies)] for i in range(nw)]
