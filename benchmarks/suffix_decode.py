@@ -127,8 +127,14 @@ def spec_delta(eng, before: dict | None) -> dict:
         return {}
     now = eng.spec.stats.as_dict()
     keys = ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_num_proposed_tokens",
-            "spec_num_cost_skipped_tokens", "spec_num_verified_rows", "spec_num_cache_drafts")
-    return {k: now[k] - (before or {}).get(k, 0) for k in keys}
+            "spec_num_cost_skipped_tokens", "spec_num_verified_rows", "spec_num_cache_drafts", "spec_draft_time_s")
+    out = {k: now[k] - (before or {}).get(k, 0) for k in keys}
+    out["steps"] = eng.stats.steps - (before or {}).get("steps", 0)
+    return out
+
+
+def spec_before(eng) -> dict | None:
+    return {**eng.spec.stats.as_dict(), "steps": eng.stats.steps} if eng.spec is not None else None
 
 
 def main():
@@ -178,7 +184,7 @@ def main():
         if not kept:
             continue
         for b in args.batch:
-            before = {n: engines[n].spec.stats.as_dict() if engines[n].spec else None for n in names}
+            before = {n: spec_before(engines[n]) for n in names}
             rnd = {"i": 0}
 
             def runner(name, b=b, kept=kept, wl=wl):
@@ -220,7 +226,7 @@ def main():
                                      if e.spec is not None and e.spec.cost is not None)}
     report_header("suffix decoding vs prompt lookup vs plain decode", setup, paths)
     hdr = (f"{'workload':<16}{'b':>3} {'config':<29}{'tok/s':>8}{'min-max':>15}{'/plain':>8}{'/ngram':>8}"
-           f"{'accept':>8}{'tok/step':>9}{'rows':>7}{'skipped':>8}{'same':>6}")
+           f"{'accept':>8}{'tok/step':>9}{'rows':>7}{'skipped':>8}{'draft ms':>9}{'same':>6}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
@@ -230,14 +236,17 @@ def main():
         rows_v = str(r.get("spec_num_verified_rows", "-"))
         skipped = str(r.get("spec_num_cost_skipped_tokens", "-"))
         gen = sum(len(o) for o in runs[0]["outputs"])
+        draft_ms = "-"
         if "spec_num_drafts" in r:
             steps_tok = f"{1 + r['spec_num_accepted_tokens'] / max(1, r['spec_num_drafts']):.2f}"
+            draft_ms = f"{1000 * r['spec_draft_time_s'] / max(1, r['steps']):.2f}"
         print(f"{r['workload']:<16}{r['batch']:>3} {r['label']:<29}{r['median']:>8.1f}{r['min']:>8.1f}-{r['max']:<7.1f}"
               f"{r['speedup_vs_plain']:>7.2f}x{r['speedup_vs_ngram']:>7.2f}x{acc:>8}{steps_tok or '-':>9}{rows_v:>7}"
-              f"{skipped:>8}{r['rounds_same_as_plain']:>4}/{len(runs)}")
+              f"{skipped:>8}{draft_ms:>9}{r['rounds_same_as_plain']:>4}/{len(runs)}")
         r["output_tokens_per_round"] = gen
     print("(tok/step: tokens per verify step of a drafted sequence; rows: verify rows over every round; skipped: "
-          "guesses the cost model left out; same: rounds whose outputs all equal plain decoding's)")
+          "guesses the cost model left out; draft ms: proposing (and the cost model) per engine step; same: rounds whose "
+          "outputs all equal plain decoding's)")
     write_json(args.json, setup, rows, paths, screens=screens)
 
 

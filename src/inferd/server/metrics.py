@@ -177,7 +177,7 @@ class Metrics:
             self.spec = {
                 "num_drafts": Counter("inferd:spec_decode_num_drafts", "Sequence-steps that verified guesses.", L,
                                       registry=r),
-                "num_draft_tokens": Counter("inferd:spec_decode_num_draft_tokens", "Speculative tokens proposed.",
+                "num_draft_tokens": Counter("inferd:spec_decode_num_draft_tokens", "Speculative tokens verified.",
                                             L, registry=r),
                 "num_accepted_tokens": Counter("inferd:spec_decode_num_accepted_tokens",
                                                "Speculative tokens accepted.", L, registry=r),

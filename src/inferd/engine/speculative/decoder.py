@@ -148,14 +148,14 @@ class SpecDecoder:
 
     def _measure(self, engine) -> spec_cost.StepCost:
         """Seconds of a step of R decode rows on this machine, R up to what a step can hold (every
-        sequence with k + 1 rows, within the token budget): one row each at a context of a few
-        blocks, through the runner as a step runs (fused or eager, every tensor-parallel rank). The
+        sequence with k + 1 rows, within the token budget): one row each at a context of up to 512
+        tokens (attention's share of a row, as a chat's), through the runner as a step runs (fused or eager, every tensor-parallel rank). The
         K/V written land in free blocks, which any request writes before it reads; the runner's and
         the attention's path counters are put back, so that they count requests' steps only."""
         cfg = engine.config
         runner = engine.runner
         bs = cfg.block_size
-        nb = max(1, min(engine.num_kv_blocks, -(-256 // bs)))
+        nb = max(1, min(engine.num_kv_blocks, -(-512 // bs)))
         ctx = nb * bs - 1
         table = list(range(nb))
         groups = engine.kv_layout.num_groups
