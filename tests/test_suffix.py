@@ -168,12 +168,12 @@ def test_calibration_learns_from_verification():
     first = cal.expected("r", d)
     assert 0 < first[2] < first[1] < first[0] < 1
     for _ in range(30):  # such drafts are never accepted: their expectation falls
-        cal.update("r", d, cal.expected("r", d), 3, 0)
+        cal.update("r", d, 3, 0)
     low = cal.expected("r", d)
     assert low[0] < 0.2 * first[0]
     cal = Calibration()
     for _ in range(30):  # ... always accepted: it rises
-        cal.update("s", d, cal.expected("s", d), 3, 3)
+        cal.update("s", d, 3, 3)
     assert cal.expected("s", d)[0] > 0.9
 
 
@@ -280,6 +280,10 @@ def test_suffix_under_preemption_prefix_caching_and_a_small_budget(tiny_model):
     print("near ties:", compare(w1, ref), compare(w2, ref), "preemptions:", eng.stats.preemptions)
     assert eng.stats.preemptions >= 1 and eng.block_manager.hits > 0
     assert_speculated(eng)
+    # a preempted request keeps its one sequence in the shared cache (none written twice)
+    cache = eng.spec.proposer.cache
+    assert len(cache.lru) == 2 * len(reqs)
+    assert cache.num_tokens == sum(len(o) for o in w1 + w2)
 
 
 def test_cost_model_skips_guesses_that_do_not_pay(tiny_model, mixed16):

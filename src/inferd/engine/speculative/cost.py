@@ -111,18 +111,23 @@ class Calibration:
             out.append((acc + PRIOR * prior) / (tried + PRIOR))
         return out
 
+    def _products(self, draft) -> list[float]:
+        out, cum = [], 1.0
+        for q in self.token_probs(draft):
+            cum *= q
+            out.append(cum)
+        return out
+
     def expected(self, rid: str, draft) -> list[float]:
         """Running products of token_probs, scaled by the request's accepted / expected so far."""
         acc, exp = self.requests.get(rid, (0.0, 0.0))
         ratio = (acc + 1.0) / (exp + 1.0)
-        out, cum = [], 1.0
-        for q in self.token_probs(draft):
-            cum *= q
-            out.append(min(1.0, cum * ratio))
-        return out
+        return [min(1.0, e * ratio) for e in self._products(draft)]
 
-    def update(self, rid: str, draft, expected: list[float], verified: int, accepted: int):
-        """After a verify of `verified` guesses of which the first `accepted` were kept."""
+    def update(self, rid: str, draft, verified: int, accepted: int):
+        """After a verify of `verified` guesses of which the first `accepted` were kept. The request's
+        ratio compares with the table's expectation alone (not one it already scaled)."""
+        expected = sum(self._products(draft)[:verified])
         for j in range(min(verified, accepted + 1)):
             b = bucket(draft.match_len + j, draft.probs[j], draft.support[j])
             row = self.table.setdefault(b, [0.0, 0.0])
@@ -130,7 +135,7 @@ class Calibration:
             row[1] += 1
         st = self.requests.setdefault(rid, [0.0, 0.0])
         st[0] = DECAY * st[0] + accepted
-        st[1] = DECAY * st[1] + sum(expected[:verified])
+        st[1] = DECAY * st[1] + expected
 
     def forget(self, rid: str):
         self.requests.pop(rid, None)

@@ -101,7 +101,7 @@ class SpecDecoder:
             raise InferdError("speculative decoding needs the engine's SpecPagedAttention")
         self.calibration = None  # suffix: acceptance learned from verification (cost.Calibration)
         self.cost = None  # suffix with the cost model: step seconds by rows (cost.StepCost)
-        self.pending: dict[str, tuple] = {}  # rid -> (draft, expected acceptance) of its guesses in flight
+        self.pending: dict[str, object] = {}  # rid -> the draft (suffix.Draft) of its guesses in flight
         self.explore: dict[str, list[int]] = {}  # rid -> [drafts skipped since its last verify, interval]
         if self.method == "draft":
             model = self._draft_model(engine, draft_loaded)
@@ -180,8 +180,12 @@ class SpecDecoder:
         return cost
 
     def release_finished(self):
-        """Draft caches of sequences that finished, were aborted or preempted go back at once."""
-        live = {r.request_id for r in self.engine.scheduler.running if r.status == Status.RUNNING}
+        """Draft caches of sequences that finished, were aborted or preempted go back at once. Suffix
+        decoding keeps a preempted request's index (its tokens are final) until the request ends."""
+        if self.method == "suffix":
+            live = set(self.engine.requests)
+        else:
+            live = {r.request_id for r in self.engine.scheduler.running if r.status == Status.RUNNING}
         self.proposer.keep_only(live)
         if self.calibration is not None:
             for rid in [r for r in self.explore if r not in live]:
@@ -244,7 +248,7 @@ class SpecDecoder:
             lengths = spec_cost.choose_lengths(expected, rows, tokens, self.cost)
         else:
             lengths = [len(d.tokens) for _, d in live]
-        for (r, d), k, e in zip(live, lengths, expected):
+        for (r, d), k in zip(live, lengths):
             if k == 0:
                 k = self._explore(r.request_id)
             if k < len(d.tokens):
@@ -252,7 +256,7 @@ class SpecDecoder:
                 st.num_cost_skipped_drafts += k == 0
             if k:
                 r.spec_tokens = d.tokens[:k]
-                self.pending[r.request_id] = (d, e)
+                self.pending[r.request_id] = d
 
     def _explore(self, rid: str) -> int:
         """A request whose drafts the cost model keeps skipping verifies one guess now and then, so
@@ -287,7 +291,8 @@ class SpecDecoder:
                 r.spec_tokens, r.spec_q = [], None
         for r in batch.preempted:
             r.spec_tokens, r.spec_q = [], None
-            self.proposer.free(r.request_id)
+            if self.method != "suffix":
+                self.proposer.free(r.request_id)
         if self.pending:
             for rid in [rid for rid, _ in self.pending.items()
                         if rid not in self.engine.requests or not self.engine.requests[rid].spec_tokens]:
@@ -332,9 +337,9 @@ class SpecDecoder:
                 st.accepted_per_pos.extend([0] * (k - len(st.accepted_per_pos)))
             for j in range(a):
                 st.accepted_per_pos[j] += 1
-            info = self.pending.pop(req.request_id, None)
-            if info is not None:
-                self.calibration.update(req.request_id, info[0], info[1], k, a)
+            draft = self.pending.pop(req.request_id, None)
+            if draft is not None:
+                self.calibration.update(req.request_id, draft, k, a)
                 ex = self.explore.get(req.request_id)
                 if ex is not None:  # an explored guess: pauses shrink once one is accepted, else grow
                     ex[1] = EXPLORE_MIN if a else min(EXPLORE_MAX, 2 * ex[1])

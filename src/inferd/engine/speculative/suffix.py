@@ -354,6 +354,8 @@ class SuffixProposer:
         if s.follow:
             cands = self._followed(s, ctx) + cands
         best = self._draft(cands, ctx, k, "request")
+        if best is not None and best.follow and best.follow[0][0] is not ctx:
+            best.source = "cache"  # a copy from another request's output, followed from the last step
         if s.namespace is not None:
             idx = self.cache.index(s.namespace)
             if idx is not None:
