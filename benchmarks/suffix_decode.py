@@ -156,7 +156,7 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="a smoke run: two workloads, 2 requests, 8 tokens, 1 round")
     args = ap.parse_args()
     if args.tiny:
-        args.workloads, args.batch, args.requests, args.pool = ["agent-loop", "low-rep-chat"], [1, 2], 2, 1
+        args.workloads, args.batch, args.requests, args.pool = ["code-edit", "low-rep-chat"], [1, 2], 2, 1
         args.max_tokens, args.rounds = 8, 1
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -216,7 +216,7 @@ def test_suffix_decode_tiny_reports_screening_ratios_and_paths(default_gguf_path
     assert sp["method"] == "suffix" and sp["cost_model"] and sp["num_speculative_tokens"] == 16
     for label, p in doc["paths"].items():
         check_label(label, p)
-    assert set(doc["screens"]) == {"agent-loop", "low-rep-chat"}
+    assert set(doc["screens"]) == {"code-edit", "low-rep-chat"}
     for s in doc["screens"].values():
         assert s["screened"] >= s["kept"] + s["looping"] and 0 <= s["mean_self_repeat"] <= 1
     rows = doc["rows"]
