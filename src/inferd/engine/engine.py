@@ -458,6 +458,7 @@ class LLMEngine:
             if self.structured is not None:
                 self.structured.wait()
             return self._fail(batch.requests, e, "the forward pass")
+        t_forward = time.monotonic() - t_fwd
         if self.structured is not None:
             self.structured.wait()
         outputs: list[RequestOutput] = []
@@ -501,7 +502,10 @@ class LLMEngine:
         self.stats.sample_events += len(outputs)
         if spec is not None:
             spec.release_finished()
-        self._record(batch, time.monotonic() - t0)
+        dt = time.monotonic() - t0
+        if spec is not None:
+            spec.observe_step(dt, t_forward)
+        self._record(batch, dt)
         return outputs
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor, outputs: list):

@@ -5,7 +5,8 @@ A step's time grows with its rows (query tokens). At batch 1 a decode step reads
 one row and a few more rows cost little more; at large batch the step is compute-bound and a row
 costs about what a sequence's decode costs. A guess yields a token only if it and every guess
 before it are accepted, so its worth is that probability; the guesses verified are those that
-maximise the step's expected tokens per second (`choose_lengths`). At batch 1 that verifies any
+maximise the step's expected tokens per second (`choose_lengths`; the step's seconds are the
+curve's plus what a step costs outside its forward, which the engine observes as it runs). At batch 1 that verifies any
 guess with a fair chance; at batch 16 only near-certain ones, and speculation switches itself off
 for requests whose guesses fail.
 

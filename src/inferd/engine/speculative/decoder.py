@@ -101,6 +101,7 @@ class SpecDecoder:
             raise InferdError("speculative decoding needs the engine's SpecPagedAttention")
         self.calibration = None  # suffix: acceptance learned from verification (cost.Calibration)
         self.cost = None  # suffix with the cost model: step seconds by rows (cost.StepCost)
+        self.overhead = 0.0  # ... and a step's seconds outside its forward (observe_step)
         self.pending: dict[str, object] = {}  # rid -> the draft (suffix.Draft) of its guesses in flight
         self.explore: dict[str, list[int]] = {}  # rid -> [drafts skipped since its last verify, interval]
         if self.method == "draft":
@@ -245,7 +246,7 @@ class SpecDecoder:
         expected = [cal.expected(r.request_id, d) for r, d in live]
         if self.cost is not None:
             rows, tokens = self._base_rows(running)
-            lengths = spec_cost.choose_lengths(expected, rows, tokens, self.cost)
+            lengths = spec_cost.choose_lengths(expected, rows, tokens, self._step_seconds)
         else:
             lengths = [len(d.tokens) for _, d in live]
         for (r, d), k in zip(live, lengths):
@@ -257,6 +258,16 @@ class SpecDecoder:
             if k:
                 r.spec_tokens = d.tokens[:k]
                 self.pending[r.request_id] = d
+
+    def observe_step(self, total: float, forward: float):
+        """A step's seconds in all and in the forward: what a step costs beside its rows (scheduling,
+        sampling, verifying, detokenizing) is paid once a step however many tokens it yields, so it
+        counts toward what a guess saves (a running average)."""
+        if self.cost is not None:
+            self.overhead = 0.9 * self.overhead + 0.1 * max(0.0, total - forward)
+
+    def _step_seconds(self, rows: float) -> float:
+        return self.cost(rows) + self.overhead
 
     def _explore(self, rid: str) -> int:
         """A request whose drafts the cost model keeps skipping verifies one guess now and then, so
