@@ -30,8 +30,11 @@ and to prompt lookup (ratios of medians), acceptance, tokens per target step, ro
 rows the cost model skipped, and whether each output equals plain decoding's ("same": greedy; bf16
 may flip a near tie). The header gives the CPU, the setup and each contender's record of paths.
 
-Usage: .venv/bin/python benchmarks/suffix_decode.py [--model gemma3-270m] [--batch 1 16] [--requests 16]
-       [--max-tokens 160] [--rounds 3] [--workloads ...] [--ablation] [--json F] [--tiny]
+The model is served as `inferd serve` serves it by default (--quantization auto: a GGUF's own blocks
+with int8 activations, the fused decode step; --quantization none: the dequantized weights).
+
+Usage: .venv/bin/python benchmarks/suffix_decode.py [--model gemma3-270m] [--quantization auto] [--batch 1 16]
+       [--requests 16] [--max-tokens 160] [--rounds 3] [--workloads ...] [--ablation] [--json F] [--tiny]
 """
 from __future__ import annotations
 
@@ -141,6 +144,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M; gemma3-270m: the other one")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default="auto",
+                    help="the target's weights; auto (default): what `inferd serve` serves a GGUF as")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
@@ -160,7 +165,7 @@ def main():
         args.max_tokens, args.rounds = 8, 1
     if args.threads:
         torch.set_num_threads(args.threads)
-    lm = load_model(args.model, dtype=args.dtype)
+    lm = load_model(args.model, dtype=args.dtype, quantization=args.quantization)
     tok = lm.tokenizer
     biggest = max(args.batch)
     engines = {}
@@ -215,7 +220,8 @@ def main():
     paths = {n: engine_paths(e) for n, e in engines.items()}
     check_rows(paths)
     model = lm.source.name if hasattr(lm, "source") else str(args.model)
-    setup = {"model": f"{model} ({str(lm.model.dtype).replace('torch.', '')})", "threads": torch.get_num_threads(),
+    setup = {"model": f"{model} ({str(lm.model.dtype).replace('torch.', '')}, --quantization {args.quantization})",
+             "threads": torch.get_num_threads(),
              "workloads": ", ".join(f"{w}: {s['kept']} kept of {s['screened']} screened ({s['looping']} looping, "
                                     f"mean self-repeat {100 * s['mean_self_repeat']:.0f} %, ~{s['prompt_tokens']:.0f} "
                                     "prompt tokens)" for w, s in screens.items()),
