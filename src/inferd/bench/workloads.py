@@ -1,9 +1,10 @@
 """Chat workloads for speculative decoding, generated offline from the text shipped here: where
 outputs repeat what the engine has seen (and where they do not).
 
-  agent-loop       a shell agent's conversation: a task, `ls -la` and `cat` commands, their output
-                   quoted back in the user turns, and at each turn an instruction that quotes from it
-                   (turns 2 to 4 of each conversation are requests of their own)
+  agent-loop       a coding agent's conversation: a rename to make, `ls -la` and `cat` commands with
+                   their output sent back, the file rewritten, a failing test, the file again (turns 2
+                   to 4 of each conversation are requests of their own: quote the listing, write the
+                   renamed file, write it again fixed)
   code-edit        a source file and a small change to make; the answer is the whole file again
   json-extraction  a paragraph about people; the answer lists them as JSON, values copied
   low-rep-chat     open questions (stories, explanations, advice): little to copy
@@ -15,6 +16,7 @@ template takes them: tool output travels in user turns), reproducible from (work
 from __future__ import annotations
 
 import random
+import re
 
 WORKLOADS = ("agent-loop", "code-edit", "json-extraction", "low-rep-chat")
 
@@ -240,16 +242,33 @@ def _listing(rng: random.Random, n: int) -> tuple[str, list[str], list[str]]:
     return "\n".join(lines), lines, py
 
 
+def _rename(code: str, old: str, new: str, keep_last: bool = False) -> str:
+    """Every whole-word `old` renamed `new` (all but the last one with keep_last: an edit that missed one)."""
+    spots = [m.start() for m in re.finditer(rf"\b{re.escape(old)}\b", code)]
+    if keep_last:
+        spots = spots[:-1]
+    for at in reversed(spots):
+        code = code[:at] + new + code[at + len(old):]
+    return code
+
+
 def agent_loop(rng: random.Random, turn: int) -> list[dict]:
-    """A shell agent's conversation up to the request for its turn-th answer (2..4)."""
+    """A coding agent's conversation up to the request for its turn-th answer (2..4): it lists the
+    repository (turn 2 asks which entries are Python files, quoting the listing), reads a file (turn
+    3 asks for the whole file with a rename made), and is told by the tests that its edit missed a
+    place (turn 4 asks for the whole file again, fixed). The assistant turns in the history are the
+    answers an agent would give, made here from the file."""
     project = rng.choice(["billing-service", "photo-sorter", "weather-bot", "invoice-tool", "chat-relay"])
     listing, lines, py = _listing(rng, rng.randint(14, 22))
-    file, (code, _, _) = rng.choice(sorted(CODE.items()))
+    file, (code, renames, _) = rng.choice(sorted(CODE.items()))
+    twice = [r for r in renames if len(re.findall(rf"\b{re.escape(r[0])}\b", code)) >= 2] or renames
+    old, new = rng.choice(twice)
     msgs = [{"role": "user", "content": (
-        f"You are a shell assistant in the repository `{project}`. Find out what the project's Python files "
-        "do. Each turn, reply with one shell command in a ```sh block; I will send back its output. Quote the "
-        "lines of output you rely on exactly as they appear.")},
-        {"role": "assistant", "content": "Let me list the repository first.\n```sh\nls -la\n```"},
+        f"You are a coding agent in the repository `{project}`. Task: in `{file}`, rename `{old}` to `{new}` "
+        "everywhere. Each turn, reply with one shell command in a ```sh block and I will send back its output; "
+        "to change a file, write its whole new content in one ```python block. Quote the lines of output you rely "
+        "on exactly as they appear.")},
+        {"role": "assistant", "content": "Let me look at the repository first.\n```sh\nls -la\n```"},
         {"role": "user", "content": f"Tool output:\n```\n{listing}\n```"}]
     if turn == 2:
         msgs[-1]["content"] += ("\nWhich entries are Python files? Copy their lines from the listing exactly, "
@@ -257,19 +276,17 @@ def agent_loop(rng: random.Random, turn: int) -> list[dict]:
         return msgs
     quoted = "\n".join(py) if py else "(none)"
     msgs += [{"role": "assistant", "content": (f"The Python files in the listing are:\n```\n{quoted}\n```\n"
-                                               f"I will read `{file}` next.\n```sh\ncat {file}\n```")},
+                                               f"Now I read `{file}`.\n```sh\ncat {file}\n```")},
              {"role": "user", "content": f"Tool output:\n```\n{code}```"}]
     if turn == 3:
-        msgs[-1]["content"] += (f"\nShow the first function of `{file}` exactly as it appears in the output above, "
-                                "then explain in one sentence what it does.")
+        msgs[-1]["content"] += f"\nNow write the whole of `{file}` with `{old}` renamed to `{new}`."
         return msgs
-    first = code.split("\n\n\n")[0] if "\n\n\n" in code else code[:400]
-    msgs += [{"role": "assistant", "content": f"The file begins with:\n```python\n{first}\n```\n"
-                                              "It sets up the module's first helper.\n```sh\nwc -l *.py\n```"},
-             {"role": "user", "content": "Tool output:\n```\n" + "\n".join(
-                 f"{rng.randint(10, 300):>5} {ln.split()[-1]}" for ln in py) + "\n```\nNow write a short report: "
-                 "copy the listing lines of the two largest Python files exactly, then copy the whole of "
-                 f"`{file}` from the earlier tool output so that it can be reviewed."}]
+    missed = _rename(code, old, new, keep_last=True)
+    msgs[-1]["content"] += f"\nNow write the whole of `{file}` with `{old}` renamed to `{new}`."
+    msgs += [{"role": "assistant", "content": f"Here is `{file}` with the rename:\n```python\n{missed}```"},
+             {"role": "user", "content": "Tool output:\n```\n$ python -m pytest -q\nF\nE   NameError: name "
+                                         f"'{old}' is not defined\n1 failed in 0.04s\n```\nYour edit missed a place. "
+                                         f"Write the whole of `{file}` again, with every `{old}` renamed."}]
     return msgs
 
 

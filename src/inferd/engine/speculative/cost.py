@@ -80,13 +80,13 @@ def choose_lengths(expected: list[list[float]], base_rows: int, base_tokens: flo
 _LEN_EDGES = (2, 3, 4, 6, 8, 12, 16, 24, 32)
 
 
-def bucket(context: int, share: float, support: int) -> tuple[int, int]:
+def bucket(context: int, share: float, support: int, edit: bool = False) -> tuple[int, int, bool]:
     lb = bisect.bisect_right(_LEN_EDGES, context)
     if support <= 1:
         sb = 0
     else:
         sb = 1 if share < 0.5 else 2 if share < 0.8 else 3 if share < 1.0 else 4
-    return lb, sb
+    return lb, sb, edit
 
 
 PRIOR = 4.0  # pseudo-observations behind the draft's own estimate
@@ -99,14 +99,14 @@ class Calibration:
     decayed sums of accepted and expected tokens."""
 
     def __init__(self):
-        self.table: dict[tuple[int, int], list[float]] = {}
+        self.table: dict[tuple, list[float]] = {}
         self.requests: dict[str, list[float]] = {}  # rid -> [accepted, expected]
 
     def token_probs(self, draft) -> list[float]:
         """Per guess, the probability it is accepted if every guess before it was."""
         out = []
         for j, (p, c) in enumerate(zip(draft.probs, draft.support)):
-            b = bucket(draft.match_len + j, p, c)
+            b = bucket(draft.match_len + j, p, c, draft.edit)
             acc, tried = self.table.get(b, (0.0, 0.0))
             prior = PRIOR_DISCOUNT * p
             out.append((acc + PRIOR * prior) / (tried + PRIOR))
@@ -130,7 +130,7 @@ class Calibration:
         ratio compares with the table's expectation alone (not one it already scaled)."""
         expected = sum(self._products(draft)[:verified])
         for j in range(min(verified, accepted + 1)):
-            b = bucket(draft.match_len + j, draft.probs[j], draft.support[j])
+            b = bucket(draft.match_len + j, draft.probs[j], draft.support[j], draft.edit)
             row = self.table.setdefault(b, [0.0, 0.0])
             row[0] += j < accepted
             row[1] += 1

@@ -21,7 +21,9 @@ where each run of three (and of two) tokens ends: two entries per token whatever
 sequences themselves are the paths, and dropping a sequence removes exactly its entries. A lookup
 reads the newest `CANDIDATES` places the last three tokens (else two) occurred, measures how far
 back each agrees with the context, and keeps the longest; the places that continued last step's
-draft are looked at too, so a long copy keeps its source however common its last tokens are.
+draft are looked at too, so a long copy keeps its source however common its last tokens are. Where
+the model wrote one token of its own in a copy (a renamed word), the copy goes on past the source's
+token at once (an edit draft) instead of waiting for two tokens of new context to match.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field
 
 CANDIDATES = 64  # newest occurrences of the last tokens read per lookup
 FOLLOW = 8  # occurrences carried from one step's draft to the next lookup
+EDIT_OVER = 4  # an edit draft is taken over a fresh lookup whose context is shorter than this
 
 
 @dataclass
@@ -44,6 +47,7 @@ class Draft:
     source: str  # "request" | "cache"
     score: float = 0.0  # sum of the running products of probs: the expected accepted length
     follow: list = field(default_factory=list)  # (sequence, position after the context) still agreeing
+    edit: bool = False  # the source's continuation past a token the request wrote instead of the source's
 
 
 class TokenIndex:
@@ -270,7 +274,7 @@ class SuffixCache:
 class _Seq:
     """A request as the proposer sees it: its own index (prompt and output), its sequence in the
     shared cache (None: not shared), the occurrences that continued its last draft."""
-    __slots__ = ("req", "index", "sid", "namespace", "follow", "follow_len")
+    __slots__ = ("req", "index", "sid", "namespace", "follow", "follow_len", "follow_match", "follow_edit")
 
     def __init__(self, req, vocab: int):
         self.req = req
@@ -279,6 +283,8 @@ class _Seq:
         self.namespace: tuple | None = None
         self.follow: list = []
         self.follow_len = 0  # the sequence's length when `follow` was taken
+        self.follow_match = 0  # ... the context length of the draft it came from
+        self.follow_edit = False  # ... and whether that draft was an edit's
 
 
 def namespace_of(req) -> tuple | None:
@@ -351,8 +357,10 @@ class SuffixProposer:
         s = self._sync(req)
         ctx = s.index.seqs[0]
         cands = s.index.candidates(ctx)
+        edit = None
         if s.follow:
-            cands = self._followed(s, ctx) + cands
+            kept, edit = self._followed(s, ctx, k)
+            cands = kept + cands
         best = self._draft(cands, ctx, k, "request")
         if best is not None and best.follow and best.follow[0][0] is not ctx:
             best.source = "cache"  # a copy from another request's output, followed from the last step
@@ -363,20 +371,38 @@ class SuffixProposer:
                 if other is not None and (best is None or other.score > best.score):
                     best = other
                     self.cache.touch(idx.sid_of.get(id(seq)) for seq, _ in other.follow)
-        s.follow, s.follow_len = (best.follow, len(ctx)) if best is not None else ([], 0)
+        if edit is not None and (best is None or best.match_len < EDIT_OVER):
+            best = edit
+        if best is not None:
+            s.follow, s.follow_len, s.follow_match, s.follow_edit = best.follow, len(ctx), best.match_len, best.edit
+        else:
+            s.follow = []
         if best is not None and best.source == "cache":
             self.from_cache += 1
         return best
 
-    def _followed(self, s: _Seq, ctx) -> list:
-        """Last draft's occurrences moved on by what the request wrote since, where it agrees."""
+    def _followed(self, s: _Seq, ctx, k: int) -> tuple[list, Draft | None]:
+        """Last draft's occurrences moved on by what the request wrote since, where it agrees; and
+        where it agrees but for the last token (the model wrote its own token in place of the
+        source's: a renamed word in a copied file), an edit draft: the source on past that token.
+        Its context length is the copy's so far, its acceptance is learned apart (`Draft.edit`)."""
         grown = len(ctx) - s.follow_len
-        out = []
+        new = ctx[s.follow_len:]
+        out, edit = [], None
         for seq, p in s.follow:
             q = p + grown
-            if q < len(seq) and seq[p:q] == ctx[s.follow_len:]:
-                out.append((seq, q))
-        return out
+            if q > len(seq):
+                continue
+            if seq[p:q] == new:
+                if q < len(seq):
+                    out.append((seq, q))
+            elif edit is None and not s.follow_edit and seq[p:q - 1] == new[:-1]:
+                run = seq[q:q + min(k, int(self.spec_factor * s.follow_match))]
+                if len(run):
+                    n = len(run)
+                    source = "request" if seq is ctx else "cache"
+                    edit = Draft(list(run), [1.0] * n, [1] * n, s.follow_match, source, float(n), [(seq, q)], True)
+        return out, edit
 
     def _draft(self, cands, ctx, k: int, source: str) -> Draft | None:
         if not cands:
