@@ -230,6 +230,13 @@ def suffix_engine(loaded, cost=FLAT, k=8, **opts):
     return eng
 
 
+def assert_guesses_accounted(sp):
+    """Every guess proposed went somewhere: verified, skipped by the cost model, cut by a grammar or
+    by the token budget."""
+    assert sp.num_proposed_tokens == (sp.num_draft_tokens + sp.num_cost_skipped_tokens + sp.num_grammar_cut_tokens
+                                      + sp.num_budget_cut_tokens), sp.as_dict()
+
+
 def run_waves(eng, reqs, waves=2, params=None, lora=None):
     """The same requests `waves` times, each wave after the last finished (so later waves can draft
     from earlier outputs); every step checks the block pool. -> outputs per wave."""
@@ -269,7 +276,7 @@ def test_suffix_greedy_equals_the_reference(tiny_model, mixed16, batch):
     assert sp.num_cache_drafts > 0 and eng.spec.proposer.from_cache == sp.num_cache_drafts
     assert sp.num_verified_rows == sp.num_draft_tokens + sp.num_drafts
     assert sum(sp.accepted_per_pos) == sp.num_accepted_tokens and sp.accepted_per_pos[0] <= sp.num_drafts
-    assert sp.num_proposed_tokens == sp.num_draft_tokens + sp.num_cost_skipped_tokens + sp.num_grammar_cut_tokens
+    assert_guesses_accounted(sp)
 
 
 def test_suffix_under_preemption_prefix_caching_and_a_small_budget(tiny_model):
@@ -280,6 +287,8 @@ def test_suffix_under_preemption_prefix_caching_and_a_small_budget(tiny_model):
     print("near ties:", compare(w1, ref), compare(w2, ref), "preemptions:", eng.stats.preemptions)
     assert eng.stats.preemptions >= 1 and eng.block_manager.hits > 0
     assert_speculated(eng)
+    assert_guesses_accounted(eng.spec.stats)
+    assert eng.spec.stats.num_budget_cut_tokens > 0  # a 24-token budget trims guesses
     # a preempted request keeps its one sequence in the shared cache (none written twice)
     cache = eng.spec.proposer.cache
     assert len(cache.lru) == 2 * len(reqs)
@@ -297,7 +306,7 @@ def test_cost_model_skips_guesses_that_do_not_pay(tiny_model, mixed16):
     sp = eng.spec.stats
     print(sp.as_dict())
     assert sp.num_cost_skipped_tokens > 0 and sp.num_cost_skipped_drafts > 0
-    assert sp.num_proposed_tokens == sp.num_draft_tokens + sp.num_cost_skipped_tokens
+    assert_guesses_accounted(sp)
 
 
 def test_cache_salt_keeps_tenants_apart(tiny_model, mixed16):
@@ -392,7 +401,7 @@ def test_grammar_and_lora_rows_in_the_batch(tiny_chat_gguf, tmp_path):
     print(sp.as_dict(), "lora steps", eng.lora.lora_steps)
     assert sp.num_grammar_cut_tokens > 0 and sp.num_accepted_tokens > 0 and sp.num_cache_drafts > 0
     assert eng.lora.lora_steps > 0
-    assert sp.num_proposed_tokens == sp.num_draft_tokens + sp.num_grammar_cut_tokens + sp.num_cost_skipped_tokens
+    assert_guesses_accounted(sp)
 
 
 def run_waves_plain(eng, reqs, params, lora):

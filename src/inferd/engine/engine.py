@@ -397,6 +397,7 @@ class LLMEngine:
                                             "num_emitted_tokens", "draft_time", "verify_time", "num_verified_rows",
                                             "num_proposed_tokens", "num_cost_skipped_tokens",
                                             "num_cost_skipped_drafts", "num_grammar_cut_tokens", "num_cache_drafts",
+                                            "num_budget_cut_tokens",
                                             "num_explored", "num_skipped")}
         spec.update(acceptance_rate=st.acceptance_rate, mean_accepted_length=st.mean_accepted_length,
                     accepted_per_pos=list(st.accepted_per_pos), method=self.spec.method)

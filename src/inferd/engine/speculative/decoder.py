@@ -58,6 +58,7 @@ class SpecStats:
     num_grammar_cut_tokens: int = 0  # ... cut because the request's grammar forbids them
     num_cost_skipped_tokens: int = 0  # ... not verified because they did not pay for their rows
     num_cost_skipped_drafts: int = 0  # sequence-steps whose whole draft the cost model skipped
+    num_budget_cut_tokens: int = 0  # ... chosen, then trimmed by a short token budget or not scheduled
     num_explored: int = 0  # ... verified anyway (one guess) to keep learning their acceptance
     num_cache_drafts: int = 0  # drafts taken from the shared cache of other requests' outputs
     num_verified_rows: int = 0  # rows of verify chunks: guesses + 1 each
@@ -82,6 +83,7 @@ class SpecStats:
                 "spec_num_grammar_cut_tokens": self.num_grammar_cut_tokens,
                 "spec_num_cost_skipped_tokens": self.num_cost_skipped_tokens,
                 "spec_num_cost_skipped_drafts": self.num_cost_skipped_drafts, "spec_num_explored": self.num_explored,
+                "spec_num_budget_cut_tokens": self.num_budget_cut_tokens,
                 "spec_num_cache_drafts": self.num_cache_drafts, "spec_num_verified_rows": self.num_verified_rows,
                 "spec_accepted_per_pos": list(self.accepted_per_pos)}
 
@@ -102,7 +104,7 @@ class SpecDecoder:
         self.calibration = None  # suffix: acceptance learned from verification (cost.Calibration)
         self.cost = None  # suffix with the cost model: step seconds by rows (cost.StepCost)
         self.overhead = 0.0  # ... and a step's seconds outside its forward (observe_step)
-        self.pending: dict[str, object] = {}  # rid -> the draft (suffix.Draft) of its guesses in flight
+        self.pending: dict[str, tuple] = {}  # rid -> (its draft, guesses chosen) of the guesses in flight
         self.explore: dict[str, list[int]] = {}  # rid -> [drafts skipped since its last verify, interval]
         if self.method == "draft":
             model = self._draft_model(engine, draft_loaded)
@@ -147,7 +149,7 @@ class SpecDecoder:
                               f"target's ({vocab}): speculative decoding needs the same vocabulary")
         return model
 
-    def _measure(self, engine) -> spec_cost.StepCost:
+    def _measure(self, engine) -> spec_cost.StepCost | None:
         """Seconds of a step of R decode rows on this machine, R up to what a step can hold (every
         sequence with k + 1 rows, within the token budget): one row each at a context of up to 512
         tokens (attention's share of a row, as a chat's), through the runner as a step runs (fused or eager, every tensor-parallel rank). The
@@ -174,6 +176,12 @@ class SpecDecoder:
         t0 = time.monotonic()
         try:
             cost = spec_cost.measure(run_rows, max_rows)
+        except Exception as e:  # noqa: BLE001 - no curve: every draft is verified whole, and the log says so
+            if runner.comm is not None:  # a rank out of step cannot be recovered from here
+                raise
+            log.warning("speculative cost model off: measuring the step cost failed (%s: %s); every draft is "
+                        "verified whole", type(e).__name__, e)
+            return None
         finally:
             _restore(runner, saved)
         log.info("speculative cost model: step seconds by rows measured in %.1f s (%s)", time.monotonic() - t0,
@@ -257,7 +265,7 @@ class SpecDecoder:
                 st.num_cost_skipped_drafts += k == 0
             if k:
                 r.spec_tokens = d.tokens[:k]
-                self.pending[r.request_id] = d
+                self.pending[r.request_id] = (d, k)
 
     def observe_step(self, total: float, forward: float):
         """A step's seconds in all and in the forward: what a step costs beside its rows (scheduling,
@@ -304,9 +312,13 @@ class SpecDecoder:
             r.spec_tokens, r.spec_q = [], None
             if self.method != "suffix":
                 self.proposer.free(r.request_id)
-        if self.pending:
-            for rid in [rid for rid, _ in self.pending.items()
-                        if rid not in self.engine.requests or not self.engine.requests[rid].spec_tokens]:
+        for rid, (_, chosen) in list(self.pending.items()):
+            req = self.engine.requests.get(rid)
+            left = len(req.spec_tokens) if req is not None else 0
+            # the scheduler trims guesses a short token budget cannot hold (or drops an unscheduled
+            # sequence's): counted, so that every proposed guess is accounted for
+            self.stats.num_budget_cut_tokens += chosen - left
+            if not left:
                 del self.pending[rid]
 
     # -- after the target forward ---------------------------------------------------------------
@@ -348,9 +360,9 @@ class SpecDecoder:
                 st.accepted_per_pos.extend([0] * (k - len(st.accepted_per_pos)))
             for j in range(a):
                 st.accepted_per_pos[j] += 1
-            draft = self.pending.pop(req.request_id, None)
-            if draft is not None:
-                self.calibration.update(req.request_id, draft, k, a)
+            info = self.pending.pop(req.request_id, None)
+            if info is not None:
+                self.calibration.update(req.request_id, info[0], k, a)
                 ex = self.explore.get(req.request_id)
                 if ex is not None:  # an explored guess: pauses shrink once one is accepted, else grow
                     ex[1] = EXPLORE_MIN if a else min(EXPLORE_MAX, 2 * ex[1])

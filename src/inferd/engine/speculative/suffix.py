@@ -22,8 +22,9 @@ sequences themselves are the paths, and dropping a sequence removes exactly its 
 reads the newest `CANDIDATES` places the last three tokens (else two) occurred, measures how far
 back each agrees with the context, and keeps the longest; the places that continued last step's
 draft are looked at too, so a long copy keeps its source however common its last tokens are. Where
-the model wrote one token of its own in a copy (a renamed word), the copy goes on past the source's
-token at once (an edit draft) instead of waiting for two tokens of new context to match.
+the model strays from a copy (skips or adds a few tokens, writes a renamed word), the copy goes on
+at once from the source's nearest occurrence of its last token, or past the replaced token (an edit
+draft, its acceptance learned apart), instead of waiting for two tokens of new context to match.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 CANDIDATES = 64  # newest occurrences of the last tokens read per lookup
 FOLLOW = 8  # occurrences carried from one step's draft to the next lookup
 EDIT_OVER = 4  # an edit draft is taken over a fresh lookup whose context is shorter than this
+NEAR = 8  # how far from where a copy would be its realigning token is looked for
 
 
 @dataclass
@@ -151,6 +153,17 @@ def context_len(seq, p: int, ctx, cap: int) -> int:
     while m < cap and seq[p - 1 - m] == ctx[n - 1 - m]:
         m += 1
     return m
+
+
+def near(seq, at: int, tok: int, window: int = NEAR) -> int | None:
+    """The position after the occurrence of tok in seq closest to `at` (within `window`, ahead
+    first at equal distance), or None."""
+    n = len(seq)
+    for d in range(window + 1):
+        for x in (at + d, at - d) if d else (at,):
+            if 0 <= x < n - 1 and seq[x] == tok:
+                return x + 1
+    return None
 
 
 def longest(cands, ctx, max_depth: int) -> tuple[int, list]:
@@ -391,17 +404,24 @@ class SuffixProposer:
         out, edit = [], None
         for seq, p in s.follow:
             q = p + grown
-            if q > len(seq):
-                continue
-            if seq[p:q] == new:
+            if q <= len(seq) and seq[p:q] == new:
                 if q < len(seq):
                     out.append((seq, q))
-            elif edit is None and not s.follow_edit and seq[p:q - 1] == new[:-1]:
-                run = seq[q:q + min(k, int(self.spec_factor * s.follow_match))]
-                if len(run):
-                    n = len(run)
-                    source = "request" if seq is ctx else "cache"
-                    edit = Draft(list(run), [1.0] * n, [1] * n, s.follow_match, source, float(n), [(seq, q)], True)
+                continue
+            if edit is not None:
+                continue
+            # the model strayed from the copy: its last token a little before or after where the copy
+            # would be (it skipped or added a few tokens), else in place of the source's (a renamed word)
+            start = near(seq, q - 1, ctx[-1])
+            if start is None and not s.follow_edit and q <= len(seq) and seq[p:q - 1] == new[:-1]:
+                start = q
+            if start is None:
+                continue
+            run = seq[start:start + min(k, int(self.spec_factor * s.follow_match))]
+            if len(run):
+                n = len(run)
+                source = "request" if seq is ctx else "cache"
+                edit = Draft(list(run), [1.0] * n, [1] * n, s.follow_match, source, float(n), [(seq, start)], True)
         return out, edit
 
     def _draft(self, cands, ctx, k: int, source: str) -> Draft | None:
