@@ -44,6 +44,28 @@ def test_index_finds_the_longest_context_and_counts_continuations():
     assert len(prop.draft(_req("a", [1, 2, 3, 4, 9, 9, 2, 3, 4, 5, 7, 1, 2, 3, 4]), 8).tokens) == 2
 
 
+def test_a_copy_goes_on_past_the_models_own_tokens():
+    """A request copying its prompt: a token of its own in place of the source's (a renamed word)
+    gives an edit draft past the replaced token; a few tokens added, then the copy resumed, realign
+    at once on the source's nearest occurrence; exact copying never needs one."""
+    src = list(range(100, 160))
+    prop = SuffixProposer(vocab=1000, max_cached_requests=0)
+    r = _req("a", src + [1], src[:6])
+    d = prop.draft(r, 8)
+    assert d.tokens == src[6:12] and not d.edit  # 6 tokens of context: 6 guesses (spec factor 1)
+    r.output_ids = src[:10] + [999]  # 4 accepted, then its own token in place of src[10]
+    d = prop.draft(r, 8)
+    assert d.edit and d.tokens == src[11:17] and d.match_len == 6
+    r.output_ids += src[11:13] + [998]  # 2 accepted, then a token added: nothing to go on
+    assert prop.draft(r, 8) is None
+    r.output_ids += [src[13]]  # the copy resumes: realigned on the source's src[13]
+    d = prop.draft(r, 8)
+    assert d.edit and d.tokens == src[14:20]
+    r.output_ids += src[14:20]
+    d = prop.draft(r, 8)
+    assert not d.edit and d.tokens[:4] == src[20:24]
+
+
 def test_walk_follows_the_majority_and_stops_below_min_prob():
     s1, s2, s3 = [5, 6, 7, 8], [5, 6, 7, 9], [5, 6, 1, 2]
     occ = [(s1, 1), (s2, 1), (s3, 1)]  # all three after "5"

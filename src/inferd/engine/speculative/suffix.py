@@ -388,7 +388,7 @@ class SuffixProposer:
             best = edit
         if best is not None:
             s.follow, s.follow_len, s.follow_match, s.follow_edit = best.follow, len(ctx), best.match_len, best.edit
-        else:
+        elif len(ctx) - s.follow_len > NEAR:  # kept a few steps: a copy the model left may resume
             s.follow = []
         if best is not None and best.source == "cache":
             self.from_cache += 1
