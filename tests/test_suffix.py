@@ -170,6 +170,19 @@ def test_step_cost_is_monotone_and_bounded_by_single_rows():
     assert StepCost([(1, 1.0), (4, 1.3), (8, 2.1)])(6) == pytest.approx(1.7)
 
 
+def test_step_cost_learns_from_the_steps_that_ran():
+    """A curve measured while the machine was busy (rows dearer than they are) moves toward what
+    the engine's steps take, where they take it; the points no step came near stay as measured."""
+    c = StepCost([(1, 1.0), (4, 2.0), (16, 8.0), (64, 32.0)])
+    for _ in range(200):
+        c.observe(4, 1.1)
+        c.observe(16, 1.4)
+    assert c(4) == pytest.approx(1.1, rel=0.05) and c(16) == pytest.approx(1.4, rel=0.05)
+    assert c(1) == 1.0 and c(64) == 32.0
+    c.observe(10, 1.2)  # between points: the nearest one learns
+    assert c(16) == pytest.approx(1.4, rel=0.1)
+
+
 def test_choose_lengths_pays_for_rows():
     flat = StepCost([(1, 1.0), (64, 1.0)])  # rows are free: verify everything with a chance
     assert choose_lengths([[0.9, 0.5, 0.01], [0.2]], 2, 2, flat) == [3, 1]
@@ -239,8 +252,8 @@ def test_speculative_config_and_method_together_are_refused():
 
 # -- the engine: lossless, and the machinery proven to have run ---------------------------------
 
-FLAT = StepCost([(1, 1.0), (1024, 1.0)])  # rows for free: every guess with a chance is verified
-STEEP = StepCost([(1, 1.0), (1024, 1024.0)])  # every row costs a decode row: at batch 16 few guesses pay
+FLAT = StepCost([(1, 1.0), (1024, 1.0)], learn=False)  # rows for free: every guess with a chance is verified
+STEEP = StepCost([(1, 1.0), (1024, 1024.0)], learn=False)  # every row costs a decode row: few guesses pay
 
 
 def suffix_engine(loaded, cost=FLAT, k=8, **opts):

@@ -397,7 +397,7 @@ class LLMEngine:
                                             "num_emitted_tokens", "draft_time", "verify_time", "num_verified_rows",
                                             "num_proposed_tokens", "num_cost_skipped_tokens",
                                             "num_cost_skipped_drafts", "num_grammar_cut_tokens", "num_cache_drafts",
-                                            "num_budget_cut_tokens",
+                                            "num_budget_cut_tokens", "num_cost_probes",
                                             "num_explored", "num_skipped")}
         spec.update(acceptance_rate=st.acceptance_rate, mean_accepted_length=st.mean_accepted_length,
                     accepted_per_pos=list(st.accepted_per_pos), method=self.spec.method)
@@ -505,7 +505,7 @@ class LLMEngine:
             spec.release_finished()
         dt = time.monotonic() - t0
         if spec is not None:
-            spec.observe_step(dt, t_forward)
+            spec.observe_step(dt, t_forward, sum(batch.num_new))
         self._record(batch, dt)
         return outputs
 

@@ -25,21 +25,43 @@ import time
 log = logging.getLogger("inferd")
 
 MEASURE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+OBSERVE_RATE = 0.05  # weight of a step the engine ran against the curve's point (after its first few)
 
 
 class StepCost:
     """Seconds of a step of R rows: the measured points, linear between them, proportional to R past
     the last. Kept non-decreasing and at most R one-row steps: a noisy point never says rows are
-    free, nor that a batch costs more than its rows one by one."""
+    free, nor that a batch costs more than its rows one by one. Steps the engine runs correct it as
+    they come (`observe`): the point nearest each step's rows moves toward what that step took, so a
+    curve measured while the machine was busy does not decide for the rest of the engine's life."""
 
-    def __init__(self, points: list[tuple[int, float]]):
+    def __init__(self, points: list[tuple[int, float]], learn: bool = True):
+        self.learn = learn  # False: a curve given as it is (tests say which costs they assume)
         pts = sorted(points)
-        rows, secs = [], []
-        for r, t in pts:
-            rows.append(r)
+        self.rows = [r for r, _ in pts]
+        self.measured = [t for _, t in pts]
+        self.scale = [1.0] * len(pts)  # per point: observed / measured, a running average
+        self.seen = [0] * len(pts)
+        self._fit()
+
+    def _fit(self):
+        secs: list[float] = []
+        for r, t, m in zip(self.rows, self.measured, self.scale):
+            t *= m
             # never below a smaller step, never above that many one-row steps (a noisy point)
-            secs.append(min(max(t, secs[-1]), r * secs[0] / rows[0]) if secs else t)
-        self.rows, self.secs = rows, secs
+            secs.append(min(max(t, secs[-1]), r * secs[0] / self.rows[0]) if secs else t)
+        self.secs = secs
+
+    def observe(self, R: int, seconds: float):
+        """A step of R rows took `seconds` (its forward and logits)."""
+        if not self.learn or R < 1 or seconds <= 0:
+            return
+        i = min(range(len(self.rows)), key=lambda j: abs(self.rows[j] - R))
+        want = seconds / self(R) * self.scale[i]
+        self.seen[i] += 1
+        rate = max(OBSERVE_RATE, 1.0 / self.seen[i])
+        self.scale[i] += rate * (want - self.scale[i])
+        self._fit()
 
     def __call__(self, R: float) -> float:
         rows, secs = self.rows, self.secs

@@ -41,6 +41,7 @@ from inferd.worker.spec_attention import SpecPagedAttention
 log = logging.getLogger("inferd")
 
 EXPLORE_MIN, EXPLORE_MAX = 16, 256  # a skipped request verifies one guess after this many skipped drafts
+PROBE_EVERY = 64  # steps with drafts between two drafts the cost model cut, verified whole
 
 
 @dataclass
@@ -60,6 +61,7 @@ class SpecStats:
     num_cost_skipped_drafts: int = 0  # sequence-steps whose whole draft the cost model skipped
     num_budget_cut_tokens: int = 0  # ... chosen, then trimmed by a short token budget or not scheduled
     num_explored: int = 0  # ... verified anyway (one guess) to keep learning their acceptance
+    num_cost_probes: int = 0  # drafts the cost model cut, verified whole to learn what the longer step costs
     num_cache_drafts: int = 0  # drafts taken from the shared cache of other requests' outputs
     num_verified_rows: int = 0  # rows of verify chunks: guesses + 1 each
     accepted_per_pos: list = field(default_factory=list)  # [j]: verify steps whose guess j was accepted
@@ -83,7 +85,7 @@ class SpecStats:
                 "spec_num_grammar_cut_tokens": self.num_grammar_cut_tokens,
                 "spec_num_cost_skipped_tokens": self.num_cost_skipped_tokens,
                 "spec_num_cost_skipped_drafts": self.num_cost_skipped_drafts, "spec_num_explored": self.num_explored,
-                "spec_num_budget_cut_tokens": self.num_budget_cut_tokens,
+                "spec_num_budget_cut_tokens": self.num_budget_cut_tokens, "spec_num_cost_probes": self.num_cost_probes,
                 "spec_num_cache_drafts": self.num_cache_drafts, "spec_num_verified_rows": self.num_verified_rows,
                 "spec_accepted_per_pos": list(self.accepted_per_pos)}
 
@@ -104,6 +106,7 @@ class SpecDecoder:
         self.calibration = None  # suffix: acceptance learned from verification (cost.Calibration)
         self.cost = None  # suffix with the cost model: step seconds by rows (cost.StepCost)
         self.overhead = 0.0  # ... and a step's seconds outside its forward (observe_step)
+        self.steps_since_probe = 0  # steps with drafts since a cut one was verified whole
         self.pending: dict[str, tuple] = {}  # rid -> (its draft, guesses chosen) of the guesses in flight
         self.explore: dict[str, list[int]] = {}  # rid -> [drafts skipped since its last verify, interval]
         if self.method == "draft":
@@ -257,6 +260,16 @@ class SpecDecoder:
             lengths = spec_cost.choose_lengths(expected, rows, tokens, self._step_seconds)
         else:
             lengths = [len(d.tokens) for _, d in live]
+        if self.cost is not None:
+            self.steps_since_probe += 1
+            cut = [i for i, ((_, d), k) in enumerate(zip(live, lengths)) if k and k < len(d.tokens)]
+            if cut and self.steps_since_probe >= PROBE_EVERY:
+                # now and then a draft the cost model cut short is verified whole: the curve learns
+                # what the longer step really costs (it is only corrected where steps run)
+                i = max(cut, key=lambda j: len(live[j][1].tokens) - lengths[j])
+                lengths[i] = len(live[i][1].tokens)
+                self.steps_since_probe = 0
+                st.num_cost_probes += 1
         for (r, d), k in zip(live, lengths):
             if k == 0:
                 k = self._explore(r.request_id)
@@ -267,11 +280,13 @@ class SpecDecoder:
                 r.spec_tokens = d.tokens[:k]
                 self.pending[r.request_id] = (d, k)
 
-    def observe_step(self, total: float, forward: float):
-        """A step's seconds in all and in the forward: what a step costs beside its rows (scheduling,
-        sampling, verifying, detokenizing) is paid once a step however many tokens it yields, so it
-        counts toward what a guess saves (a running average)."""
+    def observe_step(self, total: float, forward: float, rows: int):
+        """A step's seconds in all and in its forward of `rows` rows: the forward corrects the cost
+        curve where it ran; what a step costs beside its rows (scheduling, sampling, verifying,
+        detokenizing) is paid once a step however many tokens it yields, so it counts toward what a
+        guess saves (a running average)."""
         if self.cost is not None:
+            self.cost.observe(rows, forward)
             self.overhead = 0.9 * self.overhead + 0.1 * max(0.0, total - forward)
 
     def _step_seconds(self, rows: float) -> float:
