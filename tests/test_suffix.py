@@ -164,8 +164,14 @@ def test_shared_cache_stays_within_its_bound():
 
 def test_step_cost_is_monotone_and_bounded_by_single_rows():
     c = StepCost([(1, 1.0), (2, 5.0), (4, 1.2), (8, 2.0)])
-    assert c(1) == 1.0 and c(2) == 2.0  # a noisy 5.0 is capped at two one-row steps
-    assert c(4) == 2.0  # never below a smaller step
+    assert c(1) == 1.0 and c(2) == 1.2  # a noisy 5.0: no more than the larger step after it
+    c = StepCost([(1, 1.0), (2, 1.5), (4, 9.0)])
+    assert c(4) == 4.0  # never above four one-row steps
+    c = StepCost([(1, 1.0), (2, 1.5), (4, 1.2)])
+    c.seen[1] = 1
+    c._fit()
+    assert c(4) == 1.5  # never below a smaller step that steps have confirmed
+    c = StepCost([(1, 1.0), (4, 1.3), (8, 2.0)])
     assert c(16) == pytest.approx(4.0)  # past the last point: proportional to the rows
     assert StepCost([(1, 1.0), (4, 1.3), (8, 2.1)])(6) == pytest.approx(1.7)
 
@@ -495,3 +501,22 @@ def test_bad_speculative_config_on_the_command_line_exits_2():
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("inferd: error:") and "suffix_decoding_max_tree_depth must be int" in last
     assert "Traceback" not in r.stderr
+
+
+def test_a_curve_cut_short_by_its_budget_still_has_every_point():
+    """Measured on a machine too slow for the budget: the counts not reached are points too
+    (proportional to the last one reached), which steps near them then correct one by one."""
+    from inferd.engine.speculative.cost import measure
+
+    calls = []
+
+    def run(R):
+        calls.append(R)
+        import time as _t
+        _t.sleep(0.002)
+
+    c = measure(run, 64, reps=1, budget_s=0.001)
+    assert set(calls) == {1, 2} and c.rows == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
+    assert c(64) == pytest.approx(32 * c(2), rel=0.01)
+    c.observe(16, c(2))  # a step of 16 rows costs what 2 did: that point learns it at once
+    assert c(16) == pytest.approx(c(2), rel=0.01)

@@ -45,9 +45,13 @@ class StepCost:
         self._fit()
 
     def _fit(self):
+        vals = [t * m for t, m in zip(self.measured, self.scale)]
+        # a point no step has come near is older news than one that steps did: never above it
+        for i in range(len(vals) - 2, -1, -1):
+            if not self.seen[i] and vals[i] > vals[i + 1]:
+                vals[i] = vals[i + 1]
         secs: list[float] = []
-        for r, t, m in zip(self.rows, self.measured, self.scale):
-            t *= m
+        for r, t in zip(self.rows, vals):
             # never below a smaller step, never above that many one-row steps (a noisy point)
             secs.append(min(max(t, secs[-1]), r * secs[0] / self.rows[0]) if secs else t)
         self.secs = secs
@@ -190,4 +194,9 @@ def measure(run_rows, max_rows: int, reps: int = 3, budget_s: float = 6.0) -> St
             t0 = time.perf_counter()
             run_rows(R)
             best[R] = min(best[R], time.perf_counter() - t0)
+    # counts not reached get a point too, proportional to the last one reached: a guess on the
+    # dear side, which the first steps the engine runs near it replace (StepCost.observe)
+    last, t_last = reached[-1], best[reached[-1]]
+    for R in counts[len(reached):]:
+        best[R] = t_last * R / last
     return StepCost(sorted(best.items()))
