@@ -79,15 +79,16 @@ def last_level_cache_bytes() -> int:
     return best or 32 << 20
 
 
-def read_bandwidth_gbs(threads: int, reps: int = 5) -> float:
+def read_bandwidth_gbs(threads: int, reps: int = 5, size: int | None = None) -> float:
     """Read-only streaming bandwidth at `threads` threads: the best of `reps` sums over a float32
-    buffer of at least 4x the last-level cache (and 512 MiB), so it comes from DRAM, not cache."""
+    buffer of at least 4x the last-level cache (and 512 MiB), so it comes from DRAM, not cache.
+    `size` (bytes) replaces that: a smoke run's (--tiny) number, which measures the cache."""
     import torch
 
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        n = max(4 * last_level_cache_bytes(), 512 << 20) // 4
+        n = (size or max(4 * last_level_cache_bytes(), 512 << 20)) // 4
         buf = torch.ones(n, dtype=torch.float32)
         buf.sum()  # fault the pages in
         best = float("inf")
@@ -121,7 +122,7 @@ def bytes_per_decode_token(model, context: int) -> int:
     return total
 
 
-def int8_peak_gops(threads: int) -> tuple[str, float]:
+def int8_peak_gops(threads: int, seconds: float = 0.5) -> tuple[str, float]:
     """(isa, GOP/s): the int8 dot-product instruction's peak at `threads` threads, no memory traffic
     (csrc/bench/int8_peak.c, built with the system C compiler into the benchmark cache on first use).
     The roofline for the integer GEMMs where no library GEMM is a ceiling (oneDNN's int8 GEMM runs
@@ -141,7 +142,7 @@ def int8_peak_gops(threads: int) -> tuple[str, float]:
     if not exe.exists():
         cache.mkdir(parents=True, exist_ok=True)
         subprocess.run([cc, "-O2", "-fopenmp", str(src), "-o", str(exe)], check=True)
-    isa, gops, _ = subprocess.run([str(exe), str(threads)], check=True, capture_output=True,
+    isa, gops, _ = subprocess.run([str(exe), str(threads), str(seconds)], check=True, capture_output=True,
                                   text=True).stdout.split()
     return isa, float(gops)
 
@@ -207,6 +208,10 @@ def paths_line(p: dict) -> str:
                 + (f", lm_head {p['lm_head']}" if p.get("lm_head") else ""))
     if "kv_dtype" in p:
         bits.append(f"KV {p['kv_dtype']}")
+    if p.get("runner") == "pooling":
+        bits.append(f"pooling runner ({p.get('pooling')}): attention {p.get('attention')}, {p.get('kernel_forwards')} of "
+                    f"{p.get('forwards')} forwards native; {p.get('tokens')} tokens computed for {p.get('real_tokens')} "
+                    f"real ({p.get('padded_tokens')} padded)")
     if "fused_steps" in p:
         bits.append(f"fused decode {'built' if p.get('fused_built') else 'not built'}, "
                     f"{p.get('fused_steps')} fused of {p.get('steps')} steps"
@@ -245,6 +250,14 @@ def check_rows(paths: dict[str, dict], labels: dict[str, str] | None = None) -> 
         check_label(label, p)
     for label, key in (labels or {}).items():
         check_label(label, paths[key])
+
+
+def tiny_skips(*what: str) -> str:
+    """The line a --tiny run prints for each competitor it leaves out (those that need llama.cpp
+    built): a smoke run of the script's every own path, not a measurement."""
+    line = "--tiny: skipped " + "; ".join(what) + " (it needs llama.cpp built; run without --tiny to include it)"
+    print(line, flush=True)
+    return line
 
 
 def write_json(path: str | None, setup: dict, rows: list[dict], paths: dict[str, dict], **extra) -> None:

@@ -12,8 +12,11 @@ Every row is the median of --rounds interleaved rounds (each contender once a ro
 the min-max; the header gives the setup and the paths each inferd engine ran, and --json F writes
 {"cpu", "setup", "rows", "paths"}.
 
-Usage: .venv/bin/python benchmarks/engine_vs_hf.py [--num-prompts 64] [--batch-cap 32] [--threads 2]
-       [--rounds 3] [--json F]
+--tiny runs the same command in seconds (the suite's smoke test, tests/test_benchmarks.py): 4
+requests of 8-24 in / 4-12 out tokens, a batch cap of 2, 8 batch-1 tokens, 1 round.
+
+Usage: .venv/bin/python benchmarks/engine_vs_hf.py [--model F.gguf] [--num-prompts 64] [--batch-cap 32]
+       [--threads 2] [--rounds 3] [--json F] [--tiny]
 transformers is a benchmark/test dependency only; the product never imports it.
 """
 from __future__ import annotations
@@ -79,10 +82,9 @@ def run_hf_static(hf, reqs, batch: int, pad_id: int) -> tuple[float, float]:
     return sum(n for _, n in reqs) / dt, dt
 
 
-def load_hf(dtype: torch.dtype):
+def load_hf(path: str, dtype: torch.dtype):
     import transformers  # benchmark/test dependency only
 
-    path = default_model_path()
     # transformers 5 can keep a GGUF's blocks packed: ask for the dense model explicitly
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype, attn_implementation="sdpa",
@@ -114,6 +116,7 @@ def same_weights(model, hf) -> str:
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None, help="a .gguf file (default: the embedded default)")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch-cap", type=int, default=32,
@@ -123,16 +126,25 @@ def main():
     ap.add_argument("--decode-tokens", type=int, default=128, help="batch-1 decode rows: tokens a round")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--tiny", action="store_true",
+                    help="a seconds-long smoke run of the same command (the tests): 4 requests of 8-24 in / 4-12 "
+                         "out tokens, batch cap 2, 8 batch-1 tokens, 1 round")
     a = ap.parse_args()
+    lengths, kv_memory, gemm_n = ((64, 256), (32, 256)), "1GiB", 2048
+    if a.tiny:
+        a.num_prompts, a.batch_cap, a.rounds, a.decode_tokens = 4, 2, 1, 8
+        lengths, kv_memory, gemm_n = ((8, 24), (4, 12)), "64MiB", 256
     torch.set_num_threads(a.threads)
-    loaded = load_model(None, dtype="bfloat16")
+    path = a.model or default_model_path()
+    # the dequantized model on both sides, named: the bit-for-bit check below compares dense weights
+    loaded = load_model(path, dtype="bfloat16", quantization="none")
     cfg = loaded.config
     special = {i for i in range(cfg.vocab_size) if loaded.tokenizer.is_special(i)}
-    reqs = random_requests(a.num_prompts, (64, 256), (32, 256), cfg.vocab_size, seed=0, avoid=special)
+    reqs = random_requests(a.num_prompts, *lengths, cfg.vocab_size, seed=0, avoid=special)
     n_params = sum(p.numel() for p in loaded.model.parameters())
-    kv = dict(kv_cache_memory="1GiB", kv_cache_dtype=a.kv_cache_dtype)
+    kv = dict(kv_cache_memory=kv_memory, kv_cache_dtype=a.kv_cache_dtype)
     cap = a.batch_cap
-    hf = None if a.skip_hf else load_hf(torch.bfloat16)
+    hf = None if a.skip_hf else load_hf(path, torch.bfloat16)
     weights = same_weights(loaded.model, hf) if hf is not None else "inferd only (--skip-hf)"
 
     cont, stat = f"inferd continuous, max_num_seqs={cap}", f"inferd static, max_num_seqs={cap}"
@@ -163,19 +175,20 @@ def main():
     runners[b1] = inferd_b1
     if hf is not None:
         runners[hf_b1] = lambda: hf_decode_rate(hf, prompt, a.decode_tokens)
-    peak = bf16_gemm_rate()
+    peak = bf16_gemm_rate(gemm_n)
     runs = interleaved(runners, a.rounds)
     check_rows(paths)
     med = {k: statistics.median(v) for k, v in runs.items()}
     flops = 2 * n_params * (sum(len(p) for p, _ in reqs) + sum(n for _, n in reqs))
     cont_dt = sum(n for _, n in reqs) / med[cont]
 
-    setup = {"model": os.path.basename(default_model_path()), "weights": weights, "dtype": "bfloat16",
-             "threads": a.threads, "requests": f"{a.num_prompts}, all at t=0 (inputs 64-256, outputs 32-256 "
+    (i0, i1), (o0, o1) = lengths
+    setup = {"model": os.path.basename(path), "weights": weights, "dtype": "bfloat16",
+             "threads": a.threads, "requests": f"{a.num_prompts}, all at t=0 (inputs {i0}-{i1}, outputs {o0}-{o1} "
              "tokens, ignore_eos, greedy; seed 0)",
              "batch cap": f"{cap} for every batched row (inferd max_num_seqs, continuous and static; HF batch size)",
              "batch-1 rows": f"a {len(prompt)}-token prompt, {a.decode_tokens} tokens, prefill excluded",
-             "KV cache": f"{a.kv_cache_dtype} (inferd), 1 GiB", "HF attention": "sdpa, left padding",
+             "KV cache": f"{a.kv_cache_dtype} (inferd), {kv_memory}", "HF attention": "sdpa, left padding",
              "rounds": f"{a.rounds}, interleaved (every row once a round, in table order); each row is the "
                        "median, with the min-max over the rounds"}
     report_header("inferd engine vs Hugging Face transformers generate", setup, paths)

@@ -24,9 +24,12 @@ Parts (--parts, all by default):
              router knows only what it sent itself while the events are the same for both. The
              prefix-cache hit rate the backends count, every row printed.
 
-Usage: .venv/bin/python benchmarks/kv_tier.py [--parts ttft,bandwidth,router] [--input-len 1024]
+--tiny runs the same command in seconds (the suite's smoke test, tests/test_benchmarks.py): 3
+families of 64 tokens, 6 requests, a pool of about 2 families, concurrency 2.
+
+Usage: .venv/bin/python benchmarks/kv_tier.py [--model F.gguf] [--parts ttft,bandwidth,router] [--input-len 1024]
        [--families 8] [--num-prompts 40] [--pool-families 3] [--concurrency 4] [--disk-dir /var/tmp]
-       [--json out.json]
+       [--json out.json] [--tiny]
 """
 from __future__ import annotations
 
@@ -63,6 +66,10 @@ def bench_args(a, concurrency: int) -> list[str]:
     return ["--dataset", "prefix-families", "--input-len", str(a.input_len), "--prefix-families", str(a.families),
             "--question-len", "32", "--output-len", "16", "--num-prompts", str(a.num_prompts),
             "--max-concurrency", str(concurrency), "--seed", "0", "--extra-body", '{"temperature": 0}']
+
+
+def model_flags(a) -> list[str]:
+    return ["--model", a.model] if a.model else []
 
 
 def pool_blocks(a) -> int:
@@ -109,7 +116,8 @@ def run_ttft(a) -> tuple[list, dict]:
         if d:
             extra = ["--kv-tier", d]
         port = free_port()
-        cmd = inferd_serve_cmd("--quantization", "auto", "--num-kv-blocks", str(pool_blocks(a)), *extra, port=port)
+        cmd = inferd_serve_cmd(*model_flags(a), "--quantization", "auto", "--num-kv-blocks", str(pool_blocks(a)),
+                               *extra, port=port)
         try:
             with server(cmd, label.replace(" ", "-")) as base:
                 res = run_bench(base, *bench_args(a, 1))
@@ -186,10 +194,6 @@ def run_bandwidth(a, ttft: dict) -> list:
     rows.append({"what": f"recompute ({prefill_tps:.0f} prompt tok/s x {per_token / 1024:.1f} KiB/token)",
                  "gbs": prefill_tps * per_token / 1e9})
     print_table("KV tier bandwidth", ["what", "GB/s"], [[r["what"], f"{r['gbs']:.3f}"] for r in rows])
-    for label in ("disk tier", "shm tier"):
-        d = runs[label]["dir"]
-        if d:
-            shutil.rmtree(d, ignore_errors=True)
     return rows
 
 
@@ -233,7 +237,8 @@ def run_router(a) -> list:
             with contextlib.ExitStack() as st:
                 bases = []
                 for i, (p, q) in enumerate(ports):
-                    cmd = inferd_serve_cmd("--quantization", "auto", "--num-kv-blocks", str(pool_blocks(a)),
+                    cmd = inferd_serve_cmd(*model_flags(a), "--quantization", "auto", "--num-kv-blocks",
+                                           str(pool_blocks(a)),
                                            "--threads", "1", "--kv-events-config",
                                            f'{{"endpoint": "tcp://127.0.0.1:{p}", "replay_endpoint": "tcp://127.0.0.1:{q}"}}',
                                            port=free_port())
@@ -273,6 +278,7 @@ def _bench_prompts(a):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="a .gguf file (default: the embedded default)")
     ap.add_argument("--parts", default="ttft,bandwidth,router")
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--families", type=int, default=8)
@@ -281,9 +287,15 @@ def main():
     ap.add_argument("--concurrency", type=int, default=4, help="router part")
     ap.add_argument("--disk-dir", default="/var/tmp", help="where the disk tier's directory goes")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--tiny", action="store_true",
+                    help="a seconds-long smoke run of the same command (the tests): 3 families of 64 tokens, 6 "
+                         "requests, a pool of about 2 families, concurrency 2")
     a = ap.parse_args()
+    if a.tiny:
+        a.input_len, a.families, a.num_prompts, a.pool_families, a.concurrency = 64, 3, 6, 2, 2
     parts = a.parts.split(",")
-    setup = {"model": "the embedded default (SmolLM2-135M Q4_1), --quantization auto",
+    setup = {"model": (os.path.basename(a.model) if a.model else "the embedded default (SmolLM2-135M Q4_1)")
+             + ", --quantization auto",
              "workload": f"prefix-families: {a.families} prefixes of {a.input_len} tokens + 32-token questions, "
                          f"16 output tokens, {a.num_prompts} requests",
              "pool": f"--num-kv-blocks {pool_blocks(a)} (about {a.pool_families} families)",
@@ -294,6 +306,9 @@ def main():
         out["ttft"], ttft = run_ttft(a)
     if "bandwidth" in parts:
         out["bandwidth"] = run_bandwidth(a, ttft)
+    for run in (ttft or {}).get("runs", {}).values():  # the tiers' directories (run_bandwidth read them)
+        if run["dir"]:
+            shutil.rmtree(run["dir"], ignore_errors=True)
     if "router" in parts:
         out["router"] = run_router(a)
     report_header("inferd KV tier and KV events", setup, ttft["paths"] if ttft else {})

@@ -20,6 +20,10 @@ LABEL=FLAGS given (any `inferd serve` flags), else once per --quantization given
 what a bare `inferd serve` runs: the file's own blocks with int8 activations; `none` adds the
 dequantized weights).
 
+--tiny runs the same command in seconds (the suite's smoke test, tests/test_benchmarks.py): every
+level cut to at most 2 requests of 16 in / 8 out tokens at concurrency at most 2, 2 slots, 1 round;
+llama-server is left out (it needs llama.cpp built), and the output says so.
+
 Usage: nice -n 10 .venv/bin/python benchmarks/llamacpp_server_bench.py [--quantization auto,none]
        [--config 'w4a8=--quantization gguf --quantize-lm-head --quantize-activations' --config ...]
        [--levels 1:8,8:32,32:64] [--rounds 3] [--json F]
@@ -37,7 +41,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
-from common import check_rows, fmt_spread, interleaved, merge_paths, report_header, served_paths, spread, write_json  # noqa: E402
+from common import (check_rows, fmt_spread, interleaved, merge_paths, report_header, served_paths, spread,  # noqa: E402
+                    tiny_skips, write_json)
 from llamacpp import ensure_llama_server, llamacpp_env  # noqa: E402
 from serving import (METRICS, ServerDied, ensure_alive, fmt, free_port, inferd_env, inferd_serve_cmd,  # noqa: E402
                      print_table, run_bench, server)
@@ -103,9 +108,16 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-llamacpp", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--tiny", action="store_true",
+                    help="a seconds-long smoke run of the same command (the tests): each level at most 2 in flight "
+                         "and 2 requests, 16 in / 8 out, 2 slots, 1 round, no llama-server")
     a = ap.parse_args()
     gguf = a.gguf or default_model_path()
     levels = [tuple(int(x) for x in lv.split(":")) for lv in a.levels.split(",")]
+    if a.tiny:
+        levels = list(dict.fromkeys((min(c, 2), min(n, 2)) for c, n in levels))
+        a.input_len, a.output_len, a.slots, a.ctx_per_slot, a.rounds = "16", "8", 2, 64, 1
+        a.skip_llamacpp = a.skip_llamacpp or bool(tiny_skips("llama-server"))
 
     def bench_all(url: str) -> dict[int, dict]:
         out = {}
@@ -139,8 +151,9 @@ def main() -> None:
 
     def inferd_round(label: str, flags: list[str]):
         def run() -> dict[int, dict]:
+            tiny = ["--kv-cache-memory", "64MiB"] if a.tiny else []
             cmd = inferd_serve_cmd("--model", gguf, "--threads", str(a.threads), "--max-num-seqs", str(a.slots),
-                                   "--no-prefix-caching", *flags, port=free_port())
+                                   "--no-prefix-caching", *tiny, *flags, port=free_port())
             with server(cmd, f"inferd-{label}", env=inferd_env()) as url:
                 out = bench_all(url)
                 # what this server's engine ran, its counters those of this round's requests

@@ -31,7 +31,13 @@ rows), in alternating rounds: what each variant is worth on this machine.
 Every row is the median of --rounds interleaved rounds, printed with the min-max over them; the header
 gives the setup and, per contender, the paths that ran (kernel variant, weight formats, activation
 and KV dtypes, fused decode steps; llama.cpp's build ISA and AMX state), and each row label is
-checked against them. --json F writes {"cpu", "setup", "rows", "paths", ...}.
+checked against them. After the table, every 4-bit row's ratios to each baseline, under its own label
+(a headline quotes the row it names: `--only 'gguf +lm_head W4A8'` runs that one configuration
+beside the dense baselines). --json F writes {"cpu", "setup", "rows", "paths", ...}.
+
+--tiny runs the same command in seconds (the suite's smoke test, tests/test_benchmarks.py): 8
+tokens, 1 round, batch 2, a 32-token prefill, roofline measurements on small buffers and shapes;
+llama.cpp is left out, and the output says so.
 
 Usage: .venv/bin/python benchmarks/quant_decode.py [--model F.gguf] [--tokens 128] [--rounds 3] [--json F]
        [--only SUBSTRING] [--isa-sweep] [--tiny]
@@ -51,7 +57,8 @@ sys.path.insert(0, os.path.join(HERE, "..", "src"))
 sys.path.insert(0, HERE)
 
 from common import (bytes_per_decode_token, check_rows, fmt_spread, hf_decode_rate as hf_rate, hf_paths,  # noqa: E402
-                    int8_peak_gops, interleaved, merge_paths, read_bandwidth_gbs, report_header, spread, write_json)
+                    int8_peak_gops, interleaved, merge_paths, read_bandwidth_gbs, report_header, spread, tiny_skips,
+                    write_json)
 from inferd.engine.rate import decode_rate, prefill_rate  # noqa: E402
 from inferd.engine.paths import weight_formats  # noqa: E402
 from inferd.quant import weight_bytes  # noqa: E402
@@ -81,17 +88,17 @@ def engine_rate(loaded, prompt: list[int], n: int, batch: int = 1, record: dict 
     return rate
 
 
-def fp32_kernel_penalty(reps: int = 50) -> dict:
+def fp32_kernel_penalty(reps: int = 50, shape: tuple[int, int] = (3072, 576)) -> dict:
     """One gate_up-sized layer (576 -> 3072), batch 1: packed kernels with fp32 vs bf16 activations."""
     from inferd.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8
 
-    w = torch.randn(3072, 576)
+    w = torch.randn(*shape)
     out = {}
     for name, make in (("int8", lambda dt: Int8Linear(*quantize_int8(w), None, dt)),
                        ("int4", lambda dt: Int4Linear(*quantize_int4(w, 32), 32, None, dt))):
         t = {}
         for dt in (torch.bfloat16, torch.float32):
-            lin, x = make(dt), torch.randn(1, 576, dtype=dt)
+            lin, x = make(dt), torch.randn(1, shape[1], dtype=dt)
             lin(x)
             t0 = time.perf_counter()
             for _ in range(reps):
@@ -102,14 +109,14 @@ def fp32_kernel_penalty(reps: int = 50) -> dict:
     return out
 
 
-def gemm_peaks(threads: int) -> dict:
+def gemm_peaks(threads: int, shape: tuple[int, int, int] = (512, 576, 3072), seconds: float = 0.5) -> dict:
     """GOP/s of the best library GEMMs here at a prefill-sized shape (512 x 576 x 3072): oneDNN's int8
     (torch._int_mm, s8 x s8 -> s32, no scales) and fp32 (torch.mm); and the int8 dot-product
     instruction's own peak (common.int8_peak_gops). The roofline for prefill is the higher int8 one:
     on an AVX2-only CPU oneDNN has no fast int8 GEMM (2-5 GOP/s), so only the instruction bounds it."""
     import statistics as st
 
-    M, K, N = 512, 576, 3072
+    M, K, N = shape
     a8, b8 = torch.randint(-127, 128, (M, K), dtype=torch.int8), torch.randint(-127, 128, (K, N), dtype=torch.int8)
     a, b = torch.randn(M, K), torch.randn(K, N)
     out = {}
@@ -122,7 +129,7 @@ def gemm_peaks(threads: int) -> dict:
             runs.append(time.perf_counter() - t0)
         out[name] = 2 * M * K * N / st.median(runs) / 1e9
     out["int8_mm"] = out["int8"]
-    out["int8_isa"], out["int8_instr"] = int8_peak_gops(threads)
+    out["int8_isa"], out["int8_instr"] = int8_peak_gops(threads, seconds)
     out["int8"] = max(out["int8_mm"], out["int8_instr"])
     return out
 
@@ -163,6 +170,8 @@ def llamacpp_rows(a, path: str, prompt: list[int], runners: dict, rates: dict, b
     from llamacpp import TileFault, faulted, llama_bench, run_llamacpp
 
     note = ""
+    if a.tiny:
+        return tiny_skips("llama.cpp in-process decode", "llama-bench tg128 and pp512")
     # llama.cpp's rows name the file they ran (the default: its Q4_1)
     ftype = "Q4_1" if a.model is None else os.path.splitext(os.path.basename(a.model))[0]
     if not a.skip_llamacpp:
@@ -217,21 +226,26 @@ def main():
     ap.add_argument("--skip-llamacpp", action="store_true")
     ap.add_argument("--skip-batch32", action="store_true")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--only", default=None, help="run only the inferd configs whose label contains this")
+    ap.add_argument("--only", default=None,
+                    help="run only the inferd configs whose label contains this (beside the dense baselines), "
+                         "e.g. 'gguf +lm_head W4A8' for the one row 'inferd gguf +lm_head W4A8/W8A8'")
     ap.add_argument("--isa-sweep", action="store_true", help="the W4A8 rows under every runnable kernel variant")
     ap.add_argument("--batches", default="8,16,32", help="decode batch sizes for the batch table ('' to skip)")
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--skip-llama-bench", action="store_true")
     ap.add_argument("--tiny", action="store_true",
-                    help="a seconds-long smoke run (the tests): inferd fp32 and gguf W4A8 only, 8 tokens, "
-                         "1 round, no competitors, no batch, prefill or roofline tables")
+                    help="a seconds-long smoke run of the same command (the tests): 8 tokens, 1 round, batch 2, "
+                         "a 32-token prefill, small roofline measurements, llama.cpp left out (saying so); "
+                         "--only defaults to 'gguf +lm_head W4A8'")
     a = ap.parse_args()
+    prefill_len = 512
     if a.tiny:
-        a.tokens, a.rounds, a.batches, a.only = 8, 1, "", a.only or "gguf +lm_head W4A8"
-        a.skip_hf = a.skip_llamacpp = a.skip_llama_bench = a.skip_prefill = a.skip_batch32 = True
+        a.tokens, a.rounds, a.only = 8, 1, a.only or "gguf +lm_head W4A8"
+        a.batches = "2" if a.batches else ""
+        prefill_len = 32
     torch.set_num_threads(a.threads)
     path = a.model or default_model_path()
-    always = ("inferd fp32",) if a.tiny else ("inferd bf16", "inferd fp32")  # the dense baselines
+    always = ("inferd bf16", "inferd fp32")  # the dense baselines
     models = {label: load_model(path, dtype=dt, quantization=q, quant_group_size=g, quantize_lm_head=lm,
                                 quantize_activations=a8)
               for label, q, g, lm, dt, a8 in CONFIGS if label in always or not a.only or a.only in label}
@@ -277,19 +291,22 @@ def main():
     sweep = isa_sweep(models, prompt, a, paths) if a.isa_sweep else {}
     check_rows(paths)
     # the roofline: what a token reads (mean context over the run) against measured read bandwidth
-    bw = None if a.tiny else read_bandwidth_gbs(a.threads)
+    bw = read_bandwidth_gbs(a.threads, reps=1, size=16 << 20) if a.tiny else read_bandwidth_gbs(a.threads)
     per_token = {k: bytes_per_decode_token(m.model, len(prompt) + a.tokens // 2) for k, m in models.items()}
 
     batches = [int(b) for b in a.batches.split(",") if b]
     dense_keys = [k for k in ("inferd bf16", "inferd fp32") if k in models]
     quant_keys = [k for k in models if "A8" in k]
-    batch_runs = interleaved({(k, bsz): (lambda k=k, b=bsz: engine_rate(models[k], prompt, 64, b, paths, k))
+    batch_tokens = 8 if a.tiny else 64
+    batch_runs = interleaved({(k, bsz): (lambda k=k, b=bsz: engine_rate(models[k], prompt, batch_tokens, b, paths, k))
                               for bsz in batches for k in dense_keys + quant_keys}, a.rounds, log=False)
     bmed = {k: statistics.median(v) for k, v in batch_runs.items()}
-    peaks = None if a.tiny else gemm_peaks(a.threads)
+    gemm_shape = (32, 64, 128) if a.tiny else (512, 576, 3072)
+    peaks = gemm_peaks(a.threads, gemm_shape, 0.05 if a.tiny else 0.5)
     prefill: dict = {}
     if not a.skip_prefill:
-        long_prompt = tok.encode("The history of the printing press begins in the fifteenth century, when " * 60)[:512]
+        text = "The history of the printing press begins in the fifteenth century, when " * 60
+        long_prompt = tok.encode(text)[:prefill_len]
 
         def prefill_run(k):
             got: dict = {}
@@ -309,7 +326,8 @@ def main():
             if k not in models:
                 continue
             b32[k] = engine_rate(models[k], prompt, 64, 32, paths, k)
-    pen = None if a.tiny else fp32_kernel_penalty()
+    pen_shape = (128, 64) if a.tiny else (3072, 576)
+    pen = fp32_kernel_penalty(2 if a.tiny else 50, pen_shape)
     check_rows(paths)
 
     four_bit = [k for k in med if k.startswith("inferd") and ("int4" in k or "gguf" in k)]
@@ -328,35 +346,35 @@ def main():
         setup["llama.cpp"] = llama_info["isa"]
     report_header(f"batch-1 decode, {a.tokens} tokens after a {len(prompt)}-token prompt", setup, paths)
     if bw:
-        print(f"read bandwidth measured here: {bw:.1f} GB/s ({a.threads} threads, streaming over 4x the last-level "
-              "cache); MB/token = the bytes a decode step reads (weights as held, scales, lm_head, KV)")
+        how = "a 16 MiB buffer: --tiny measures the cache" if a.tiny else "streaming over 4x the last-level cache"
+        print(f"read bandwidth measured here: {bw:.1f} GB/s ({a.threads} threads, {how}); "
+              "MB/token = the bytes a decode step reads (weights as held, scales, lm_head, KV)")
     print(f"{'contender':<48} {'tok/s (min-max)':>22} {'MB/token':>9} {'% of bw':>8}")
     for k, v in rates.items():
         roof = (f"{per_token[k] / 1e6:>9.1f} {100 * med[k] * per_token[k] / 1e9 / bw:>7.1f}%" if k in per_token and bw
                 else f"{'':>9} {'':>8}")
         print(f"{k:<48} {fmt_spread(v):>22} {roof}")
-    print(f"\nfastest 4-bit path: {best} = {med[best]:.1f} tok/s")
+    llama = [k for k in med if k.startswith("llama.cpp")]
+    lk = max(llama, key=med.get) if llama else None  # llama.cpp at its faster OpenMP wait policy here
+    tg = next((k for k in med if k.startswith("llama-bench")), None)
+    # every 4-bit row against every baseline, under its own label: a headline quotes the row it names,
+    # not whichever configuration happened to be fastest
+    versus = [(k, bar) for k, bar in (("inferd bf16", ">= 2.0"), ("inferd fp32", None),
+                                      ("HF transformers bf16", ">= 4.0"), ("HF transformers fp32", None),
+                                      (lk, None), (tg, None)) if k in med]
+    for k in sorted(four_bit, key=med.get, reverse=True):
+        fastest = " (the fastest 4-bit path run)" if k == best and len(four_bit) > 1 else ""
+        print(f"\n{k} = {med[k]:.1f} tok/s{fastest}")
+        for base, bar in versus:
+            print(f"  vs {base}: {med[k] / med[base]:.2f}x" + (f"   (bar: {bar})" if bar else ""))
+        if bw:
+            print(f"  of measured bandwidth: {100 * med[k] * per_token[k] / 1e9 / bw:.1f}%")
     weight_only = [k for k in four_bit if "W4A8" not in k]
     if "W4A8" in best and weight_only:
         wo = max(weight_only, key=med.get)
         print(f"  (activations rounded to int8 per 32-block: lossy beyond the weights, judged by inferd eval "
               f"--quantization int4+a8,gguf+a8; fastest weight-only 4-bit path: {wo} = {med[wo]:.1f} tok/s, "
               f"{med[wo] / med['inferd bf16']:.2f}x inferd bf16)")
-    if "inferd bf16" in med:
-        print(f"  vs inferd bf16:          {med[best] / med['inferd bf16']:.2f}x   (bar: >= 2.0)")
-    print(f"  vs inferd fp32:          {med[best] / med['inferd fp32']:.2f}x   (the faster dense dtype without AVX512-BF16)")
-    if "HF transformers bf16" in med:
-        print(f"  vs HF transformers bf16: {med[best] / med['HF transformers bf16']:.2f}x   (bar: >= 4.0)")
-        print(f"  vs HF transformers fp32: {med[best] / med['HF transformers fp32']:.2f}x")
-    llama = [k for k in med if k.startswith("llama.cpp")]
-    if llama:
-        lk = max(llama, key=med.get)
-        print(f"  vs llama.cpp:            {med[best] / med[lk]:.2f}x   ({lk}, its faster OpenMP wait policy here)")
-    tg = next((k for k in med if k.startswith("llama-bench")), None)
-    if tg:
-        print(f"  vs llama-bench tg128:    {med[best] / med[tg]:.2f}x   ({tg})")
-    if bw:
-        print(f"  of measured bandwidth:   {100 * med[best] * per_token[best] / 1e9 / bw:.1f}%")
     if llama_note:
         print("  " + llama_note)
     if b32:
@@ -374,11 +392,11 @@ def main():
             print(f"  gguf beats dense {dense[7:]} at batch 1 and 32: {wins}")
         print("  (the default stays --quantization none unless gguf beats both)")
     if pen:
-        print("\npacked kernels, one 576->3072 layer, batch 1: fp32 vs bf16 activations")
+        print(f"\npacked kernels, one {pen_shape[1]}->{pen_shape[0]} layer, batch 1: fp32 vs bf16 activations")
         for k, v in pen.items():
             print(f"  {k}: bf16 {v['bf16_us']:.0f} us, fp32 {v['fp32_us']:.0f} us ({v['fp32_slowdown']:.1f}x slower)")
     if bmed:
-        print(f"\nbatched decode, total tok/s (64 tokens each, median of {a.rounds} interleaved rounds); "
+        print(f"\nbatched decode, total tok/s ({batch_tokens} tokens each, median of {a.rounds} interleaved rounds); "
               "weight memory = every parameter and buffer the model holds")
         print(f"{'contender':<36} {'MiB':>6} {'x bf16':>7}" + "".join(f" {'b' + str(b):>8}" for b in batches))
         for k in dense_keys + quant_keys:
@@ -390,8 +408,9 @@ def main():
                 + " the faster dense dtype at each batch")
     if pmed:
         n = matmul_params(models["inferd fp32"].model)
-        print(f"\nprefill, one 512-token chunk, prompt tok/s (median of {a.rounds} interleaved rounds); GOP/s = 2 x "
-              f"{n / 1e6:.0f}M matmul weights x tokens / s; measured GEMM peaks here at 512x576x3072: "
+        print(f"\nprefill, one {len(long_prompt)}-token chunk, prompt tok/s (median of {a.rounds} interleaved rounds); "
+              f"GOP/s = 2 x {n / 1e6:.0f}M matmul weights x tokens / s; measured GEMM peaks here at "
+              f"{'x'.join(map(str, gemm_shape))}: "
               f"int8 {peaks['int8']:.0f} GOP/s (the higher of torch._int_mm {peaks['int8_mm']:.0f} and the "
               f"{peaks['int8_isa']} dot-product instruction's peak {peaks['int8_instr']:.0f}), "
               f"fp32 {peaks['fp32']:.0f} GFLOP/s (torch.mm)")
@@ -413,7 +432,7 @@ def main():
                   f"{statistics.median(sweep[(v, lab, 16)]):>9.1f}")
     rows = [{"label": k, "metric": "batch-1 decode tok/s", **spread(v)} for k, v in rates.items()]
     rows += [{"label": k, "metric": f"batch-{b} decode tok/s", **spread(v)} for (k, b), v in batch_runs.items()]
-    rows += [{"label": k, "metric": "512-token prefill tok/s", **spread(v)} for k, v in prefill.items()]
+    rows += [{"label": k, "metric": f"{prefill_len}-token prefill tok/s", **spread(v)} for k, v in prefill.items()]
     if bench_pp:
         rows.append({"label": (tg or "llama-bench").replace("tg128", "pp512"), "metric": "512-token prefill tok/s",
                      **spread(bench_pp)})

@@ -104,7 +104,7 @@ def step_ms(executor: str, backend: str, tokens: int) -> float:
     from inferd.engine.engine import LLMEngine
     from inferd.engine.request import SamplingParams
 
-    eng = LLMEngine(dtype="float32", tensor_parallel_size=2, distributed_executor_backend=executor,
+    eng = LLMEngine(quantization="none", dtype="float32", tensor_parallel_size=2, distributed_executor_backend=executor,
                     tensor_parallel_backend=backend, kv_cache_memory="64MiB", threads=1)
     try:
         ids = eng.tokenizer.encode("The history of the Roman empire begins with")

@@ -10,8 +10,11 @@ The two alternate --rounds times (a fresh server each run); every cell is the me
 gives the setup and each server's paths record (GET /v1/engine/state after its run). --json F writes
 {"cpu", "setup", "rows", "paths"}.
 
-Usage: nice -n 10 .venv/bin/python benchmarks/scheduling_bench.py [--num-prompts 64] [--max-num-seqs 16]
-       [--rounds 3] [--json F]
+--tiny runs the same command in seconds (the suite's smoke test, tests/test_benchmarks.py): 4
+requests of 8-16 in / 4-8 out tokens, --max-num-seqs 2, a 64 MiB KV cache, 1 round.
+
+Usage: nice -n 10 .venv/bin/python benchmarks/scheduling_bench.py [--model F.gguf] [--num-prompts 64]
+       [--max-num-seqs 16] [--rounds 3] [--json F] [--tiny]
 An optional benchmark (not part of CI); about 5-10 minutes a round on a 2-core machine.
 """
 from __future__ import annotations
@@ -29,6 +32,7 @@ from serving import METRICS, fmt, free_port, inferd_env, inferd_serve_cmd, print
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="a .gguf file (default: the embedded default)")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", default="64-256")
     ap.add_argument("--output-len", default="16-512")
@@ -39,7 +43,14 @@ def main() -> None:
     ap.add_argument("--serve-args", default="", help="extra `inferd serve` flags for both runs")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved runs of each scheduler; cells are medians")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--tiny", action="store_true",
+                    help="a seconds-long smoke run of the same command (the tests): 4 requests of 8-16 in / 4-8 out, "
+                         "--max-num-seqs 2, a 64 MiB KV cache, 1 round")
     a = ap.parse_args()
+    tiny = []
+    if a.tiny:
+        a.num_prompts, a.input_len, a.output_len, a.max_num_seqs, a.rounds = 4, "8-16", "4-8", 2, 1
+        tiny = ["--kv-cache-memory", "64MiB"]
 
     bench_args = ["--endpoint", "/v1/completions", "--dataset", "random", "--num-prompts", str(a.num_prompts),
                   "--input-len", a.input_len, "--output-len", a.output_len, "--request-rate", a.request_rate,
@@ -52,8 +63,9 @@ def main() -> None:
     def run(mode: str):
         def once() -> dict:
             port = free_port()
-            cmd = inferd_serve_cmd("--threads", str(a.threads), "--max-num-seqs", str(a.max_num_seqs),
-                                   "--scheduling", mode, *a.serve_args.split(), port=port)
+            cmd = inferd_serve_cmd(*(["--model", a.model] if a.model else []), "--threads", str(a.threads),
+                                   "--max-num-seqs", str(a.max_num_seqs), "--scheduling", mode, *tiny,
+                                   *a.serve_args.split(), port=port)
             with server(cmd, f"inferd-{mode}", env=inferd_env()) as url:
                 res = run_bench(url, *bench_args)
                 paths[row(mode)] = merge_paths(paths.get(row(mode)), served_paths(url))

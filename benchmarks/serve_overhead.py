@@ -21,8 +21,17 @@ min-max over its runs. The header gives the setup and what each mode ran (the of
 paths record; each server's read from its GET /v1/engine/state after the rounds), each row label is
 checked against it, and --json F writes {"cpu", "setup", "rows", "paths", "results"}.
 
-Usage: .venv/bin/python benchmarks/serve_overhead.py [--threads 2] [--rounds 3] [--configs gguf,dense,w4a8]
-       [--config 'LABEL=SERVE FLAGS' ...] [--concurrency 1,8,32] [--no-thread] [--json F]
+Each configuration names its --quantization, and both sides get the same options explicitly (the
+server the flags load_options reads back, the offline engine the same load options), so that a
+default that differs between `inferd serve` (auto) and the Python API cannot split them.
+
+--tiny runs the same command in seconds (the suite's smoke test, tests/test_benchmarks.py): 16 in /
+8 out tokens, concurrency 1 and 2, 1 round, a 64 MiB KV cache, and the in-process (thread) server for
+the first config only (the same code for every config; each server start costs seconds).
+
+Usage: .venv/bin/python benchmarks/serve_overhead.py [--model F.gguf] [--threads 2] [--rounds 3]
+       [--configs gguf,dense,w4a8] [--config 'LABEL=SERVE FLAGS' ...] [--concurrency 1,8,32] [--no-thread]
+       [--json F] [--tiny]
 """
 from __future__ import annotations
 
@@ -43,10 +52,11 @@ from common import (check_rows, fmt_spread, interleaved, merge_paths, report_hea
                     spread, write_json)
 from serving import free_port, inferd_env, inferd_serve_cmd, run_bench, server  # noqa: E402
 
-IN_LEN, OUT_LEN = 128, 128
+# the run's sizes (main sets smaller ones for --tiny)
+IN_LEN, OUT_LEN, KV_MEMORY = 128, 128, "1GiB"
 SERVER_TEMPERATURE = 1.0  # the server's default (OpenAI's)
 # label -> `inferd serve` flags; the offline engine loads the model with the same options (load_options)
-CONFIGS = {"dense (auto dtype)": [], "gguf": ["--quantization", "gguf"],
+CONFIGS = {"dense (auto dtype)": ["--quantization", "none"], "gguf": ["--quantization", "gguf"],
            # the recommended CPU configuration: the file's 4-bit blocks, int8 activations, fused decode
            "gguf W4A8 +lm_head": ["--quantization", "gguf", "--quantize-lm-head", "--quantize-activations"]}
 CONFIG_KEYS = {"dense": "dense (auto dtype)", "gguf": "gguf", "w4a8": "gguf W4A8 +lm_head"}
@@ -54,9 +64,10 @@ CONFIG_KEYS = {"dense": "dense (auto dtype)", "gguf": "gguf", "w4a8": "gguf W4A8
 
 def load_options(flags: list[str]) -> dict:
     """The load_model options of `inferd serve` flags, so that offline and served load the same
-    model; a flag the offline side cannot mirror is refused rather than silently dropped."""
+    model; a flag the offline side cannot mirror is refused rather than silently dropped, and so is
+    a config without --quantization (the server's default and the offline loader's differ)."""
     ap = argparse.ArgumentParser(prog="serve flags", add_help=False, exit_on_error=False)
-    ap.add_argument("--quantization", default="none")
+    ap.add_argument("--quantization", default=None)
     ap.add_argument("--quant-group-size", type=int, default=32)
     ap.add_argument("--quantize-lm-head", action="store_true")
     ap.add_argument("--quantize-activations", action="store_true")
@@ -65,18 +76,29 @@ def load_options(flags: list[str]) -> dict:
     if rest:
         raise SystemExit(f"serve_overhead: the offline engine cannot mirror {rest}: give only --quantization, "
                          "--quant-group-size, --quantize-lm-head, --quantize-activations, --dtype")
+    if ns.quantization is None:
+        raise SystemExit(f"serve_overhead: {shlex.join(flags) or '(no flags)'} names no --quantization: give it, "
+                         "so that the server and the offline engine load the same model")
     return {"quantization": ns.quantization, "quant_group_size": ns.quant_group_size,
             "quantize_lm_head": ns.quantize_lm_head, "quantize_activations": ns.quantize_activations,
             "dtype": ns.dtype}
 
 
-def offline_engine(extra: list[str], threads: int):
+def serve_flags(opts: dict) -> list[str]:
+    """`inferd serve` flags for load_options' result: every option spelled out, defaults included."""
+    flags = ["--quantization", opts["quantization"], "--quant-group-size", str(opts["quant_group_size"]),
+             "--dtype", opts["dtype"]]
+    flags += ["--quantize-lm-head"] if opts["quantize_lm_head"] else []
+    return flags + (["--quantize-activations"] if opts["quantize_activations"] else [])
+
+
+def offline_engine(model: str | None, extra: list[str], threads: int):
     import torch
 
     from inferd.loading.loader import load_model
 
     torch.set_num_threads(threads)
-    return load_model(None, **load_options(extra))
+    return load_model(model, **load_options(extra))
 
 
 def offline(lm, c: int, seed: int, record: dict) -> float:
@@ -94,7 +116,7 @@ def offline(lm, c: int, seed: int, record: dict) -> float:
         v = 1000 / decode_rate(lm, prompt, OUT_LEN, warmup=True, temperature=SERVER_TEMPERATURE, paths=got)
         record["paths"] = merge_paths(record.get("paths"), got)
         return v
-    eng = LLMEngine(loaded=lm, kv_cache_memory="1GiB", max_num_seqs=c)
+    eng = LLMEngine(loaded=lm, kv_cache_memory=KV_MEMORY, max_num_seqs=c)
     eng.add_request(prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
     while eng.has_unfinished():
         eng.step()
@@ -110,8 +132,10 @@ def offline(lm, c: int, seed: int, record: dict) -> float:
     return v
 
 
-def served_cmd(extra: list[str], in_process: bool, threads: int, concs: list[int], port: int) -> list[str]:
-    flags = [*extra, "--threads", str(threads), "--max-num-seqs", str(max(concs)), "--kv-cache-memory", "1GiB"]
+def served_cmd(model: str | None, extra: list[str], in_process: bool, threads: int, concs: list[int],
+               port: int) -> list[str]:
+    flags = [*(["--model", model] if model else []), *serve_flags(load_options(extra)), "--threads", str(threads),
+             "--max-num-seqs", str(max(concs)), "--kv-cache-memory", KV_MEMORY]
     if in_process:
         flags.append("--engine-in-process")
     return inferd_serve_cmd(*flags, port=port)
@@ -153,21 +177,21 @@ def warm(url: str):
               "--max-concurrency", "1", "--no-server-metrics")
 
 
-def measure(label: str, extra: list[str], threads: int, concs: list[int], rounds: int, with_thread: bool,
-            paths: dict) -> dict:
+def measure(model: str | None, label: str, extra: list[str], threads: int, concs: list[int], rounds: int,
+            with_thread: bool, paths: dict) -> dict:
     """{mode: {c: [value per round]}} for mode in offline, process (, thread), interleaved per
     concurrency (offline, process, thread at c, then the next c, then the next round); paths[ROW]:
     what each mode ran (the served ones read from the server after the rounds)."""
     import itertools
 
-    lm = offline_engine(extra, threads)
+    lm = offline_engine(model, extra, threads)
     modes = ["offline", "process"] + (["thread"] if with_thread else [])
     api_cpu: dict = {c: [] for c in concs}
     offline_record: dict = {}
     with contextlib.ExitStack() as stack:
         urls = {}
         for m in modes[1:]:
-            urls[m] = stack.enter_context(server(served_cmd(extra, m == "thread", threads, concs, free_port()),
+            urls[m] = stack.enter_context(server(served_cmd(model, extra, m == "thread", threads, concs, free_port()),
                                                  f"inferd-{m}", env=inferd_env()))
             warm(urls[m])
         runners = {}
@@ -194,6 +218,7 @@ def row_name(label: str, mode: str) -> str:
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None, help="a .gguf file (default: the embedded default)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; every cell is their median")
@@ -206,7 +231,14 @@ def main():
                          "--quantize-activations'")
     ap.add_argument("--no-thread", action="store_true", help="leave out the in-process (thread) server")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--tiny", action="store_true",
+                    help="a seconds-long smoke run of the same command (the tests): 16 in / 8 out, concurrency 1 "
+                         "and 2, 1 round, a 64 MiB KV cache, the thread server for the first config only")
     a = ap.parse_args()
+    if a.tiny:
+        global IN_LEN, OUT_LEN, KV_MEMORY
+        IN_LEN, OUT_LEN, KV_MEMORY = 16, 8, "64MiB"
+        a.concurrency, a.rounds = "1,2", 1
     concs = [int(x) for x in a.concurrency.split(",")]
     if a.config:
         configs = {}
@@ -223,8 +255,10 @@ def main():
     for flags in configs.values():
         load_options(flags)  # refuse a config the offline side cannot mirror before anything runs
     rows, table, results, paths = [], [], {}, {}
-    for label, extra in configs.items():
-        vals = measure(label, extra, a.threads, concs, a.rounds, not a.no_thread, paths)
+    for i, (label, extra) in enumerate(configs.items()):
+        with_thread = not a.no_thread and not (a.tiny and i > 0)
+        vals = measure(a.model, label, extra, a.threads, concs, a.rounds, with_thread, paths)
+        check_rows(paths)  # a label this config's paths do not back stops the run here, not after the last config
         results[label] = vals
         for c in concs:
             o = statistics.median(vals["offline"][c])
@@ -249,11 +283,13 @@ def main():
                                       f"{'; TPOT' if c == 1 else '; out tok/s'})" for c in concs),
              "offline": "the same engine without a server: engine.rate.decode_rate at c=1, else one LLMEngine "
                         "with max_num_seqs=c",
-             "served": f"inferd serve --max-num-seqs {max(concs)} --kv-cache-memory 1GiB, driven by inferd bench "
+             "served": f"inferd serve --max-num-seqs {max(concs)} --kv-cache-memory {KV_MEMORY}, driven by "
+                       "inferd bench "
                        "(--max-concurrency c); process = engine core in its own process, thread = --engine-in-process",
              "rounds": f"{a.rounds}, interleaved (offline, served process, served thread at each concurrency, "
                        "then again), servers up across rounds; every cell is the median, with the min-max",
-             **{label: "inferd serve " + (" ".join(flags) or "(defaults)") for label, flags in configs.items()}}
+             **{label: "inferd serve " + shlex.join(serve_flags(load_options(flags))) + "; offline: the same options"
+                for label, flags in configs.items()}}
     report_header("what serving costs the engine: inferd serve vs the same engine offline", setup, paths)
     head = ("config", "conc", "metric", "offline (min-max)", "served (process)", "served (thread)", "process/offline",
             "thread/offline", "API CPU ms/token")

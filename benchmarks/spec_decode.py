@@ -13,7 +13,11 @@ target forward pass of the sequence, draft and verify seconds (over every round)
 the setup and each config's paths record (speculative method, the target's and the draft's weights);
 each label is checked against it ("self-draft 10L k=3, draft int8": the draft's weights are int8).
 
-Usage: .venv/bin/python benchmarks/spec_decode.py [--max-tokens 160] [--threads 2] [--rounds 3] [--json out.json]
+--tiny runs the same command in seconds (the suite's smoke test, tests/test_benchmarks.py): 16 tokens
+a prompt, 1 round.
+
+Usage: .venv/bin/python benchmarks/spec_decode.py [--model F.gguf] [--max-tokens 160] [--threads 2] [--rounds 3]
+       [--json out.json] [--tiny]
 """
 from __future__ import annotations
 
@@ -86,6 +90,7 @@ def run_one(eng: LLMEngine, prompt_ids: list[int], max_tokens: int):
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None, help="a .gguf file (default: the embedded default)")
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--dtype", default="bfloat16")
@@ -103,10 +108,15 @@ def main():
     ap.add_argument("--rounds", type=int, default=3,
                     help="interleaved rounds over every prompt and config; each row is the median round")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--tiny", action="store_true",
+                    help="a seconds-long smoke run of the same command (the tests): 16 tokens a prompt, 1 round")
     args = ap.parse_args()
+    if args.tiny:
+        args.max_tokens, args.rounds = 16, 1
     if args.threads:
         torch.set_num_threads(args.threads)
-    lm = load_model(None, dtype=args.dtype, quantization=args.quantization, quant_group_size=args.quant_group_size)
+    lm = load_model(args.model, dtype=args.dtype, quantization=args.quantization,
+                    quant_group_size=args.quant_group_size)
     tok = lm.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
                for i, p in enumerate(PROMPTS) if args.prompts is None or i in args.prompts]
@@ -164,7 +174,8 @@ def main():
             row["accepted_per_verify"] = d["spec_num_accepted_tokens"] / max(1, d["spec_num_drafts"])
             row["draft_s"], row["verify_s"] = d["spec_draft_time_s"], d["spec_verify_time_s"]
         rows.append(row)
-    setup = {"model": f"SmolLM2-135M-Instruct ({args.dtype}, target weights: {args.quantization})",
+    name = os.path.basename(args.model) if args.model else "SmolLM2-135M-Instruct"
+    setup = {"model": f"{name} ({args.dtype}, target weights: {args.quantization})",
              "threads": torch.get_num_threads(), "torch kernels": torch.backends.cpu.get_cpu_capability(),
              "requests": f"{len(prompts)} repeat/edit prompts (chat template), one at a time (batch 1), greedy, "
                          f"max_tokens={args.max_tokens}",

@@ -12,7 +12,10 @@ lm_head 49152x576) and M = 1 .. 512 rows, in one process, 2 threads, median of -
                   common.int8_peak_gops, is the ceiling there)
 printed as ms and G(FL)OP/s (2*M*N*K), with the kernel variant and CPU features in the header.
 
-Usage: .venv/bin/python benchmarks/w4a8_gemm.py [--threads 2] [--reps 5] [--json F]
+--tiny runs the same command in seconds (the suite's smoke test, tests/test_benchmarks.py): each shape cut
+to at most 128 x 64, M = 1 and 32, 1 call a cell.
+
+Usage: .venv/bin/python benchmarks/w4a8_gemm.py [--threads 2] [--reps 5] [--json F] [--tiny]
 """
 from __future__ import annotations
 
@@ -53,7 +56,13 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--tiny", action="store_true",
+                    help="a seconds-long smoke run of the same command (the tests): shapes at most 128 x 64, "
+                         "M = 1 and 32, 1 call a cell")
     a = ap.parse_args()
+    shapes, rows_m, peak_s = SHAPES, ROWS, 0.5
+    if a.tiny:
+        shapes, rows_m, peak_s, a.reps = [(n, min(N, 128), min(K, 64)) for n, N, K in SHAPES], [1, 32], 0.05, 1
     torch.set_num_threads(a.threads)
     assert native.load() is not None, "native kernels unavailable"
     ops = torch.ops.inferd
@@ -64,21 +73,21 @@ def main():
              for k, cls in (("w4a8", "W4A8Linear"), ("w8a8", "W8A8Linear"))}
     check_rows(paths)
     setup = {"threads": a.threads, "reps": f"median of {a.reps} calls a cell (after one warm-up call)",
-             "shapes": ", ".join(f"{n} {N}x{K}" for n, N, K in SHAPES), "rows": ", ".join(map(str, ROWS))}
+             "shapes": ", ".join(f"{n} {N}x{K}" for n, N, K in shapes), "rows": ", ".join(map(str, rows_m))}
     report_header("one quantized layer at every batch size: ms (G(FL)OP/s)", setup, paths)
-    isa, peak = int8_peak_gops(a.threads)
+    isa, peak = int8_peak_gops(a.threads, peak_s)
     print(f"int8 dot-product instruction peak here ({isa}, {a.threads} threads, no memory traffic): {peak:.0f} GOP/s")
     print(f"{'layer':<8} {'N x K':>11} {'M':>4} {'w4a8 kernel':>17} {'old route':>17} {'w8a8 kernel':>17} "
           f"{'dense fp32':>17} {'int8 peak':>17} {'w4a8/fp32':>9} {'w8a8/fp32':>9}")
     rows = []
-    for name, N, K in SHAPES:
+    for name, N, K in shapes:
         torch.manual_seed(0)
         q, s, z = quantize_int4(torch.randn(N, K), 32)
         lin = w4a8.W4A8Linear(q, s, z, 32, None, torch.float32)
         lin8 = w4a8.W8A8Linear(*quantize_int8(torch.randn(N, K)), None, torch.float32)
         dense = lin.dequantized()
         w8 = torch.randint(-127, 128, (K, N), dtype=torch.int8).t().contiguous().t()
-        for M in ROWS:
+        for M in rows_m:
             x = torch.randn(M, K)
             x8 = torch.randint(-127, 128, (M, K), dtype=torch.int8)
             t = {

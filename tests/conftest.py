@@ -197,4 +197,4 @@ def gemma_llm(gemma_path):
     """Gemma 3 270M dense in fp32 (the dequantized file), one engine for the session."""
     from inferd.engine.llm import LLM
 
-    return LLM(model="gemma3-270m", dtype="float32")
+    return LLM(model="gemma3-270m", quantization="none", dtype="float32")

@@ -87,9 +87,12 @@ def gguf_name(hf_name: str, arch: str = "llama") -> str | None:
     return f"blk.{idx}.{table[stem]}.{kind}"
 
 
-def write_gguf(model, path, arch: str, *, qtype=None, rope_freqs: bool = True) -> str:
+def write_gguf(model, path, arch: str, *, qtype=None, rope_freqs: bool = True,
+               sliding_window: bool | None = None) -> str:
     """Write `model` (a transformers *ForCausalLM) as `path`. `arch`: the GGUF architecture name.
-    `rope_freqs=False` leaves Llama 3's scaling out (what a converter that forgot it would write)."""
+    `rope_freqs=False` leaves Llama 3's scaling out (what a converter that forgot it would write).
+    `sliding_window`: write `<arch>.attention.sliding_window` from the config (default: where
+    llama.cpp's converter does, Gemma 2/3 and Phi-3; it drops a Mistral's)."""
     from gguf import GGUFWriter
 
     c = model.config
@@ -116,7 +119,9 @@ def write_gguf(model, path, arch: str, *, qtype=None, rope_freqs: bool = True) -
         w.add_expert_used_count(c.num_experts_per_tok)
         if getattr(c, "moe_intermediate_size", None):
             w.add_expert_feed_forward_length(c.moe_intermediate_size)
-    if getattr(c, "sliding_window", None) and arch in ("gemma2", "gemma3", "phi3"):  # as llama.cpp's converter
+    if sliding_window is None:  # as llama.cpp's converter: a Mistral (arch llama) loses its window
+        sliding_window = arch in ("gemma2", "gemma3", "phi3")
+    if getattr(c, "sliding_window", None) and sliding_window:
         w.add_sliding_window(c.sliding_window)
     if getattr(c, "attn_logit_softcapping", None):
         w.add_attn_logit_softcapping(c.attn_logit_softcapping)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -155,45 +156,213 @@ def test_llamacpp_retries_once_without_amx_after_a_tile_fault(llamacpp, monkeypa
     assert llamacpp.faulted(-4) and llamacpp.faulted(132) and not llamacpp.faulted(1) and not llamacpp.faulted(None)
 
 
-# -- one benchmark end to end, in its tiny mode ---------------------------------------------------------
+# -- every benchmark command the docs cite: it parses, and the headline ones run in their tiny mode ----
 
-def test_quant_decode_tiny_records_the_paths_that_ran(default_gguf_path, tmp_path):
-    """benchmarks/quant_decode.py --tiny: its JSON has the CPU, the setup, one row per contender and a
-    paths record per inferd contender; the W4A8 row's record shows int8 activations and fused steps
-    (the W4A8 config builds the fused decode step on every CPU)."""
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ("README.md", "docs/performance.md")
+# the scripts of the README's headlines and the performance page's tables, each run by the suite in its
+# --tiny mode on a tiny Q4_1 GGUF; the flag each takes the model file by
+TINY = {"quant_decode.py": "--model", "serve_overhead.py": "--model", "llamacpp_server_bench.py": "--gguf",
+        "engine_vs_hf.py": "--model", "spec_decode.py": "--model", "w4a8_gemm.py": None, "embeddings.py": None}
+# run in their tiny mode by their own module's test, with that feature's checks
+OWN_TEST = {"embeddings.py"}
+# cited with a command but not run here: kv_tier.py (11 servers and 6 routers: its --tiny takes over a
+# minute of two cores) and scheduling_bench.py (no number cited) have a --tiny the suite leaves to a
+# person; llamacpp.py and llamacpp_decode.py are the competitor's build and run, llama.cpp itself; the
+# rest are only listed in the performance page's table of scripts (their numbers are on other pages)
+NOT_RUN = {"kv_tier.py", "scheduling_bench.py", "llamacpp.py", "llamacpp_decode.py", "decode_breakdown.py",
+           "structured.py", "scale_out.py", "disaggregated.py", "tensor_parallel.py", "soak.py", "dashboard.py"}
+
+
+def doc_commands(doc: str) -> list[tuple[str, list[str]]]:
+    """(script, its arguments) for each inline code span of `doc` that runs a script in benchmarks/
+    (a span may wrap onto the next line; an environment prefix such as OMP_WAIT_POLICY=... is dropped)."""
+    import shlex
+
+    text = (ROOT / doc).read_text()
+    fenced = re.findall(r"^```[a-z]*\n(.*?)^```", text, re.S | re.M)
+    # a fenced block's lines are commands (and their # comments); elsewhere, inline spans
+    spans = [line.split(" #")[0] for block in fenced for line in block.splitlines()]
+    spans += re.findall(r"`([^`]+)`", re.sub(r"^```.*?^```", "", text, flags=re.S | re.M))
+    out = []
+    for span in spans:
+        m = re.search(r"(?:^|[\s/])([a-z0-9_]+\.py)(?=\s|$)(.*)", " ".join(span.split()))
+        if m and (ROOT / "benchmarks" / m.group(1)).exists():
+            out.append((m.group(1), shlex.split(m.group(2))))
+    return out
+
+
+def readme_headlines() -> list[tuple[str, list[str]]]:
+    """The command of each row of the README's "Headline results" table ("the same" repeats the row
+    above's)."""
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("## Headline results"):].split("\n## ")[0]
+    out = []
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 3 and cells[2].startswith("`") and ".py" in cells[2]:
+            out.append(span_command(re.search(r"`([^`]+)`", cells[2]).group(1)))
+        elif len(cells) == 3 and cells[2].startswith("the same") and out:
+            out.append(out[-1])
+    return out
+
+
+def span_command(span: str) -> tuple[str, list[str]]:
+    """`quant_decode.py --only W4A8` -> ("quant_decode.py", ["--only", "W4A8"])."""
+    import shlex
+
+    script, _, args = span.partition(" ")
+    return script.rsplit("/", 1)[-1], shlex.split(args)
+
+
+def bench_module(script: str):
+    """benchmarks/`script` imported as a module (its siblings importable while it loads)."""
+    import importlib.util
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location(f"bench_{script[:-3]}", ROOT / "benchmarks" / script)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def parse_only(script: str, args: list[str]):
+    """The namespace the script's own argument parser makes of `args`: its main() run up to
+    parse_args() and stopped there (a command the parser refuses raises SystemExit)."""
+    import argparse
+    import sys
+
+    class Parsed(Exception):
+        pass
+
+    mod = bench_module(script)
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # main() may import a sibling
+    real = argparse.ArgumentParser.parse_args
+
+    def stop(self, a=None, namespace=None):
+        raise Parsed(real(self, args, namespace))
+    argparse.ArgumentParser.parse_args = stop
+    try:
+        mod.main()
+    except Parsed as p:
+        return p.args[0]
+    finally:
+        argparse.ArgumentParser.parse_args = real
+        sys.path.remove(str(ROOT / "benchmarks"))
+    raise AssertionError(f"{script}: main() never parsed its arguments")
+
+
+def test_every_documented_benchmark_command_parses():
+    """Each benchmark command the README and the performance page cite, as written, is one its
+    script's parser accepts; and every script they cite is run in its tiny mode below or named in
+    NOT_RUN with the reason."""
+    cited = [(doc, *c) for doc in DOCS for c in doc_commands(doc)]
+    assert len(cited) >= 10, cited  # the extraction found the commands (the two pages cite a dozen)
+    for doc, script, args in cited:
+        try:
+            parse_only(script, args)
+        except SystemExit as e:
+            raise AssertionError(f"{doc}: `{script} {' '.join(args)}` does not parse ({e})") from None
+    assert {s for _, s, _ in cited} <= set(TINY) | NOT_RUN, {s for _, s, _ in cited} - set(TINY) - NOT_RUN
+    assert {s for s, _ in readme_headlines()} <= set(TINY)
+
+
+@pytest.fixture(scope="module")
+def tiny_q41_gguf(tmp_path_factory) -> str:
+    """helpers.write_tiny_chat_gguf in Q4_1 blocks: the default model's formats (its matrices W4A8
+    under gguf, its embedding's head W8A8), at a size that loads in a moment."""
+    from gguf import GGMLQuantizationType
+    from helpers import write_tiny_chat_gguf
+
+    return write_tiny_chat_gguf(tmp_path_factory.mktemp("bench") / "tiny-q41.gguf", qtype=GGMLQuantizationType.Q4_1)
+
+
+def run_tiny(script: str, model: str, tmp_path) -> tuple[dict, str]:
+    """The command the docs cite for `script` (the README's headline where it has one), with --tiny,
+    the tiny model and --json, in a subprocess whose temporary files (servers' logs) go to tmp_path;
+    returns its JSON and stdout."""
+    import os
     import subprocess
     import sys
-    from pathlib import Path
 
     from inferd.kernels import native
 
     if native.load() is None:
-        pytest.skip("the native kernels did not build here (W4A8 needs them)")
-    root = Path(__file__).resolve().parents[1]
-    out = tmp_path / "quant_decode.json"
-    r = subprocess.run([sys.executable, str(root / "benchmarks" / "quant_decode.py"), "--tiny", "--json", str(out)],
-                       cwd=root, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
+        pytest.skip("the native kernels did not build here (the W4A8 rows need them)")
+    args = dict(readme_headlines()).get(script)
+    if args is None:
+        args = next(a for doc in DOCS for s, a in doc_commands(doc) if s == script)
+    out = tmp_path / "out.json"
+    flag = [TINY[script], model] if TINY[script] else []
+    env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONPATH=str(ROOT / "src"))
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args, "--tiny", *flag, "--json", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, f"{script} {args}: exit {r.returncode}\n{r.stderr[-3000:]}"
     doc = json.loads(out.read_text())
-    assert doc["cpu"] and doc["setup"]["rounds"].startswith("1,") and doc["setup"]["output tokens"] == 8
-    w4a8 = "inferd gguf +lm_head W4A8/W8A8"
-    assert set(doc["paths"]) == {"inferd fp32", w4a8}
+    assert doc["cpu"] and doc["setup"] and doc["rows"], doc
     for label, p in doc["paths"].items():
-        assert p["engine"] == "inferd" and p["kernel_variant"] == doc["paths"][w4a8]["kernel_variant"] is not None
-        assert p["weight_formats"] and p["kv_dtype"] and isinstance(p["fused_steps"], int)
         check_label(label, p)
+    for row in doc["rows"]:
+        if "runs" in row:  # the median of the rounds, with their spread: never a best-of
+            assert row["min"] <= row["median"] <= row["max"] and len(row["runs"]) == 1, row
+    return doc, r.stdout
+
+
+@pytest.mark.parametrize("script", sorted(set(TINY) - {"quant_decode.py", "serve_overhead.py"} - OWN_TEST))
+def test_cited_command_runs_in_its_tiny_mode(script, tiny_q41_gguf, tmp_path):
+    """The documented command with --tiny: every table of it at tiny sizes, in one round; llama.cpp's
+    parts (they need it built) left out, saying so."""
+    doc, stdout = run_tiny(script, tiny_q41_gguf, tmp_path)
+    if script == "llamacpp_server_bench.py":
+        assert "--tiny: skipped llama-server" in stdout and set(doc["paths"]) == {"inferd auto"}
+    if script == "engine_vs_hf.py":  # transformers ran beside inferd, on the same weights
+        assert doc["setup"]["weights"].startswith("identical") and any(k.startswith("HF") for k in doc["paths"])
+    if script == "spec_decode.py":
+        assert {r["label"] for r in doc["rows"]} >= {"plain decode", "ngram k=4", "ngram k=8"}
+
+
+def test_quant_decode_headline_runs_its_named_row(tiny_q41_gguf, tmp_path):
+    """The README's batch-1 headline command with --tiny: the one 4-bit row it names beside the dense
+    baselines, that row's ratios printed under its label; the batch, prefill and roofline tables at tiny
+    sizes; llama.cpp left out, saying so. The W4A8 row's record shows int8 activations and fused steps."""
+    doc, stdout = run_tiny("quant_decode.py", tiny_q41_gguf, tmp_path)
+    w4a8 = "inferd gguf +lm_head W4A8/W8A8"
+    headline = next(line for line in (ROOT / "README.md").read_text().splitlines() if "batch-1 decode" in line)
+    assert f"`{w4a8}`" in headline  # the README names the row the command runs
+    assert set(doc["paths"]) == {"inferd bf16", "inferd fp32", w4a8}
+    assert doc["setup"]["rounds"].startswith("1,") and doc["setup"]["output tokens"] == 8
     fp32, q = doc["paths"]["inferd fp32"], doc["paths"][w4a8]
-    assert fp32["weight_formats"] == {"Linear": 121} and fp32["kv_dtype"] == "float32" and fp32["fused_steps"] == 0
+    assert fp32["weight_formats"] == {"Linear": 9} and fp32["kv_dtype"] == "float32" and fp32["fused_steps"] == 0
     assert q["activations"] == "int8" and q["activation_quant"] == "W4A8/W8A8"
-    assert q["weight_formats"]["W4A8Linear"] > 0 and q["weight_formats"]["W8A8Linear"] == 1
+    assert q["weight_formats"] == {"W4A8Linear": 8, "W8A8Linear": 1}
     assert q["fused_built"] and 0 < q["fused_steps"] <= q["steps"]
-    rows = {row["label"]: row for row in doc["rows"]}
-    assert set(rows) == set(doc["paths"])
-    for row in rows.values():  # the median of the rounds, with their spread: never a best-of
-        assert row["metric"] == "batch-1 decode tok/s" and len(row["runs"]) == 1
-        assert row["min"] <= row["median"] <= row["max"] and row["median"] > 0
-    # the header printed the same record
-    assert "paths that ran:" in r.stdout and f"{w4a8}: inferd kernels {q['kernel_variant']}" in r.stdout
+    metrics = {(r["label"], r["metric"]) for r in doc["rows"]}
+    for label in doc["paths"]:
+        assert {(label, "batch-1 decode tok/s"), (label, "batch-2 decode tok/s"),
+                (label, "32-token prefill tok/s")} <= metrics
+    assert f"\n{w4a8} = " in stdout and "vs inferd bf16:" in stdout and "of measured bandwidth:" in stdout
+    assert "--tiny: skipped llama.cpp" in stdout and "paths that ran:" in stdout
+    assert f"{w4a8}: inferd kernels {q['kernel_variant']}" in stdout
+
+
+def test_serve_overhead_configs_load_one_model_on_both_sides(tiny_q41_gguf, tmp_path):
+    """The README's serve-overhead command with --tiny: each config's server and offline engine ran
+    the same weight formats (the dense config was once served `auto` against a dense offline engine,
+    and the label check stopped the run at its end); a config without --quantization is refused."""
+    doc, _ = run_tiny("serve_overhead.py", tiny_q41_gguf, tmp_path)
+    configs = {"gguf W4A8 +lm_head": "W4A8Linear", "gguf": "Int4Linear", "dense (auto dtype)": "Linear"}
+    for i, (label, fmt) in enumerate(configs.items()):
+        # --tiny starts the in-process (thread) server for the first config only
+        kinds = ("offline", "served (process)", "served (thread)")[:3 - (i > 0)]
+        modes = [doc["paths"][f"{label}, {m}"] for m in kinds]
+        assert all(m["weight_formats"] == modes[0]["weight_formats"] for m in modes), (label, modes)
+        assert fmt in modes[0]["weight_formats"], (label, modes[0]["weight_formats"])
+    with pytest.raises(SystemExit, match="names no --quantization"):
+        bench_module("serve_overhead.py").load_options(["--dtype", "float32"])
 
 
 def test_suffix_decode_tiny_reports_screening_ratios_and_paths(default_gguf_path, tmp_path):

@@ -142,7 +142,7 @@ def test_1p1d_gives_the_reference_tokens_and_moves_exactly_the_prompt_kv(tiny, c
         assert P.stats.max_prefill_chunks > 1 and P.block_manager.hits > 0
         assert len(P.kv.leases) == len(reqs) and P.block_manager.num_used > 0
         got = decode(C, reqs, params, P)
-        assert compare(got, ref) <= 1
+        compare(got, ref, max_ties=1)
         kv = C.kv.counters
         assert kv["recomputes"] == kv["failures"] == 0 and kv["transfers"] <= len(reqs)
         # the consumer computed exactly one prompt token per request: the last position
@@ -203,7 +203,7 @@ def test_a_pull_that_never_gets_an_answer_is_recomputed_and_leases_expire(tiny):
     try:
         params = prefill(P, reqs)
         got = decode(C, reqs, params, P)
-        assert compare(got, ref) == 0
+        compare(got, ref, max_ties=0)
         kv = C.kv.counters
         assert kv["recomputes"] == len(reqs) and kv["transfers"] == 0 and kv["bytes"] == 0
         assert C.stats.prefill_tokens == sum(len(p) for p, _ in reqs)  # the whole prompts, here
@@ -224,7 +224,7 @@ def test_a_producer_that_is_gone_means_recompute(tiny):
     P.close()  # its KV server is gone (the process-level kill is in test_disagg_serving.py)
     try:
         got = decode(C, reqs, params)
-        assert compare(got, reference_outputs(tiny.model, reqs)) == 0
+        compare(got, reference_outputs(tiny.model, reqs), max_ties=0)
         assert C.kv.counters["recomputes"] == len(reqs)
         assert_pool_empty(C)
     finally:
@@ -376,7 +376,7 @@ def test_pulled_requests_holding_blocks_never_block_the_queue(tiny):
     try:
         params = prefill(P, reqs)
         got = decode(C, reqs, params, P)
-        assert compare(got, reference_outputs(tiny.model, reqs)) <= 1
+        compare(got, reference_outputs(tiny.model, reqs), max_ties=1)
         assert C.kv.counters["recomputes"] == 0
         assert_pool_empty(C)
     finally:

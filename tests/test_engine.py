@@ -21,7 +21,7 @@ def workload(tiny_model):
 def test_default_settings(tiny_model, workload):
     reqs, ref = workload
     got, eng = run_engine(tiny_model, reqs, keep_history=True)
-    print("near ties:", compare(got, ref))
+    print("near ties:", compare(got, ref, max_ties=1))
     s = eng.stats
     assert s.max_mixed_batch_seqs >= 8, "no step mixed prefill and decode across >= 8 sequences"
     assert s.max_batch_seqs >= 16
@@ -31,7 +31,7 @@ def test_default_settings(tiny_model, workload):
 def test_preemption_under_a_small_pool(tiny_model, workload):
     reqs, ref = workload
     got, eng = run_engine(tiny_model, reqs, num_kv_blocks=48, block_size=16)
-    print("near ties:", compare(got, ref), "preemptions:", eng.stats.preemptions)
+    print("near ties:", compare(got, ref, max_ties=1), "preemptions:", eng.stats.preemptions)
     assert eng.stats.preemptions >= 1
     assert eng.stats.recompute_tokens > 0
 
@@ -39,7 +39,7 @@ def test_preemption_under_a_small_pool(tiny_model, workload):
 def test_chunked_prefill_small_budget(tiny_model, workload):
     reqs, ref = workload
     got, eng = run_engine(tiny_model, reqs, max_num_batched_tokens=24)
-    print("near ties:", compare(got, ref))
+    print("near ties:", compare(got, ref, max_ties=1))
     assert eng.stats.max_prefill_chunks >= 3
 
 
@@ -47,7 +47,7 @@ def test_chunked_prefill_small_budget(tiny_model, workload):
 def test_block_sizes(tiny_model, workload, block_size):
     reqs, ref = workload
     got, eng = run_engine(tiny_model, reqs, block_size=block_size)
-    print("near ties:", compare(got, ref))
+    print("near ties:", compare(got, ref, max_ties=1))
     assert eng.stats.max_batch_seqs >= 8
 
 
@@ -69,7 +69,7 @@ def test_static_scheduling(tiny_model, workload):
             batches.append(set(batch))
         assert {r.request_id for r in eng.scheduler.running} <= batch
     assert_no_leaks(eng)
-    print("near ties:", compare([outs[r] for r in rids], ref))
+    print("near ties:", compare([outs[r] for r in rids], ref, max_ties=1))
     assert len(batches) == N_REQ // 16 and all(len(b) == 16 for b in batches)
 
 
@@ -77,14 +77,14 @@ def test_prefix_caching_shared_prefixes(tiny_model):
     reqs = make_requests(seed=1, n=48, shared_prefixes=4)
     ref = reference_outputs(tiny_model.model, reqs)
     got, eng = run_engine(tiny_model, reqs, max_num_seqs=8)
-    print("near ties:", compare(got, ref))
+    print("near ties:", compare(got, ref, max_ties=1))
     bm = eng.block_manager
     prompt_tokens = sum(len(p) for p, _ in reqs)
     assert bm.hits > prompt_tokens // 3, (bm.hits, prompt_tokens)
     assert eng.stats.prefill_tokens == prompt_tokens - bm.hits
     # and off: nothing is reused
     got2, eng2 = run_engine(tiny_model, reqs, max_num_seqs=8, enable_prefix_caching=False)
-    compare(got2, ref)
+    compare(got2, ref, max_ties=1)
     assert eng2.block_manager.hits == 0 and eng2.stats.prefill_tokens == prompt_tokens
 
 
@@ -92,7 +92,7 @@ def test_preemption_with_prefix_caching_and_chunking(tiny_model):
     reqs = make_requests(seed=2, n=32, shared_prefixes=3)
     ref = reference_outputs(tiny_model.model, reqs)
     got, eng = run_engine(tiny_model, reqs, num_kv_blocks=40, block_size=8, max_num_batched_tokens=64)
-    print("near ties:", compare(got, ref))
+    print("near ties:", compare(got, ref, max_ties=1))
     assert eng.stats.preemptions >= 1
     bm = eng.block_manager
     assert eng.stats.prefill_tokens == sum(len(p) for p, _ in reqs) - bm.hits

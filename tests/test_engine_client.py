@@ -40,8 +40,8 @@ def test_a_group_runs_any_engine_client_as_its_replicas(tiny_model):
         assert isinstance(single, EngineClient) and isinstance(group, EngineClient)
         assert group.info.max_model_len == single.info.max_model_len
         ref = reference_outputs(tiny_model.model, reqs)
-        compare(asyncio.run(_run(single, reqs)), ref)
-        compare(asyncio.run(_run(group, reqs)), ref)
+        compare(asyncio.run(_run(single, reqs)), ref, max_ties=1)
+        compare(asyncio.run(_run(group, reqs)), ref, max_ties=1)
         assert group.picks == [4, 4] and finished == [4, 4]  # both replicas served, each its half
         assert group.open_requests() == 0 and single.open_requests() == 0
         states = asyncio.run(group.state(8))

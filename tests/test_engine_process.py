@@ -4,7 +4,8 @@ The whole server suite (tests/test_server.py) runs against this mode; here: the 
 separate (its own pid, and the API process never loads the weights), a client disconnect crosses
 the boundary and frees the request's KV blocks, and an engine that dies mid-stream is a fault the
 server reports and exits on -- /health 503, the open stream ends with an error event, new requests
-get a 503 error body, the server exits non-zero within a bounded time."""
+get a 503 error body, the server exits non-zero within a bounded time. The two unix sockets between
+the processes live in a private directory that no kind of exit leaves behind."""
 import json
 import os
 import re
@@ -14,7 +15,7 @@ import httpx
 import pytest
 
 import conftest
-from helpers import stream_then_kill
+from helpers import engine_socket_dirs, stream_then_kill
 
 ARGS = ["--dtype", "float32", "--host", "127.0.0.1", "--kv-cache-memory", "64MiB", "--max-num-seqs", "4"]
 
@@ -95,6 +96,7 @@ def test_killed_engine_is_a_fault_the_server_exits_on(tmp_path):
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
         srv.proc.wait(30)  # bounded: the server exits by itself
         assert srv.proc.returncode == 3
+        assert engine_socket_dirs(srv.proc.pid) == []  # os._exit skips atexit: removed before it
         assert "Traceback" not in srv.log_text(100_000)
     finally:
         srv.stop()
@@ -117,3 +119,113 @@ def test_engine_in_process_mode_serves_the_same_tokens(server, tmp_path):
         assert st[0]["steps"]["rows"][-1][0] == st[0]["step"] > 0
     finally:
         srv.stop()
+
+
+# -- the engine's sockets: a private directory, gone at every exit ----------------------------------
+
+def _gone(pid: int) -> bool:
+    """pid runs no more (a zombie nobody reaped counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_no_engine_socket_outlives_its_server(tiny_chat_gguf, tmp_path):
+    """Counted in a private TMPDIR (the servers' only one): a SIGINT, a SIGKILL, a failed start and a
+    SIGTERM while the model loads. What the killed server left, the next start sweeps; at the end
+    the directory is empty. (SIGTERM of a serving server and the fault exit: test_hardening's drain
+    tests and test_killed_engine_is_a_fault_the_server_exits_on.)"""
+    import signal
+    import shutil
+    import tempfile
+
+    from helpers import wait_until
+
+    tmp = tempfile.mkdtemp(prefix="serve-exits-")  # short: a unix socket's path holds 107 bytes
+    env = {"TMPDIR": tmp}
+    args = ["--model", tiny_chat_gguf, "--threads", "1", "--max-model-len", "64", "--kv-cache-memory", "16MiB"]
+    procs = [conftest.ServerProc(args, env=env), conftest.ServerProc(args, env=env)]  # their starts overlap
+    try:
+        stopped = procs[0].wait_ready()
+        assert len(engine_socket_dirs(stopped.proc.pid, tmp)) == 1
+        stopped.proc.send_signal(signal.SIGINT)
+        assert stopped.proc.wait(60) == 0
+        assert engine_socket_dirs(stopped.proc.pid, tmp) == []
+
+        killed = procs[1].wait_ready()
+        core = core_pid(killed)
+        killed.proc.kill()
+        killed.proc.wait(30)
+        left = engine_socket_dirs(killed.proc.pid, tmp)
+        assert len(left) == 1 and sorted(os.listdir(os.path.join(tmp, left[0]))) == ["in", "out"]
+        wait_until(lambda: _gone(core), 60, "the killed server's engine core to notice and exit")
+
+        cut = tmp_path / "cut.gguf"  # a failed start: the engine process cannot read the file
+        cut.write_bytes(open(tiny_chat_gguf, "rb").read(200_000))
+        failed = conftest.ServerProc(["--model", str(cut), "--threads", "1"], env=env)
+        procs.append(failed)
+        assert failed.proc.wait(120) == 2
+        log = failed.log_text()
+        assert f"removed 1 temporary socket/rendezvous entry left in {tmp} by exited processes " \
+               f"(pids {killed.proc.pid})" in log, log
+        assert "invalid GGUF file" in log and os.listdir(tmp) == []
+
+        loading = conftest.ServerProc(args, env=env)
+        procs.append(loading)
+        deadline = time.monotonic() + 120
+        while not engine_socket_dirs(loading.proc.pid, tmp) and loading.alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine_socket_dirs(loading.proc.pid, tmp), loading.log_text()
+        loading.proc.send_signal(signal.SIGTERM)  # the engine process is loading the model
+        assert loading.proc.wait(60) == 143, loading.log_text()
+        assert "while loading: stopping" in loading.log_text()
+        assert os.listdir(tmp) == []
+    finally:
+        for p in procs:
+            p.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_the_sweep_removes_only_what_dead_processes_left(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    from inferd.distributed import tmpdirs
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # reaped: its pid names no process (until reused, which the next lines would show)
+    assert not os.path.exists(f"/proc/{dead.pid}")
+    mine, alive = os.getpid(), os.getppid()
+    for name in (f"inferd-core-{dead.pid}-a1", f"inferd-tp-{dead.pid}-b2", f"inferd-core-{alive}-c3",
+                 f"inferd-core-{mine}-d4", f"inferd-coreX-{dead.pid}-e5", "inferd-core-x-f6"):
+        (tmp_path / name).mkdir()
+    (tmp_path / f"inferd-core-{dead.pid}-a1" / "in").write_bytes(b"")
+    legacy = socket.socket(socket.AF_UNIX)  # the loose socket files of earlier versions
+    legacy.bind(str(tmp_path / f"inferd-core-{dead.pid}-0123abcd-in"))
+    legacy.close()
+    (tmp_path / f"inferd-core-{dead.pid}-notes.txt").write_text("a file, not a socket: not ours")
+    removed = tmpdirs.sweep(str(tmp_path))
+    assert sorted(removed) == sorted([f"inferd-core-{dead.pid}-a1", f"inferd-tp-{dead.pid}-b2",
+                                      f"inferd-core-{dead.pid}-0123abcd-in"])
+    assert sorted(os.listdir(tmp_path)) == sorted([f"inferd-core-{alive}-c3", f"inferd-core-{mine}-d4",
+                                                   f"inferd-coreX-{dead.pid}-e5", "inferd-core-x-f6",
+                                                   f"inferd-core-{dead.pid}-notes.txt"])
+
+
+def test_a_private_directory_is_the_owners_alone_and_removed(monkeypatch, tmp_path):
+    import stat
+
+    from inferd.distributed import tmpdirs
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    path = tmpdirs.make("core")
+    assert os.path.basename(path).startswith(f"inferd-core-{os.getpid()}-")
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o700
+    tmpdirs.remove(path)
+    tmpdirs.remove(path)  # twice: harmless
+    other = tmpdirs.make("tp")
+    tmpdirs.remove_all()  # what atexit and the server's fault exit call
+    assert not os.path.exists(other) and os.listdir(tmp_path) == []

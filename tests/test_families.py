@@ -5,13 +5,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from helpers import teacher_forced  # noqa: E402
 from hf_to_gguf import write_gguf  # noqa: E402
 
 from inferd.errors import InferdError  # noqa: E402
 from inferd.loading.loader import load_model  # noqa: E402
 from inferd.model.layers import ContiguousKV  # noqa: E402
 
-NEAR_TIE = 1e-4
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
             eos_token_id=None)  # the engine runs to max_tokens, as the reference loop does
@@ -46,24 +46,14 @@ def our_logits(lm, ids):
         return lm.model.compute_logits(lm.model(ids, pos, cache))
 
 
-def assert_teacher_forced(mine, ref, start):
-    """From `start` on, our argmax is transformers' or within NEAR_TIE of it in transformers' own
-    logits; near ties are counted and must stay rare."""
-    ties = 0
-    for t in range(start, ref.shape[0]):
-        a, b = int(mine[t].argmax()), int(ref[t].argmax())
-        if a != b:
-            assert float(ref[t, b] - ref[t, a]) < NEAR_TIE, f"position {t}: {a} vs transformers' {b}"
-            ties += 1
-    assert ties <= 2, f"{ties} near ties"
-    torch.testing.assert_close(mine, ref, atol=2e-4, rtol=0)
-
-
 # (transformers config class, model class, GGUF architecture, config overrides)
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", "llama", {}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "qwen2", {"tie_word_embeddings": True}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "qwen3", {}),
+    # Mistral: one window for every layer, 16, that the 88-token sequence outruns; its GGUF is arch
+    # `llama` (as llama.cpp's converter writes it) with the window kept (test_mistral_window_...)
+    "mistral": ("MistralConfig", "MistralForCausalLM", "llama", {"sliding_window": 16}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", "phi3", {"sliding_window": 24, "pad_token_id": 0}),
     # mixtures of experts: 8 experts, 2 a token; Mixtral as llama.cpp writes it (arch llama + experts)
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", "llama", {"num_local_experts": 8, "num_experts_per_tok": 2}),
@@ -110,10 +100,41 @@ def test_family_in_both_forms_equals_transformers(family, tmp_path):
     ids = sequence(hf)
     with torch.no_grad():
         ref = hf(ids[None]).logits[0]
-    for form in (str(tmp_path / "hf"), write_gguf(hf, tmp_path / "m.gguf", FAMILIES[family][2])):
+    window = {"sliding_window": True} if family == "mistral" else {}
+    for form in (str(tmp_path / "hf"), write_gguf(hf, tmp_path / "m.gguf", FAMILIES[family][2], **window)):
         lm = load_model(form, dtype="float32", with_tokenizer=False)
         assert lm.config.architecture == family
-        assert_teacher_forced(our_logits(lm, ids), ref, 0)
+        teacher_forced(our_logits(lm, ids), ref, max_ties=2)
+
+
+def test_mistral_window_counts_as_transformers_does(tmp_path):
+    """Mistral's window of W = 16 lets position i see keys i - 15 .. i: transformers' count (its
+    mask keeps key j where j > i - W; its flash-attention path passes the window as W - 1), and
+    inferd's (`model.layers.ContiguousKV` here; the paged kernels count alike, phi3's engine case).
+    Both forms equal transformers past the window (test_family_in_both_forms_equals_transformers);
+    here, that the comparison would catch a window counted otherwise: one key fewer, one more, or
+    none at all equals transformers up to the first position whose keys differ (15, 16, 16) and
+    leaves it there. "None at all" is a GGUF as llama.cpp's converter writes a Mistral (arch
+    `llama`, the window dropped: llama.cpp's llama graph has none), which inferd, like llama.cpp,
+    runs as Llama: only a file that keeps the window (`llama.attention.sliding_window`) is Mistral."""
+    import dataclasses
+
+    hf = tiny("mistral")
+    hf.save_pretrained(tmp_path / "hf")
+    ids = sequence(hf)
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    lm = load_model(str(tmp_path / "hf"), dtype="float32", with_tokenizer=False)
+    assert lm.config.sliding_window == 16
+    as_llamacpp = load_model(write_gguf(hf, tmp_path / "llamacpp.gguf", "llama"), dtype="float32", with_tokenizer=False)
+    assert as_llamacpp.config.architecture == "llama" and as_llamacpp.config.sliding_window is None
+    # (model, the first position whose keys differ from W = 16's: position i sees min(i + 1, window))
+    for other, first in ((dataclasses.replace(lm, config=dataclasses.replace(lm.config, sliding_window=15)), 15),
+                         (dataclasses.replace(lm, config=dataclasses.replace(lm.config, sliding_window=17)), 16),
+                         (as_llamacpp, 16)):
+        wrong = our_logits(other, ids)
+        torch.testing.assert_close(wrong[:first], ref[:first], atol=2e-4, rtol=0)
+        assert (wrong[first] - ref[first]).abs().max() > 1e-2, other.config.sliding_window
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +157,7 @@ def test_llama3_rope_from_rope_freqs_equals_transformers(llama3):
         ref = hf(ids[None]).logits[0]
     for form in (str(d / "hf"), write_gguf(hf, d / "m.gguf", "llama")):
         lm = load_model(form, dtype="float32", with_tokenizer=False)
-        assert_teacher_forced(our_logits(lm, ids), ref, 0)
+        teacher_forced(our_logits(lm, ids), ref, max_ties=2)
     assert lm.config.rope_scaling["rope_type"] == "freq_factors"
     dropped = load_model(write_gguf(hf, d / "no_freqs.gguf", "llama", rope_freqs=False), dtype="float32",
                          with_tokenizer=False)
@@ -156,7 +177,9 @@ def test_gemma3_query_scale_is_the_configs(tmp_path):
     torch.testing.assert_close(our_logits(lm, ids), ref, atol=2e-4, rtol=0)
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+# Mistral is left out: its one window on every layer of the Llama layer is what phi3's case runs
+# through the engine (window 24), and each case costs the suite tens of seconds
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "mistral"])
 def test_family_through_the_engine(family, tmp_path):
     """The engine's greedy tokens equal the reference loop's for every family: continuous batching
     with chunked prefill, prefix caching and preemption in one run, n-gram speculation in another;
@@ -175,12 +198,12 @@ def test_family_through_the_engine(family, tmp_path):
     # family's block all its layers
     got, eng = run_engine(lm, reqs, max_num_batched_tokens=32, num_kv_blocks={"gemma3": 200, "gemma2": 100}.get(family, 64),
                           block_size=8, enable_prefix_caching=True)
-    compare(got, ref)
+    compare(got, ref, max_ties=1)
     s = eng.stats
     assert s.max_batch_seqs >= 4 and s.max_prefill_chunks >= 2 and s.preemptions >= 1
     assert eng.block_manager.hits > 0
     got, eng = run_engine(lm, reqs, speculative_method="ngram", num_speculative_tokens=4)
-    compare(got, ref)
+    compare(got, ref, max_ties=1)
     assert eng.spec.stats.num_accepted_tokens > 0
 
 
@@ -220,7 +243,7 @@ def test_quantized_experts_run_the_dense_layers_kernels(tmp_path):
     assert type(lm.model.layers[0].gate).__name__ == "Linear"
     reqs = mixed_requests(n=8, vocab=hf.config.vocab_size)
     got, _ = run_engine(lm, reqs)
-    compare(got, reference_outputs(lm.model, reqs))
+    compare(got, reference_outputs(lm.model, reqs), max_ties=1)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "gemma2", "gemma3"])
@@ -244,7 +267,7 @@ def test_two_ranks_give_the_reference_tokens(family, tmp_path):
         while eng.has_unfinished():
             for o in eng.step():
                 outs[o.request_id].extend(o.new_token_ids)
-        assert compare([outs[r] for r in rids], ref) <= 1
+        compare([outs[r] for r in rids], ref, max_ties=1)
         assert_no_leaks(eng)
         # the split ran: 2 all-reduces a layer (attention's output, the MLP or the experts) + 1 for
         # the embedding, every step
@@ -272,7 +295,7 @@ def test_phi3_longrope_from_either_form_equals_transformers(tmp_path):
     for form in (str(tmp_path / "hf"), write_gguf(hf, tmp_path / "m.gguf", "phi3")):
         lm = load_model(form, dtype="float32", with_tokenizer=False)
         assert lm.config.rope_scaling["rope_type"] == "longrope"
-        assert_teacher_forced(our_logits(lm, ids), ref, 0)
+        teacher_forced(our_logits(lm, ids), ref, max_ties=2)
     # the factors matter: the plain RoPE is far off past the original context
     lm.config.rope_scaling = None
     lm.model.rope.reset("cpu")

@@ -143,32 +143,34 @@ def test_a_k_quant_file_serves_from_its_blocks_in_its_own_bytes(gemma_path, gemm
 def test_the_engine_batches_block_layers_to_the_reference_loops_tokens(gemma_blocks, gemma_llm):
     """Continuous batching over block layers: each request's greedy tokens are the reference loop's on
     the same model, and the engine did batch them. The kernel's rows do not depend on the batch, but
-    paged and contiguous attention sum in different orders and a last-bit difference can flip one
-    activation's int8 rounding: the near-tie rule is 1e-2, as for W4A8 (tests/test_w4a8.py). Prompts
-    are prefilled whole: Gemma's outlier activations make int8 rounding so sensitive that a different
-    chunk boundary moves its logits by up to ~0.5 (the same with torch's matmul on the dequantized
-    weights in place of the kernel): a quality matter for `inferd eval`, not a machinery one."""
-    from inferd import LLM, SamplingParams
+    paged and contiguous attention sum in different orders, and a last-bit difference can flip one
+    activation's int8 rounding; at Gemma's outlier activations that moves the logits by up to ~1.4
+    (measured: every logit the engine sampled from against the reference loop's, 2026-12, AVX-512).
+    No near-tie threshold follows from a bound that size (a flip may part the tokens wherever the
+    top-2 gap is under twice it), so the tokens are held to the fp32 rule (1e-4, at most one cut of
+    four; the 1e-2 used before excused nothing more here) and the logits to about twice the measured
+    bound, 3.0 (other CPUs sum in other orders): a machinery fault (a wrong block, a lost chunk)
+    moves them further. Prompts are prefilled whole: a different chunk boundary moves Gemma's logits
+    as much (the same with torch's matmul on the dequantized weights in place of the kernel): a
+    quality matter for `inferd eval`, not a machinery one."""
+    from helpers import compare, run_recording
+
+    from inferd.engine.engine import LLMEngine
     from inferd.engine.reference import reference_generate
 
     tok = gemma_llm.tokenizer
     prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of",
                "The history of the printing press begins in the fifteenth century, when " * 3]
     ids = [tok.encode(p) for p in prompts]
-    llm = LLM(loaded=gemma_blocks, kv_cache_memory="64MiB")
-    outs = llm.generate(ids, SamplingParams(max_tokens=8, temperature=0))
-    cut = 0
-    for p, o in zip(ids, outs):
-        ref = reference_generate(gemma_blocks.model, p, 8, keep_logits=True)
-        for j, (a, b) in enumerate(zip(o.token_ids, ref.token_ids)):
-            if a != b:
-                top2 = torch.topk(ref.logits[j], 2).values
-                assert float(top2[0] - top2[1]) < 1e-2, (j, a, b)
-                cut += 1
-                break
-    assert cut <= 1
-    stats = llm.engine.stats
-    assert stats.max_batch_seqs >= 2, stats
+    eng = LLMEngine(loaded=gemma_blocks, kv_cache_memory="64MiB")
+    got = run_recording(eng, [(p, 8) for p in ids])
+    refs = [reference_generate(gemma_blocks.model, p, 8, keep_logits=True) for p in ids]
+    compare([t for t, _ in got], [(r.token_ids, r.logits) for r in refs], max_ties=1)
+    for (toks, rows), ref in zip(got, refs):
+        same = next((j for j, (a, b) in enumerate(zip(toks, ref.token_ids)) if a != b), len(toks))
+        want = torch.stack(list(ref.logits[:same + 1]))  # the steps that saw the same tokens
+        assert float((rows[:same + 1] - want).abs().max()) <= 3.0
+    assert eng.stats.max_batch_seqs >= 2, eng.stats
 
 
 def test_auto_serves_a_gguf_from_its_blocks_and_anything_else_dense():

@@ -1,7 +1,8 @@
 """Hostile and faulty conditions: schemathesis over the OpenAPI document, request limits (413, 431, 408, counts), numbers past 64 bits and
-non-finite floats, unsupported output constraints, OpenAI error shapes everywhere, the constant-time
-key check, a stalled reader, faults injected into engine steps, the UTF-8 cut at max_tokens, and
-SIGTERM draining open streams."""
+non-finite floats, malformed prompts, messages, roles and content parts (the wording and param of
+each), unsupported output constraints, OpenAI error shapes everywhere, the constant-time key check,
+a stalled reader, faults injected into engine steps, the UTF-8 cut at max_tokens, and SIGTERM
+draining open streams (leaving no engine socket behind)."""
 import asyncio
 import contextlib
 import json
@@ -17,7 +18,7 @@ import httpx
 import pytest
 
 from conftest import ServerProc, make_tiny_model
-from helpers import wait_until
+from helpers import engine_socket_dirs, wait_until
 
 LIMIT = 64 * 1024
 
@@ -116,6 +117,140 @@ def test_chat_message_count_is_bounded(srv):
     msgs = [{"role": "user", "content": "a"}] * 1025
     err = assert_error(post(srv, "/v1/chat/completions", {"messages": msgs}), 400)
     assert err["param"].startswith("messages") and "1024" in err["message"]
+
+
+# -- malformed prompts, messages, roles and content parts: one plain line each, naming the place ----
+
+SHAPES = "a string, a list of strings, a list of token ids, or a list of token-id lists"
+ONE_KIND = "a list holds strings only, token ids only, or token-id lists only"
+ROLES = "system, user, assistant, tool, developer"
+
+
+def served_name(srv) -> str:
+    return httpx.get(srv.base + "/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+@pytest.mark.parametrize("prompt,message", [
+    ([], f"prompt is an empty list: give {SHAPES}"),
+    (None, f"prompt is null: give {SHAPES}"),
+    ({"text": "a"}, f"prompt is an object: give {SHAPES}"),
+    (["a", 1] * 2500, f"prompt mixes strings and token ids (prompt[1] is an integer): {ONE_KIND}"),
+    ([1, 2, "a"], f"prompt mixes token ids and strings (prompt[2] is a string): {ONE_KIND}"),
+    ([[1, 2], 3], f"prompt mixes token-id lists and token ids (prompt[1] is an integer): {ONE_KIND}"),
+    ([1, None], "prompt[1] is null: a prompt list holds strings, token ids or token-id lists"),
+    ([True], "prompt[0] is a boolean: a prompt list holds strings, token ids or token-id lists"),
+    ([1, 2.5], "prompt[1] is a number: a prompt list holds strings, token ids or token-id lists"),
+    ([[1], [[2]]], "prompt[1][0] is a list: prompts nest two levels deep at most (a list of token-id lists)"),
+    ([[1, "a"]], "prompt[0][1] is a string: a token-id list holds token ids (integers) only"),
+    ([[1], []], "prompt[1] is an empty list: each token-id list holds at least one token id"),
+    ([5, -1], "prompt[1] is -1: token ids are 0 or more"),
+    ([[5], [7, -3]], "prompt[1][1] is -3: token ids are 0 or more"),
+    ([2**40], "prompt[0] is 1099511627776: past any vocabulary (token ids are below 2^31)"),
+    (["a"] * 65, "prompt holds 65 prompts: at most 64 in one request"),
+    ([[1]] * 65, "prompt holds 65 prompts: at most 64 in one request"),
+])
+def test_a_malformed_prompt_is_one_plain_line(srv, prompt, message):
+    err = assert_error(post(srv, "/v1/completions", {"prompt": prompt, "max_tokens": 1}), 400)
+    assert (err["message"], err["param"]) == (message, "prompt")
+
+
+def test_a_token_id_past_the_vocabulary_names_the_model(srv):
+    from gguf import GGUFReader
+
+    name = served_name(srv)
+    vocab = len(GGUFReader(srv.cmd[srv.cmd.index("--model") + 1]).fields["tokenizer.ggml.tokens"].data)
+    for prompt, where in (([1, vocab], "prompt[1]"), ([[1], [2, 3, vocab + 7]], "prompt[1][2]")):
+        err = assert_error(post(srv, "/v1/completions", {"prompt": prompt, "max_tokens": 1}), 400)
+        t = vocab if where == "prompt[1]" else vocab + 7
+        assert err["message"] == f"{where} is {t}: past the vocabulary of model `{name}` (token ids 0 to {vocab - 1})"
+        assert err["param"] == "prompt"
+    ok = post(srv, "/v1/completions", {"prompt": [[1, vocab - 1], [2]], "max_tokens": 1})
+    assert ok.status_code == 200, ok.text
+
+
+def user(content):
+    return {"role": "user", "content": content}
+
+
+@pytest.mark.parametrize("messages,param,message", [
+    ([], "messages", "messages is an empty list: a chat needs at least one message"),
+    ({"role": "user"}, "messages", "messages is an object: give a list of messages"),
+    (["hi"], "messages[0]", "messages[0] is a string: a message is an object with a role and content"),
+    ([{"role": "wizard", "content": "hi"}], "messages[0].role",
+     f"messages[0].role is 'wizard': a role is one of {ROLES}"),
+    ([user("a"), {"role": "", "content": "hi"}], "messages[1].role",
+     f"messages[1].role is '': a role is one of {ROLES}"),
+    ([{"role": 3, "content": "hi"}], "messages[0].role", f"messages[0].role is 3: a role is one of {ROLES}"),
+    ([{"content": "hi"}], "messages[0].role", f"messages[0].role is missing: give one of {ROLES}"),
+    ([{"role": "function", "name": "f", "content": "{}"}], "messages[0].role",
+     "messages[0].role is 'function' (OpenAI's deprecated function calling), which this server does not take: "
+     "send a function's result as role tool with the tool_call_id it answers"),
+    ([user([])], "messages[0].content", "messages[0].content is an empty list: give a string or at least one "
+                                        "content part"),
+    ([user(7)], "messages[0].content",
+     "messages[0].content is an integer: content is a string, a list of content parts, or null"),
+    ([user(["hi"])], "messages[0].content[0]",
+     'messages[0].content[0] is a string: a content part is an object such as {"type": "text", "text": "..."}'),
+    ([user([{"text": "hi"}])], "messages[0].content[0]",
+     'messages[0].content[0] has no type: a content part names its type ("text", "image_url", ...)'),
+    ([user([{"type": "text"}])], "messages[0].content[0]",
+     "messages[0].content[0] is a text part whose text is null, not a string"),
+])
+def test_a_malformed_chat_is_one_plain_line(srv, messages, param, message):
+    for path in ("/v1/chat/completions", "/tokenize"):
+        err = assert_error(post(srv, path, {"messages": messages, "max_tokens": 1}), 400)
+        assert (err["message"], err["param"]) == (message, param), path
+
+
+PNG = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
+
+
+@pytest.mark.parametrize("part,kind", [
+    ({"type": "image_url", "image_url": {"url": PNG}}, "image_url"),
+    ({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}, "image_url"),
+    ({"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}, "input_audio"),
+    ({"type": "image", "image": PNG}, "image"),
+    ({"type": "file", "file": {"file_id": "file-1"}}, "file"),
+    ({"type": "hologram", "hologram": {}}, "hologram"),
+])
+def test_content_the_model_cannot_read_is_refused_naming_part_and_model(srv, part, kind):
+    messages = [{"role": "system", "content": "Describe."}, user([{"type": "text", "text": "What is this?"}, part])]
+    want = (f"messages[1].content[1]: {kind} parts are not supported by model `{served_name(srv)}` "
+            "(it takes text only)")
+    for path in ("/v1/chat/completions", "/tokenize"):
+        err = assert_error(post(srv, path, {"messages": messages, "max_tokens": 1}), 400)
+        assert (err["message"], err["param"]) == (want, "messages[1].content[1]"), path
+
+
+def test_allowed_roles_and_text_parts_are_taken(srv):
+    """developer is rendered as system (OpenAI's clients send it); text parts are the text; a tool
+    result answering an assistant's call still renders."""
+    def ids(messages):
+        r = post(srv, "/tokenize", {"messages": messages})
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    assert ids([{"role": "developer", "content": "Be brief."}, user("hi")]) == \
+        ids([{"role": "system", "content": "Be brief."}, user("hi")])
+    assert ids([user([{"type": "text", "text": "h"}, {"type": "text", "text": "i"}])]) == ids([user("hi")])
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    chat = [user("use f"), {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "42"}]
+    text = post(srv, "/detokenize", {"tokens": ids(chat)}).json()["prompt"]
+    assert "<tool_response>\n42\n</tool_response>" in text and '"name": "f"' in text, text
+
+
+@pytest.mark.parametrize("body,param,message", [
+    ({"prompt": "a", "stop": 5}, "stop", "stop: Input should be a valid string, or a valid list"),
+    ({"prompt": "a", "stop": ["x", ""]}, "stop[1]", "stop[1]: String should have at least 1 character"),
+])
+def test_other_fields_errors_name_the_place_not_the_union_branch(srv, body, param, message):
+    err = assert_error(post(srv, "/v1/completions", {**body, "max_tokens": 1}), 400)
+    assert (err["message"], err["param"]) == (message, param)
+    call = {"id": "c", "type": "function", "function": {"arguments": "{}"}}
+    chat = {"messages": [{"role": "assistant", "content": None, "tool_calls": [call]}], "max_tokens": 1}
+    err = assert_error(post(srv, "/v1/chat/completions", chat), 400)
+    assert err["param"] == "messages[0].tool_calls[0].function.name", err
 
 
 @pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
@@ -316,8 +451,10 @@ def test_a_failed_request_alone_gets_500_and_the_rest_complete(servers):
 
 @contextlib.contextmanager
 def _open_stream(s, max_tokens=1000):
-    """A greedy completion stream on server s, once its first event came: (first event, the rest)."""
-    body = {"prompt": "Once", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    """A greedy completion stream on server s, once its first event came: (first event, the rest);
+    its last chunk before [DONE] carries the usage."""
+    body = {"prompt": "Once", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
     with httpx.stream("POST", s.base + "/v1/completions", json=body, timeout=120) as r:
         lines = r.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
@@ -346,9 +483,10 @@ def test_sigterm_drains_open_streams_then_exits_0(servers):
         assert rest[-1] == "[DONE]"
         n = sum(len(json.loads(e)["choices"][0]["text"]) > 0 for e in [first, *rest[:-1]] if json.loads(e)["choices"])
         assert n > 100  # the stream ran to its end after the signal
-        usage = json.loads(rest[-2]).get("usage") if len(rest) > 1 else None
-        assert usage is None or usage["completion_tokens"] == 1000
+        usage = json.loads(rest[-2])["usage"]  # every token was generated and counted, none cut by the drain
+        assert usage["completion_tokens"] == 1000, usage
         assert s.proc.wait(60) == 0
+        assert not engine_socket_dirs(s.proc.pid)  # the engine's sockets went with it
     finally:
         s.stop()
 
@@ -367,6 +505,7 @@ def test_a_second_signal_exits_at_once(servers):
             except httpx.HTTPError:  # the connection dropped mid-stream
                 rest = []
         assert code == 0 and "[DONE]" not in rest  # it exited without finishing the open stream
+        assert not engine_socket_dirs(s.proc.pid)
     finally:
         s.stop()
 

@@ -161,7 +161,7 @@ def test_a_4k_request_holds_the_full_layers_and_the_windows(tmp_path):
     eng = LLMEngine(loaded=lm, dtype="float32", block_size=16, max_num_batched_tokens=chunk,
                     kv_cache_memory="64MiB")
     peak, decoding, out = run_long_request(eng, prompt, 8)
-    compare([out], [(ref.token_ids, ref.logits)])
+    compare([out], [(ref.token_ids, ref.logits)], max_ties=1)
     tokens = len(prompt) + 8
     assert eng.kv_layout.num_groups == 6 and eng.kv_layout.group_size == 1
     assert decoding <= window_bound(eng, tokens, 1)  # 258 + 5 x 33 = 423

@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from helpers import assert_no_leaks, same_or_near_tie
+from helpers import assert_no_leaks, compare
 
 from inferd.engine.engine import LLMEngine
 from inferd.engine.request import SamplingParams
@@ -87,8 +87,7 @@ def test_each_adapter_equals_peft_merged_with_all_in_shared_steps(adapters):
     eng = engine(paths)
     jobs = [(a, p) for a in [None, *NAMES] for p in PROMPTS] * 2
     got = run(eng, jobs)
-    ties = sum(same_or_near_tie(got[i], *refs[job]) for i, job in enumerate(jobs))
-    assert ties <= 2, ties
+    compare([got[i] for i in range(len(jobs))], [refs[job] for job in jobs], max_ties=2, what="peft's greedy tokens")
     lora = eng.lora
     assert lora.multi_adapter_steps > 0 and lora.lora_steps > 0
     layers = eng.model_config.num_hidden_layers
@@ -112,8 +111,7 @@ def test_max_loras_two_with_four_adapters_queues_and_completes(adapters):
     eng.runner.run = spy
     jobs = [(a, PROMPTS[0]) for a in NAMES for _ in range(2)] + [(None, PROMPTS[1])]
     got = run(eng, jobs)
-    for i, job in enumerate(jobs):
-        same_or_near_tie(got[i], *refs[job])
+    compare([got[i] for i in range(len(jobs))], [refs[job] for job in jobs], max_ties=1, what="peft's greedy tokens")
     assert max(len(s) for s in seen) == 2  # never more than --max-loras adapters in a step
     assert eng.lora.slot_writes >= 4  # all four went through the two slots
 
@@ -137,10 +135,40 @@ def test_prefix_cache_hits_never_cross_adapters(adapters):
     assert_no_leaks(eng)
 
 
+def first_token_logits(eng, jobs) -> list[torch.Tensor]:
+    """The logits each job's first token was sampled from (its prompt's last row), by job."""
+    rows: dict = {}
+    execute = eng.runner.execute
+
+    def keep(requests, num_new):
+        out = execute(requests, num_new)
+        for k, i in enumerate(out[1]):
+            rows.setdefault(requests[i].request_id, out[0][k].clone())
+        return out
+    eng.runner.execute = keep
+    rids = [eng.add_request(p, SamplingParams(max_tokens=1, temperature=0), lora=a) for a, p in jobs]
+    while eng.has_unfinished():
+        eng.step()
+    eng.runner.execute = execute
+    return [rows[r] for r in rids]
+
+
+def kl(want: torch.Tensor, got: torch.Tensor) -> float:
+    """KL(want || got) of the two logits rows' distributions (want's -inf entries weigh nothing)."""
+    lp, lq = torch.log_softmax(want.double(), -1), torch.log_softmax(got.double(), -1)
+    p = lp.exp()
+    return float(torch.where(p > 0, p * (lp - lq), 0.0).sum())
+
+
 def test_adapters_over_a_quantized_base_in_the_fused_step(adapters):
     """The default serving path (GGUF blocks, int8 activations) with adapters: decode steps with
     adapter rows run as one C++ call that adds the same deltas after the same layers, so its tokens
-    equal the eager forward's exactly; the quality against peft-merged is benchmarks/lora.py's."""
+    equal the eager forward's exactly. Against peft-merged in fp32 the int8 activations are lossy, so
+    the bound is on the first token's distribution: within KL 0.05 of peft's for every job (measured
+    0.0003-0.025; the W4A8 base alone is 0.003 mean, 0.013 p99 KL from the dense model on WikiText,
+    README), and for an adapter under a quarter of the KL its own deltas put between peft's and the
+    base's (0.06-4.7): an adapter left out, or applied to the wrong rows, fails. The quality over
+    longer outputs is benchmarks/lora.py's."""
     paths, refs = adapters
     jobs = [(a, p) for a in [None, *NAMES] for p in PROMPTS]
     eng = engine(paths, quantization="auto", dtype="auto")
@@ -149,8 +177,15 @@ def test_adapters_over_a_quantized_base_in_the_fused_step(adapters):
     assert eng.runner.lora_fused_steps > 0 and eng.lora.multi_adapter_steps > 0
     eager = engine(paths, quantization="auto", dtype="auto", enforce_eager=True)
     assert run(eager, jobs) == got and eager.runner.lora_fused_steps == 0
-    agree = sum(got[i][0] == refs[job][0][0] for i, job in enumerate(jobs))
-    assert agree >= len(jobs) - 3, got  # first tokens mostly the merged model's despite the int8 rounding
+    firsts = first_token_logits(eng, jobs)
+    kls = {}
+    for (a, p), row in zip(jobs, firsts):
+        want = refs[(a, p)][1][0]
+        kls[(a, p)] = ours, base = kl(want, row), kl(want, refs[(None, p)][1][0])
+        print(f"{a} {p!r}: KL from peft-merged {ours:.4f}, the adapter's own from the base {base:.4f}")
+    for (a, p), (ours, base) in kls.items():
+        assert ours < 0.05, (a, p, ours)
+        assert a is None or ours < base / 4, (a, p, ours, base)  # nearer peft's than the base's, by far
 
 
 def test_runtime_load_unload_and_refusals(adapters, tmp_path):
@@ -186,9 +221,11 @@ def test_runtime_load_unload_and_refusals(adapters, tmp_path):
         LLMEngine(dtype="float32", quantization="none", kv_cache_memory="32MiB").control("list_loras")
 
 
-def test_served_adapters_by_model_name_and_their_routes(adapters):
-    """`inferd serve --lora-modules`: the official client names an adapter as its `model`; /v1/models
-    lists adapters with their parent; vLLM's load/unload routes, with their refusals."""
+def test_served_adapters_by_model_name_and_their_routes(adapters, tiny_chat_gguf):
+    """`inferd serve --lora-modules` beside two `--model`s of different shapes: each adapter is served
+    on the base it fits (the default model, not the tiny one); the official client names an adapter
+    as its `model`; /v1/models lists adapters with their parent; vLLM's load/unload routes, with
+    their refusals."""
     import threading
 
     import httpx
@@ -197,7 +234,8 @@ def test_served_adapters_by_model_name_and_their_routes(adapters):
     from helpers import wait_until
 
     paths, refs = adapters
-    srv = ServerProc(["--quantization", "none", "--dtype", "float32", "--kv-cache-memory", "64MiB",
+    srv = ServerProc(["--model", "default", "--model", f"tiny={tiny_chat_gguf}", "--quantization", "none",
+                      "--dtype", "float32", "--kv-cache-memory", "64MiB", "--threads", "1",
                       "--lora-modules", f"ad0={paths['ad0']}", f"ad1={paths['ad1']}", "--max-loras", "2",
                       "--max-lora-rank", "8"]).wait_ready()
     client = openai.OpenAI(base_url=srv.base + "/v1", api_key="x", timeout=120, max_retries=0)
@@ -212,7 +250,8 @@ def test_served_adapters_by_model_name_and_their_routes(adapters):
 
     try:
         cards = {c.id: c for c in client.models.list().data}
-        assert {"ad0", "ad1"} <= set(cards) and cards["ad0"].parent == cards["ad1"].parent != "ad0"
+        assert {"ad0", "ad1", "default", "tiny"} <= set(cards)
+        assert cards["ad0"].parent == cards["ad1"].parent == "default"
         for name in ("ad0", "ad1", None):
             want = decode(refs[(name, PROMPTS[0])][0])
             assert text(name or cards["ad0"].parent) == want, name
@@ -250,6 +289,69 @@ def test_served_adapters_by_model_name_and_their_routes(adapters):
             text("ad3")
     finally:
         srv.stop()
+
+
+def _tiny_adapter(folder, cfg, base=None, layers=(0,)):
+    """A PEFT-format adapter of q_proj for a model of `cfg`'s shapes, written by hand (what the
+    matching reads is the config and the header; peft itself writes the served one above)."""
+    from safetensors.torch import save_file
+
+    from inferd.loading.peft import projection_shapes
+
+    os.makedirs(folder, exist_ok=True)
+    n_in, n_out = projection_shapes(cfg)["q_proj"]
+    sd = {}
+    for i in layers:
+        key = f"base_model.model.model.layers.{i}.self_attn.q_proj"
+        sd[f"{key}.lora_A.weight"] = torch.zeros(4, n_in)
+        sd[f"{key}.lora_B.weight"] = torch.zeros(n_out, 4)
+    save_file(sd, os.path.join(folder, "adapter_model.safetensors"))
+    conf = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
+    json.dump({**conf, **({"base_model_name_or_path": base} if base else {})},
+              open(os.path.join(folder, "adapter_config.json"), "w"))
+    return str(folder)
+
+
+def test_flag_adapters_with_several_models_go_to_the_base_they_fit(adapters, tiny_chat_gguf, tmp_path):
+    """Which model each --lora-modules adapter joins, decided at start from headers: by shape; between
+    two models of one shape by the base its adapter_config.json names; refused in one line (exit 2)
+    when it fits none, or several with none named."""
+    import shutil
+    import subprocess
+    import sys
+
+    from inferd.cli import build_parser
+    from inferd.loading.peft import base_config
+    from inferd.server.serve import model_specs
+
+    paths, _ = adapters
+    twin = str(tmp_path / "twin.gguf")
+    shutil.copyfile(tiny_chat_gguf, twin)
+    tiny = base_config(tiny_chat_gguf)
+    named = _tiny_adapter(tmp_path / "named", tiny, base=twin)
+    anonymous = _tiny_adapter(tmp_path / "anon", tiny, base="HuggingFaceTB/some-other-model")
+    # an adapter of a third shape: the default's q_proj with 100 inputs
+    alien = tmp_path / "alien"
+    alien.mkdir()
+    shutil.copyfile(os.path.join(paths["ad0"], "adapter_config.json"), alien / "adapter_config.json")
+    from safetensors.torch import load_file, save_file
+
+    save_file({k: (v[:, :100].contiguous() if "lora_A" in k else v) for k, v in load_file(
+        os.path.join(paths["ad0"], "adapter_model.safetensors")).items()}, str(alien / "adapter_model.safetensors"))
+
+    def specs(*argv):
+        return {s.name: s.config.lora_modules for s in model_specs(build_parser().parse_args(["serve", *argv]))}
+
+    got = specs("--model", "default", "--model", f"tiny={tiny_chat_gguf}", "--model", f"twin={twin}",
+                "--lora-modules", f"ad0={paths['ad0']}", f"named={named}")
+    assert got == {"default": [f"ad0={paths['ad0']}"], "tiny": None, "twin": [f"named={named}"]}
+    with pytest.raises(InferdError, match=r"'anon' .* fits tiny, twin, and its adapter_config.json names none"):
+        specs("--model", f"tiny={tiny_chat_gguf}", "--model", f"twin={twin}", "--lora-modules", f"anon={anonymous}")
+    r = subprocess.run([sys.executable, "-m", "inferd", "serve", "--model", "default", "--model",
+                        f"tiny={tiny_chat_gguf}", "--lora-modules", f"alien={alien}"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "'alien'" in r.stderr and "fits none of the served models" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_the_lora_kernel_on_every_variant():
@@ -300,10 +402,10 @@ def test_tensor_parallel_ranks_hold_their_share_of_each_adapter(adapters):
     try:
         jobs = [(a, p) for a in [None, *NAMES[:3]] for p in PROMPTS]
         got = run(eng, jobs)
-        for i, job in enumerate(jobs):
-            same_or_near_tie(got[i], *refs[job])
+        compare([got[i] for i in range(len(jobs))], [refs[job] for job in jobs], max_ties=1,
+                what="peft's greedy tokens")
         assert eng.lora.multi_adapter_steps > 0 and eng.lora.slot_writes >= 3
         eng.control("load_lora", name="ad3", path=paths["ad3"])
-        same_or_near_tie(run(eng, [("ad3", PROMPTS[0])])[0], *refs[("ad3", PROMPTS[0])])
+        compare([run(eng, [("ad3", PROMPTS[0])])[0]], [refs[("ad3", PROMPTS[0])]], max_ties=1)
     finally:
         eng.close()

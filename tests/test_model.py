@@ -20,6 +20,7 @@ def _save(tmp_path, kind, **over):
         cfg = transformers.Qwen2Config(**TINY, tie_word_embeddings=True, **over)
         m = transformers.Qwen2ForCausalLM(cfg)
     else:
+        # as Mistral 7B v0.2 and later (no window); v0.1's window: test_families' mistral case
         cfg = transformers.MistralConfig(**TINY, sliding_window=None, **over)
         m = transformers.MistralForCausalLM(cfg)
     # random init has tiny logits; widen them so greedy choices are well separated

@@ -5,7 +5,8 @@ The server runs the default model with no quantization flag, as `make run` does:
 auto` serves the GGUF from its own Q4_1 blocks with int8 activations (W4A8) and the file's Q8_0
 output layer (W8A8). Proof that the fast path served, not a dense copy: the engine's state names
 the layer classes (no dense linear), the fused decode step ran, and its greedy text equals the
-offline engine's on the same configuration.
+offline engine's on the same configuration. `LLM(model=FILE)` takes the same default: the weight
+formats of the offline engine equal the server's.
 """
 import json
 import subprocess
@@ -40,9 +41,15 @@ def test_default_serve_runs_the_files_blocks_and_matches_offline(qserver):
     assert paths["lm_head"] == "W8A8Linear" and paths["activations"] == "int8" and paths["dtype"] == "float32"
     assert paths["fused_built"] and paths["fused_steps"] > 0 and paths["eager_decode_steps"] == 0, paths
     assert "gguf-native" in log.read_text()
-    llm = LLM(quantization="auto", kv_cache_memory="64MiB")
-    offline = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0))[0]
+    # the Python API's default is the server's: `LLM()` on the same file, no quantization named
+    from inferd.engine.paths import engine_paths
+
+    with LLM(kv_cache_memory="64MiB") as llm:
+        offline = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0))[0]
+        mine = engine_paths(llm.engine)
     assert served == offline.text
+    for key in ("weight_formats", "lm_head", "activations", "dtype", "kv_dtype", "fused_built"):
+        assert mine[key] == paths[key], (key, mine[key], paths[key])
 
 
 def test_bench_measures_quantized_server(qserver, tmp_path):

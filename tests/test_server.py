@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import conftest
-from helpers import assert_logprobs_close
+from helpers import assert_logprobs_close, compare_texts_by_gaps, top2_gap
 from inferd import LLM, SamplingParams
 
 MODEL = "smollm2-135m"
@@ -104,7 +104,7 @@ def client(srv, key: str = "x") -> openai.OpenAI:
 # -- the offline engine and its reference outputs ------------------------------------------------
 @pytest.fixture(scope="module")
 def llm(server_proc):  # depends on server_proc so the server loads while this does
-    return LLM(model=MODEL, dtype="float32", kv_cache_memory="256MiB")
+    return LLM(model=MODEL, quantization="none", dtype="float32", kv_cache_memory="256MiB")
 
 
 @pytest.fixture(scope="module")
@@ -142,25 +142,13 @@ def refs(llm, tok):
 
 def assert_greedy_text(got: str, ref, tok, what: str = ""):
     """`got` is the offline greedy text; where it is not, the first divergence must sit at a near
-    tie of the offline top-2 (batch composition may flip such a tie)."""
-    if got == ref.text:
+    tie of the offline top-2 logprobs (batch composition may flip such a tie): 1e-3 here, the
+    offline run's logprobs being a batch's, not the fp32 reference loop's."""
+    if got == ref.text:  # the offline run's own text (its detokenizer's, as the server's)
         return
-    ids = ref.token_ids
-    j = len(ids) - 1
-    for k in range(len(ids)):
-        pre = tok.decode(ids[: k + 1], skip_special_tokens=True).rstrip("\ufffd")
-        if not got.startswith(pre):
-            j = k
-            break
-    gaps = []
-    for e in (ref.logprobs or [])[: j + 1]:
-        top = sorted((lp for _, lp in e[2]), reverse=True)
-        if len(top) >= 2:
-            gaps.append(top[0] - top[1])
-    print(f"near tie accepted ({what}): server {got!r} vs offline {ref.text!r}")
-    assert gaps and min(gaps) < 1e-3, (
-        f"{what}: server text differs from the offline greedy text with no near tie before token {j}\n"
-        f"  server : {got!r}\n  offline: {ref.text!r}")
+    gaps = [top2_gap([lp for _, lp in e[2]]) if len(e[2]) >= 2 else float("inf") for e in ref.logprobs or []]
+    if compare_texts_by_gaps([got], [(ref.token_ids, gaps)], tok, max_ties=1, gap=1e-3, what=what):
+        print(f"near tie accepted ({what}): server {got!r} vs offline {ref.text!r}")
 
 
 # -- helpers ------------------------------------------------------------------------------------
@@ -302,6 +290,62 @@ def test_openai_chat_greedy_matches_offline(server, refs, tok):
     assert u.prompt_tokens == len(chat_ids(tok, CHAT_MESSAGES))
     assert 1 <= u.completion_tokens <= 16
     assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+def test_offline_chat_and_prompt_dicts_take_the_plain_path(server, llm, tok, default_gguf_path):
+    """vLLM's offline forms: `LLM.chat` renders a conversation as transformers' apply_chat_template
+    does (tools and template variables too), and its greedy tokens are those of the same ids given
+    as {"prompt_token_ids": ...} and the server's chat answer; {"prompt": text} is the text. A bad
+    prompt in a batch is one error and leaves nothing queued."""
+    import os
+
+    transformers = pytest.importorskip("transformers")
+    from inferd.errors import InferdError
+
+    hf = transformers.AutoTokenizer.from_pretrained(os.path.dirname(default_gguf_path),
+                                                    gguf_file=os.path.basename(default_gguf_path))
+
+    def hf_ids(messages, **kw):
+        return hf.encode(hf.apply_chat_template(messages, tokenize=False, **kw), add_special_tokens=False)
+
+    sp = SamplingParams(max_tokens=16, temperature=0, logprobs=2)
+    other = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name a colour."}]
+    chats = llm.chat([CHAT_MESSAGES, other], sp)
+    want = [hf_ids(m, add_generation_prompt=True) for m in (CHAT_MESSAGES, other)]
+    assert [c.prompt_token_ids for c in chats] == want
+    plain = llm.generate([{"prompt_token_ids": ids} for ids in want], sp)
+    for c, g in zip(chats, plain):
+        assert_greedy_text(c.text, g, tok, "LLM.chat vs prompt_token_ids")
+    one = llm.chat(CHAT_MESSAGES, sp)
+    assert len(one) == 1 and one[0].prompt_token_ids == want[0]
+    r = client(server).chat.completions.create(model=MODEL, messages=CHAT_MESSAGES, max_tokens=16, temperature=0)
+    assert_greedy_text(r.choices[0].message.content, one[0], tok, "server chat vs LLM.chat")
+    # the template's variables, as Hugging Face passes them
+    brief = SamplingParams(max_tokens=1, temperature=0)
+    for kw in (dict(add_generation_prompt=False), dict(tools=TOOLS), dict(chat_template_kwargs={"extra": 1})):
+        got = llm.chat(CHAT_MESSAGES, brief, **kw)[0].prompt_token_ids
+        hf_kw = {"add_generation_prompt": kw.get("add_generation_prompt", True), "tools": kw.get("tools"),
+                 **kw.get("chat_template_kwargs", {})}
+        assert got == hf_ids(CHAT_MESSAGES, **hf_kw), kw
+    # prompt dicts: the text, the ids, and both beside a plain string in one batch
+    outs = llm.generate([{"prompt": COMPLETION_PROMPT}, {"prompt_token_ids": tok.encode(COMPLETION_PROMPT)},
+                         COMPLETION_PROMPT], sp)
+    assert len({tuple(o.prompt_token_ids) for o in outs}) == 1
+    for o in outs:
+        assert_greedy_text(o.text, outs[2], tok, "prompt dict vs string")
+    for bad, words in (({"prompt_token_ids": [1, "x"]}, "integer token ids"), ({"prompt_token_ids": "12"}, "a list"),
+                       ({"prompt": [1, 2]}, "prompt must be a string"), ({"text": "hi"}, "key 'text'")):
+        with pytest.raises(InferdError, match=words):
+            llm.generate([COMPLETION_PROMPT, bad], brief)
+        assert not llm.engine.has_unfinished()
+    for bad, words in (([{"role": "wizard", "content": "hi"}], "role 'wizard'"),
+                       ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "image_url")):
+        with pytest.raises(InferdError, match=words):
+            llm.chat(bad, brief)
 
 
 def test_openai_completion_stream_equals_nonstream_seeded(server):

@@ -157,7 +157,7 @@ def mixed(tiny_model):
 def test_greedy_matches_reference(tiny_model, mixed, opts):
     reqs, ref = mixed
     got, _, eng = run_spec(tiny_model, reqs, **opts)
-    print("near ties:", compare(got, ref))
+    print("near ties:", compare(got, ref, max_ties=1))
     assert eng.stats.max_batch_seqs >= 16
     assert_speculated(eng)
 
@@ -167,7 +167,7 @@ def test_greedy_with_a_separate_draft_model(tiny_model, mixed):
     draft = make_tiny_model(seed=5, num_hidden_layers=1)
     got, _, eng = run_spec(tiny_model, reqs, draft_loaded=draft, speculative_method="draft",
                            draft_model="tiny", num_speculative_tokens=2)
-    print("near ties:", compare(got, ref))
+    print("near ties:", compare(got, ref, max_ties=1))
     assert eng.spec.stats.num_draft_tokens > 0  # a random draft rarely agrees: rejection path
 
 
@@ -177,9 +177,9 @@ def test_ngram_backoff_pauses_failed_lookups(tiny_model, mixed):
     the same tokens, fewer wasted guesses."""
     reqs, ref = mixed
     got, _, eng = run_spec(tiny_model, reqs, speculative_method="ngram", num_speculative_tokens=4)
-    compare(got, ref)
+    compare(got, ref, max_ties=1)
     got0, _, eng0 = run_spec(tiny_model, reqs, speculative_method="ngram", num_speculative_tokens=4, ngram_backoff=0)
-    compare(got0, ref)
+    compare(got0, ref, max_ties=1)
     s, s0 = eng.spec.stats, eng0.spec.stats
     print("backoff", s.as_dict(), "\nno backoff", s0.as_dict())
     assert s.num_skipped > 0 and s0.num_skipped == 0
@@ -194,7 +194,7 @@ def test_preemption_prefix_caching_and_small_budget(tiny_model):
     for opts in (dict(speculative_method="ngram", num_speculative_tokens=5),
                  dict(speculative_method="draft", draft_model="self:layers=1", num_speculative_tokens=3)):
         got, _, eng = run_spec(tiny_model, reqs, num_kv_blocks=40, block_size=8, max_num_batched_tokens=24, **opts)
-        print(opts, "near ties:", compare(got, ref), "preemptions:", eng.stats.preemptions)
+        print(opts, "near ties:", compare(got, ref, max_ties=1), "preemptions:", eng.stats.preemptions)
         assert eng.stats.preemptions >= 1 and eng.block_manager.hits > 0
         assert_speculated(eng)
 
@@ -385,7 +385,7 @@ def test_ngram_copy_task_on_the_default_model(default_gguf_path):
     near = 0
     for r, p in zip(rids, prompts):
         ref = reference_generate(real.model, p, 32, eos_ids=eng.eos_ids, keep_logits=True)
-        near += compare([live[r].output_ids], [(ref.token_ids, ref.logits)])
+        near += compare([live[r].output_ids], [(ref.token_ids, ref.logits)], max_ties=1)
     print("near ties:", near, tok.decode(live[rids[0]].output_ids))
     assert_speculated(eng, min_rate=0.5)
 

@@ -317,7 +317,7 @@ def test_mixed_batch_preemption_and_speculation(prompts, default_gguf_path):
     work = [(prompts[i], cons[i]) for i in range(16)] + [(prompts[i], None) for i in range(16)]
     random.Random(0).shuffle(work)
     params = [_params(c) for _, c in work]
-    base = dict(model=default_gguf_path, dtype="float32", max_model_len=512, num_kv_blocks=40)
+    base = dict(model=default_gguf_path, quantization="none", dtype="float32", max_model_len=512, num_kv_blocks=40)
     with LLM(**base) as llm:
         alone = {i: llm.generate(p, sp)[0] for i, ((p, c), sp) in enumerate(zip(work, params)) if c is None}
         eng = llm.engine
@@ -350,7 +350,7 @@ def test_constraint_logprobs_are_raw_and_n_samples_valid(prompts, default_gguf_p
     from inferd.engine.request import SamplingParams, StructuredOutputs
     from inferd.errors import InferdError
 
-    with LLM(model=default_gguf_path, dtype="float32", max_model_len=512) as llm:
+    with LLM(model=default_gguf_path, quantization="none", dtype="float32", max_model_len=512) as llm:
         free = llm.generate(prompts[0], SamplingParams(max_tokens=1, temperature=0, logprobs=5))[0]
         so = StructuredOutputs(choice=["alpha", "beta"])
         held = llm.generate(prompts[0], SamplingParams(max_tokens=4, temperature=0, logprobs=5,

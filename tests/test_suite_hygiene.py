@@ -6,6 +6,10 @@
 - no test outside the `integration` marker asserts a clock-measured time or rate against a number:
   a shared or busy CI machine stretches any elapsed time, so such a bound fails at random. The logic
   stays in the suite; the bound goes to a test marked integration (`make test-integration`).
+- every near-tie count has a bound: the rule (tokens may part where the reference's top-2 logits
+  are within 1e-4) lives in tests/helpers.py's NEAR_TIE_HELPERS, each of which takes `max_ties`
+  with no default; a test that calls one without it, or computes a top-2 gap itself (`topk(x, 2)`,
+  `top[0] - top[1] < eps`, its own NEAR_TIE), could excuse any number of cut sequences.
 
 A clock reading is a call of time.monotonic / perf_counter / time (and their _ns forms) or a value
 the bench recorded from one: a key or attribute ending in `_ns` (a timestamp) or `_ms` (a duration).
@@ -156,6 +160,75 @@ def clock_thresholds(source: str) -> list[tuple[int, str]]:
     return out
 
 
+# -- near-tie counts ------------------------------------------------------------------------------
+
+# a top-2 that is no tie rule: the engine's reported top-2 logprobs compared with torch's
+TOP2_ALLOWED = {"test_sampling.py"}
+
+
+def near_tie_helpers(helpers_source: str) -> dict[str, bool]:
+    """{name: whether it takes a keyword-only max_ties with no default} for each of helpers.py's
+    NEAR_TIE_HELPERS (read with ast: no torch)."""
+    tree = ast.parse(helpers_source)
+    names = next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                 and any(isinstance(t, ast.Name) and t.id == "NEAR_TIE_HELPERS" for t in n.targets))
+    out = {}
+    for n in tree.body:
+        if isinstance(n, ast.FunctionDef) and n.name in names:
+            kw = dict(zip((a.arg for a in n.args.kwonlyargs), n.args.kw_defaults))
+            out[n.name] = "max_ties" in kw and kw["max_ties"] is None
+    return {name: out.get(name, False) for name in names}
+
+
+def _called(n: ast.Call) -> str | None:
+    return n.func.id if isinstance(n.func, ast.Name) else n.func.attr if isinstance(n.func, ast.Attribute) else None
+
+
+def _index(n: ast.AST) -> object:
+    return n.slice.value if isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Constant) else None
+
+
+def _top2_gap(e: ast.AST) -> bool:
+    """x[0] - x[1], or float() of it."""
+    if isinstance(e, ast.Call) and _called(e) == "float" and len(e.args) == 1:
+        e = e.args[0]
+    return isinstance(e, ast.BinOp) and isinstance(e.op, ast.Sub) and _index(e.left) == 0 and _index(e.right) == 1
+
+
+def near_tie_offences(source: str, helpers: tuple[str, ...], top2_allowed: bool = False) -> list[tuple[int, str]]:
+    """(line, what) of each near-tie count a module leaves unbounded: a call of a helper without
+    max_ties=, a top-2 gap computed in place, a NEAR_TIE of its own."""
+    tree = ast.parse(source)
+    # the helpers this module imports from helpers.py (another module's `compare` is another function)
+    imported = {a.asname or a.name: a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                and n.module == "helpers" for a in n.names if a.name in helpers}
+
+    def helper(n: ast.Call) -> str | None:
+        f = n.func
+        if isinstance(f, ast.Name):
+            return imported.get(f.id)
+        if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "helpers":
+            return f.attr if f.attr in helpers else None
+        return None
+
+    out = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Call) and helper(n) and not any(k.arg == "max_ties" for k in n.keywords):
+            out.append((n.lineno, f"{helper(n)}() without max_ties="))
+        elif isinstance(n, ast.Call) and _called(n) == "topk" and not top2_allowed:
+            # torch.topk(x, k) / topk(x, k) take the tensor first; x.topk(k) does not
+            method = isinstance(n.func, ast.Attribute) and not (isinstance(n.func.value, ast.Name)
+                                                                and n.func.value.id == "torch")
+            k = n.args[0 if method else 1:][:1] or [kw.value for kw in n.keywords if kw.arg == "k"]
+            if k and isinstance(k[0], ast.Constant) and k[0].value == 2:
+                out.append((n.lineno, "a top-2 computed in place (helpers.top2_gap and the helpers' bound)"))
+        elif isinstance(n, ast.Compare) and isinstance(n.ops[0], (ast.Lt, ast.LtE)) and _top2_gap(n.left):
+            out.append((n.lineno, "a top-2 gap compared in place"))
+        elif isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "NEAR_TIE" for t in n.targets):
+            out.append((n.lineno, "a NEAR_TIE of its own"))
+    return sorted(out)
+
+
 # -- the suite ----------------------------------------------------------------------------------
 
 def _suite() -> dict[str, str]:
@@ -174,6 +247,16 @@ def test_no_wall_clock_thresholds_outside_integration():
     found = [f"{name}:{line}: {test}" for name, src in _suite().items() for line, test in clock_thresholds(src)]
     assert not found, ("wall-clock thresholds outside the integration marker (assert the logic here, move "
                        "the bound to a test marked @pytest.mark.integration):\n" + "\n".join(found))
+
+
+def test_every_near_tie_count_has_a_bound():
+    suite = _suite()
+    helpers = near_tie_helpers(suite.pop("helpers.py"))
+    assert helpers and all(helpers.values()), f"helpers without a required keyword-only max_ties: {helpers}"
+    found = [f"{name}:{line}: {what}" for name, src in suite.items()
+             for line, what in near_tie_offences(src, tuple(helpers), name in TOP2_ALLOWED)]
+    assert not found, ("near-tie counts without a bound (compare through tests/helpers.py's NEAR_TIE_HELPERS, "
+                       "max_ties= the most cut sequences the test accepts):\n" + "\n".join(found))
 
 
 # -- the lint itself, on small sources ----------------------------------------------------------
@@ -228,3 +311,38 @@ def test_timing():
     assert clock_thresholds(src) == [(7, "test_elapsed"), (12, "test_elapsed_name"), (18, "test_recorded_rate"),
                                      (19, "test_recorded_rate")]
     assert clock_thresholds("import pytest\npytestmark = [pytest.mark.slow, pytest.mark.integration]\n" + src) == []
+
+
+def test_the_near_tie_check_sees_unbounded_counts():
+    helpers_src = '''
+NEAR_TIE_HELPERS = ("compare", "loose")
+
+def compare(got, ref, *, max_ties, gap=1e-4):
+    pass
+
+def loose(got, ref, max_ties=3):
+    pass
+'''
+    assert near_tie_helpers(helpers_src) == {"compare": True, "loose": False}
+    src = '''
+import torch
+from helpers import compare
+NEAR_TIE = 1e-4
+
+def test_a(got, ref, logits, tops, shares):
+    print("near ties:", compare(got, ref))
+    helpers.compare(got, ref, max_ties=1)
+    from inferd.eval import compare as other
+    other(got, ref)
+    top2 = torch.topk(logits[0], 2).values
+    assert float(top2[0] - top2[1]) < 1e-4
+    assert tops[0] - tops[1] < 1e-3
+    v = logits[1].topk(2)
+    assert shares[0] - shares[1] == 4
+    ok = torch.topk(logits[2], 3)
+'''
+    assert near_tie_offences(src, ("compare",)) == [
+        (4, "a NEAR_TIE of its own"), (7, "compare() without max_ties="),
+        (11, "a top-2 computed in place (helpers.top2_gap and the helpers' bound)"),
+        (12, "a top-2 gap compared in place"), (13, "a top-2 gap compared in place"),
+        (14, "a top-2 computed in place (helpers.top2_gap and the helpers' bound)")]

@@ -191,7 +191,7 @@ def test_tiny_models_split_give_the_reference_tokens(tmp_path, shape, backend):
     try:
         eng.keep_history = True
         got = generate(eng, reqs)
-        assert compare(got, ref) <= 1
+        compare(got, ref, max_ties=1)
         assert_no_leaks(eng)
         # the split ran: 2 all-reduces a layer + 1 for the embedding per step; the logits gathered
         # once per step that samples; batches of several sequences
@@ -217,12 +217,16 @@ def test_three_ranks_over_gloo_with_chunked_prefill_prefix_caching_and_preemptio
                     num_kv_blocks=40, max_num_batched_tokens=64)
     try:
         got = generate(eng, reqs)
-        assert compare(got, ref) <= 1
+        compare(got, ref, max_ties=1)
         assert eng.stats.preemptions > 0 and eng.block_manager.hits > 0 and eng.stats.max_prefill_chunks > 1
         assert eng.runner.comm.counts["all_reduce"] == 5 * eng.stats.steps  # 2 layers: 2 x 2 + the embedding
         assert_no_leaks(eng)
+        # the rendezvous file's directory: private to this process, and gone with the group
+        store_dir = eng.tp._dir
+        assert os.path.basename(store_dir).startswith(f"inferd-tp-{os.getpid()}-") and os.path.isdir(store_dir)
     finally:
         eng.close()
+    assert not os.path.exists(store_dir)
 
 
 def step_after_killing_rank_1(tmp_path) -> tuple[pytest.ExceptionInfo, float]:
@@ -281,7 +285,7 @@ def one_rank(default_gguf_path):
     batch, with the logits each token came from; and the reference loop's run of the one prompt."""
     from inferd.engine.reference import reference_generate
 
-    eng = LLMEngine(model=default_gguf_path, dtype="float32", kv_cache_memory=SMALL_KV, threads=2)
+    eng = LLMEngine(model=default_gguf_path, quantization="none", dtype="float32", kv_cache_memory=SMALL_KV, threads=2)
     tok = eng.tokenizer
     ids = tok.encode(PROMPTS[0])
     out = {"tok": tok, "ids": ids, "batch_in": [(tok.encode(p), 24) for p in PROMPTS]}
@@ -302,10 +306,11 @@ def test_real_model_two_ranks_against_one(default_gguf_path, one_rank):
     3. The split ran: 61 all-reduces a step (2 x 30 layers + the vocab-parallel embedding), one
        logits gather a step, and each rank holds its share of the weights (as that rank counts them)."""
     ids = one_rank["ids"]
-    eng = LLMEngine(model=default_gguf_path, dtype="float32", kv_cache_memory=SMALL_KV, threads=1)
+    eng = LLMEngine(model=default_gguf_path, quantization="none", dtype="float32", kv_cache_memory=SMALL_KV, threads=1)
     t1, l1 = run_recording(eng, [(ids, 33)])[0]
     eng.close()
-    eng = LLMEngine(model=default_gguf_path, dtype="float32", kv_cache_memory=SMALL_KV, tensor_parallel_size=2)
+    eng = LLMEngine(model=default_gguf_path, quantization="none", dtype="float32", kv_cache_memory=SMALL_KV,
+                    tensor_parallel_size=2)
     try:
         tp, ltp = run_recording(eng, [(ids, 33)])[0]
         assert eng.runner.comm.counts["all_reduce"] == 61 * eng.stats.steps
@@ -325,7 +330,7 @@ def test_real_model_two_ranks_against_one(default_gguf_path, one_rank):
     d = float((ltp - l2).abs().max())
     print(f"max |logit diff|: TP2 vs TP1 {d:.2e}; TP1 1 vs 2 threads {threads:.2e}; TP1 vs reference loop {loop:.2e}")
     assert 0 < d <= 4 * max(threads, loop)
-    assert compare([t for t, _ in batch], one_rank["batch"]) <= 2
+    compare([t for t, _ in batch], one_rank["batch"], max_ties=2)
 
 
 @pytest.mark.parametrize("quant", [dict(quantization="gguf", dense_quant=True), dict(quantization="int8")],
@@ -347,7 +352,7 @@ def test_real_model_quantized_with_ngram_speculation(default_gguf_path, quant):
         assert_no_leaks(eng)
     finally:
         eng.close()
-    assert compare(got, ref) <= 1
+    compare(got, ref, max_ties=1)
 
 
 def test_suffix_decoding_across_ranks(default_gguf_path):
@@ -481,8 +486,7 @@ def test_served_with_the_openai_client_then_a_rank_killed_under_a_stream(one_ran
             t.start()
         for t in threads:
             t.join()
-        near_ties = compare_texts(texts, ref, tok)
-        assert near_ties <= 2
+        compare_texts(texts, ref, tok, max_ties=2)
 
         ranks = rank_pids(core_pid(srv))
         assert len(ranks) == 1

@@ -75,7 +75,8 @@ def add_lora_args(p: argparse.ArgumentParser):
     g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters beside the base model")
     g.add_argument("--lora-modules", nargs="+", default=None,
                    help="adapters to load at start, each name=path of a PEFT folder (adapter_config.json + "
-                        "adapter_model.safetensors) or JSON {\"name\", \"path\"}; a request's `model` names one")
+                        "adapter_model.safetensors) or JSON {\"name\", \"path\"}; a request's `model` names one; with "
+                        "several --model, each goes to the model whose shapes it fits")
     g.add_argument("--max-loras", type=int, default=1,
                    help="most adapters in one step (slots); requests of others wait for a slot")
     g.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted")
@@ -107,6 +108,13 @@ def add_engine_args(p: argparse.ArgumentParser):
     g.add_argument("--scheduling", default="continuous", choices=["continuous", "static"],
                    help="continuous: admit and retire sequences every step; static: run fixed batches to the "
                         "end (to compare)")
+    g.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
+                   help="auto: an encoder (BERT) runs as a pooling model, a decoder generates; pooling: "
+                        "embeddings from any model (/v1/embeddings, /pooling, /api/embed): one forward a request, "
+                        "no KV cache")
+    g.add_argument("--pooling", default=None, choices=["mean", "cls", "last"],
+                   help="how a pooling model makes one vector of a sequence's hidden states (default: the model's "
+                        "sentence-transformers files; else cls for an encoder, last for a decoder)")
     add_spec_args(p)
 
 
@@ -295,7 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("action", nargs="*", help="`report TRACE.jsonl|SWEEP.json` recomputes a saved run (and "
                                              "redraws --html); `compare A.json B.json ...` puts results side by side")
     b.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, e.g. http://127.0.0.1:8000")
-    b.add_argument("--endpoint", default="/v1/completions", help="/v1/completions | /v1/chat/completions")
+    b.add_argument("--endpoint", default="/v1/completions",
+                   help="/v1/completions | /v1/chat/completions | /v1/embeddings (an embeddings workload: "
+                        "requests/s, latency percentiles, input tokens/s; /pooling and /api/embed too)")
     b.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
     b.add_argument("--api-key", default=None, help="Bearer token (default: $OPENAI_API_KEY if set)")
     b.add_argument("--dataset", default="random",

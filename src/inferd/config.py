@@ -18,7 +18,7 @@ class LoadConfig:
     load_format: str = "auto"  # auto | gguf | safetensors | dummy
     dtype: str = "auto"  # auto: what the fastest path on this device takes (inferd.loading.loader.auto_dtype)
     device: str = "cpu"
-    quantization: str = "none"  # a name in inferd.quant.METHODS
+    quantization: str = "none"  # a name in inferd.quant.METHODS; the loader builds what it is asked (the engine's default is auto)
     quant_group_size: int = 32
     quantize_lm_head: bool = False
     quantize_activations: bool = False  # int4/int8 weights x int8 activations (W4A8/W8A8)
@@ -36,7 +36,9 @@ class EngineConfig:
     load_format: str = "auto"
     dtype: str = "auto"
     device: str = "cpu"
-    quantization: str = "none"  # none | int8 | int4 | int8-gptq | int4-gptq | gguf | awq
+    # auto, as `inferd serve`: a GGUF file from its own blocks where the kernels run, else dense (vLLM's LLM
+    # also takes a GGUF's own quantization); none: the dequantized model
+    quantization: str = "auto"  # a name in inferd.quant.METHODS
     quant_group_size: int = 32
     quantize_lm_head: bool = False
     quantize_activations: bool = False  # int4 weights x int8 activations (W4A8 kernel)
@@ -91,6 +93,11 @@ class EngineConfig:
     lora_modules: list | str | None = None
     max_loras: int = 1
     max_lora_rank: int = 16
+    # what the engine runs (vLLM's --runner): auto (an encoder pools, a decoder generates), generate,
+    # or pooling (embeddings: one forward a request, no KV cache; inferd.engine.pooling); --pooling
+    # overrides the model's own pooling (mean | cls | last)
+    runner: str = "auto"
+    pooling: str | None = None
 
     def validate(self):
         if self.block_size < 1:
@@ -157,6 +164,10 @@ class EngineConfig:
             self.lora_modules = [self.lora_modules]
         for spec in self.lora_modules or []:
             lora_module(spec)  # a malformed entry fails here, before any model loads
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise InferdError(f"unknown runner {self.runner!r} (choose auto, generate, pooling)")
+        if self.pooling not in (None, "mean", "cls", "last"):
+            raise InferdError(f"unknown pooling {self.pooling!r} (choose mean, cls, last)")
         if self.lora_modules and not self.enable_lora:
             self.enable_lora = True  # naming adapters asks for them (vLLM wants both flags; one is enough)
         if self.enable_lora:

@@ -184,7 +184,7 @@ def cmd_run(args) -> int:
         warnings.append(f"--request-rate {args.request_rate} is ignored: --dataset {args.dataset} sends each "
                         f"request at its time in the trace (scale them with --trace-speedup)")
     cfg = {"base_url": args.base_url, "endpoint": args.endpoint,
-           "endpoint_type": "chat" if "chat" in args.endpoint else "completions", "model": model,
+           "endpoint_type": endpoint_type(args.endpoint), "model": model,
            "tokenizer": tok_id, "dataset": args.dataset, "dataset_path": args.dataset_path,
            "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
            **({"prefix_families": args.prefix_families, "question_len": args.question_len}
@@ -210,6 +210,14 @@ def cmd_run(args) -> int:
                      f"{load}, max concurrency {args.max_concurrency or 'unlimited'}\n")
     res, requests = runner.run(rate, args.max_concurrency, trace=args.trace)
     return _emit(res, requests, args, clauses)
+
+
+def endpoint_type(path: str) -> str:
+    """chat, completions, or embeddings (/v1/embeddings, /pooling, /api/embed: one answer, no output
+    tokens; latency is the whole request's)."""
+    if "embed" in path or path.rstrip("/").endswith("/pooling"):
+        return "embeddings"
+    return "chat" if "chat" in path else "completions"
 
 
 class _Runner:

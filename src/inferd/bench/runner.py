@@ -34,6 +34,11 @@ async def sleep_until(deadline_ns: int) -> None:
 
 def request_body(cfg: dict, prompt: str, output_len: int | None, messages: list | None = None) -> bytes:
     body: dict = {"model": cfg["model"]} if cfg.get("model") else {}
+    if cfg["endpoint_type"] == "embeddings":  # one forward, one JSON answer: no stream, no output tokens
+        body["input"] = prompt
+        for k, v in (cfg.get("extra_body") or {}).items():
+            body.pop(k, None) if v is None else body.__setitem__(k, v)
+        return json.dumps(body).encode()
     if cfg["endpoint_type"] == "chat":
         body["messages"] = messages or [{"role": "user", "content": prompt}]
     else:
@@ -197,6 +202,21 @@ def parse_events(resp: Response, chat: bool) -> dict:
             "prompt_tokens": prompt_tokens, "response_id": rid, "error": err, "done": done}
 
 
+def parse_embeddings(resp: Response) -> dict:
+    """An embeddings answer: its latency is the whole request's (no first token); usage counts the
+    input tokens the server embedded."""
+    body = b"".join(resp.body)
+    try:
+        d = json.loads(body)
+        n = len(d["data"] if "data" in d else d["embeddings"])
+    except (ValueError, KeyError, TypeError):
+        return {"events": [], "text": "", "completion_tokens": None, "prompt_tokens": None, "response_id": None,
+                "error": f"unexpected response body: {body[:100]!r}", "done": False}
+    usage = d.get("usage") if isinstance(d.get("usage"), dict) else {}
+    return {"events": [], "text": "", "completion_tokens": 0, "response_id": d.get("id"), "error": None,
+            "prompt_tokens": usage.get("prompt_tokens", d.get("prompt_eval_count")), "done": n > 0}
+
+
 def parse_plain(resp: Response, chat: bool) -> dict:
     """A 200 answer that is not an event stream (a server that ignored stream=true)."""
     body = b"".join(resp.body)
@@ -227,7 +247,7 @@ def _http_error(resp: Response) -> str:
     return f"HTTP {resp.status}: {msg}".strip()
 
 
-def build_record(i: int, item, t0: int, prompt, chat: bool, tokenizer) -> dict:
+def build_record(i: int, item, t0: int, prompt, chat: bool, tokenizer, embed: bool = False) -> dict:
     sched, dispatch, slot, send, end, resp, kind, err, warm = item
     rec = {"type": "request", "index": i, "warmup": warm, "prompt_len": prompt.prompt_len,
            "output_len": prompt.output_len, "sched_ns": sched - t0, "dispatch_ns": dispatch - t0,
@@ -243,7 +263,7 @@ def build_record(i: int, item, t0: int, prompt, chat: bool, tokenizer) -> dict:
         return rec
     if resp is None or resp.status is None:
         return rec
-    p = parse_events(resp, chat) if resp.sse else parse_plain(resp, chat)
+    p = parse_embeddings(resp) if embed else parse_events(resp, chat) if resp.sse else parse_plain(resp, chat)
     for e in p["events"]:
         e[0] -= t0
     rec.update(events=p["events"], text=p["text"], response_id=p["response_id"], prompt_tokens=p["prompt_tokens"])
@@ -286,13 +306,14 @@ def run_benchmark(cfg: dict, prompts: list, offsets_ns: list[int], tokenizer=Non
             gc.enable()
         gc.unfreeze()
     chat = cfg["endpoint_type"] == "chat"
+    embed = cfg["endpoint_type"] == "embeddings"
     t0 = out["t0"]
     header = {"type": "header", "format": TRACE_FORMAT, "version": TRACE_VERSION,
               "date": time.strftime("%Y%m%d-%H%M%S", time.localtime(out["t0_epoch"] / 1e9)),
               "t0_perf_ns": t0, "t0_epoch_ns": out["t0_epoch"], "rx_timestamps": out["rx_timestamps"],
               "config": {k: v for k, v in cfg.items() if k != "api_key"}, "warnings": list(warnings or [])}
-    recs = [build_record(i, it, t0, warm_prompts[i], chat, tokenizer) for i, it in enumerate(out["warm"])]
-    recs += [build_record(i, it, t0, prompts[i], chat, tokenizer) for i, it in enumerate(out["raw"])]
+    recs = [build_record(i, it, t0, warm_prompts[i], chat, tokenizer, embed) for i, it in enumerate(out["warm"])]
+    recs += [build_record(i, it, t0, prompts[i], chat, tokenizer, embed) for i, it in enumerate(out["raw"])]
     footer = {"type": "footer", "wall_ns": out["wall"], "cpu_ns": out["cpu"],
               "loop_lag_interval_ns": LOOP_LAG_INTERVAL_NS, "loop_lag_ns": out["lags"]}
     return [header, *recs, footer]

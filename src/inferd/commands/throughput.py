@@ -67,6 +67,9 @@ def run_throughput(args) -> dict:
     if args.num_prompts < 1:
         raise InferdError("--num-prompts must be at least 1")
     cfg = EngineConfig.from_args(args)
+    if cfg.runner == "pooling":
+        raise InferdError("inferd throughput measures generation; embeddings: `inferd bench --endpoint /v1/embeddings` "
+                          "against a server, or benchmarks/embeddings.py")
     eng = LLMEngine(cfg)
     tok = eng.tokenizer
     out_range = parse_range(args.output_len, "output-len")

@@ -10,4 +10,6 @@ engine (what it runs is handed to it).
     policy.py          where a request goes (round robin, least loaded, prefix affinity): shared by
                        data parallelism and `inferd router`
     kv_transfer/       disaggregated prefill/decode: a producer's prompt KV handed to a consumer
+    tmpdirs.py         private temporary directories (the engine's sockets, a TP rendezvous), named
+                       after their process: removed at its exit, swept once it is gone
 """

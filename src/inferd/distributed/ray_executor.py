@@ -1,11 +1,11 @@
 """Tensor-parallel ranks 1..N-1 as Ray actors (`--distributed-executor-backend ray`).
 
 Rank 0 stays the engine (scheduler, KV tables, sampler) in this process, which joins the cluster
-as a Ray driver: the one at RAY_ADDRESS or the one `ray start` left running here, else a local
-cluster of its own. One placement group reserves a bundle per rank; bundle 0 carries a sliver of
-this node's `node:<ip>` resource, so rank 0's reservation is where rank 0 actually runs and the
-strategy (PACK: on this node while it fits, SPREAD: one node per rank) places the rest. Every
-actor runs the same worker loop as an `mp` rank (`tp_worker.serve`).
+as a Ray driver (`join_cluster`): the one at RAY_ADDRESS, or the one `ray start` left running here
+when it answers, else a local cluster of its own. One placement group reserves a bundle per rank;
+bundle 0 carries a sliver of this node's `node:<ip>` resource, so rank 0's reservation is where
+rank 0 actually runs and the strategy (PACK: on this node while it fits, SPREAD: one node per rank)
+places the rest. Every actor runs the same worker loop as an `mp` rank (`tp_worker.serve`).
 
 A rank whose actor or node dies is seen two ways: its gloo peer fails at once in the middle of a
 collective, and between steps `dead()` sees its `run` call fail (Ray's RayActorError).
@@ -20,25 +20,62 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from inferd.distributed.executor import Executor, Placement
+from inferd.distributed.ray_address import check_address, current_cluster_file, probe
 from inferd.errors import InferdError
 
 log = logging.getLogger("inferd")
 PLACEMENT_TIMEOUT = float(os.environ.get("INFERD_RAY_PLACEMENT_TIMEOUT", "60"))
 
 
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 def join_cluster() -> None:
-    """Connect this process to Ray: RAY_ADDRESS if set (an unreachable one is an error, not a
-    silent local cluster), else a running local cluster, else start one."""
+    """Connect this process to Ray and log one line saying how:
+    - RAY_ADDRESS set: that cluster, or an InferdError when it does not answer (never a silent
+      local cluster, never Ray's minutes of retries);
+    - else the cluster `ray_current_cluster` names, when it answers from here within seconds;
+    - else (no file, or a stale one, which gets its own line) a local cluster of this process.
+    RAY_ADDRESS=auto reads as unset, RAY_ADDRESS=local always starts a local cluster."""
     if ray.is_initialized():
         return
     quiet = {"logging_level": logging.WARNING, "log_to_driver": True}
-    address = os.environ.get("RAY_ADDRESS")
-    try:
-        ray.init(address=address or "auto", **quiet)
-    except ConnectionError as e:
-        if address:
-            raise InferdError(f"cannot join the Ray cluster at RAY_ADDRESS={address}: {str(e).splitlines()[0]}") from None
-        ray.init(include_dashboard=False, **quiet)
+    address = os.environ.get("RAY_ADDRESS", "").strip()
+    if address and address not in ("auto", "local"):
+        check_address()
+        try:
+            ray.init(address=address, **quiet)
+        except ConnectionError as e:
+            raise InferdError(f"cannot join the Ray cluster at RAY_ADDRESS={address}: {_first_line(e)}") from None
+        log.info("Ray: joined RAY_ADDRESS=%s", address)
+        return
+    path = current_cluster_file()
+    recorded = None
+    if address != "local":
+        try:
+            with open(path) as f:
+                recorded = f.read().strip() or None
+        except OSError:
+            pass
+    if recorded:
+        try:
+            why = probe(recorded)
+            why = why and f"does not answer ({why})"
+        except InferdError:
+            why = "is not HOST:PORT"
+        if why is None:
+            try:
+                ray.init(address=recorded, **quiet)
+                log.info("Ray: joined the running cluster at %s (from %s)", recorded, path)
+                return
+            except (ConnectionError, RuntimeError) as e:
+                why = f"answers, but Ray could not join it ({_first_line(e)})"
+        log.warning("Ray: %s is stale: the cluster it names at %s %s; starting a local cluster", path, recorded, why)
+    # "local", not None: given no address, ray.init would read the same file and wait on it
+    ray.init(address="local", include_dashboard=False, **quiet)
+    log.info("Ray: started a local cluster (%g CPUs)", ray.cluster_resources().get("CPU", 0))
 
 
 @ray.remote(max_restarts=0)
@@ -98,8 +135,7 @@ class RayExecutor(Executor):
                 try:
                     return f"tensor-parallel rank {r} (Ray actor on {where}) exited with {ray.get(ref)}"
                 except ray.exceptions.RayError as e:
-                    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                    return f"tensor-parallel rank {r} (Ray actor on {where}) died: {first}"
+                    return f"tensor-parallel rank {r} (Ray actor on {where}) died: {_first_line(e)}"
         return None
 
     def stop(self, timeout: float = 10) -> None:

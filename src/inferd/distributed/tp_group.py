@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
-import tempfile
 import threading
 import time
 
 import torch
 
+from inferd.distributed import tmpdirs
 from inferd.distributed.comm import (ShmComm, connect, ready_counts, resolve_backend, tcp_store, torchrun_backend,
                                     torchrun_rank, weights_of)
 from inferd.distributed.executor import Executor, MpExecutor
@@ -73,7 +72,7 @@ class TensorParallelGroup:
             shm = ShmComm(0, world) if self.backend == "shm" else None
             if launched is None and shm is None:  # rank 0 holds the store: a file on one host, TCP across nodes
                 if nodes == 1:
-                    self._dir = tempfile.mkdtemp(prefix="inferd-tp-")
+                    self._dir = tmpdirs.make("tp")  # removed by close(), else swept once this process is gone
                     store = url = os.path.join(self._dir, "store")
                 else:
                     store, url = tcp_store(places[0].ip, world)
@@ -146,6 +145,5 @@ class TensorParallelGroup:
             watch.join(5)
         if comm is not None:
             comm.close()
-        if self._dir:
-            shutil.rmtree(self._dir, ignore_errors=True)
+        tmpdirs.remove(self._dir)
         torch.set_num_threads(self._threads_before)

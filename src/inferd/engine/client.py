@@ -32,6 +32,13 @@ class EngineInfo:
     speculative: bool
     pid: int
     cache: dict = field(default_factory=dict)  # LLMEngine.cache_info(): block size, blocks, dtype
+    # what a prompt may hold besides token ids: every family inferd serves today reads text only;
+    # the server refuses a chat's image or audio parts until a model here takes them
+    modalities: tuple[str, ...] = ("text",)
+    # generate, or pooling (embeddings: inferd.engine.pooling) with the model's pooling: mode,
+    # normalize and dimensions (the vector's length)
+    runner: str = "generate"
+    pooling: dict | None = None
 
 
 @runtime_checkable

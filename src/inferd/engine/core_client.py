@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import pickle
 import select
-import tempfile
 import threading
-import uuid
 
+from inferd.distributed import tmpdirs
 from inferd.engine.client import STATE_TIMEOUT_S, EngineDead, EngineInfo, Overloaded, Streams
 from inferd.engine.messages import (Abort, AddFailed, AddRequest, Control, ControlReply, Fault, Shutdown, StateQuery,
                                     StateReply, StepOutputs)
@@ -48,33 +46,53 @@ class EngineCoreClient:
         self._state_waits: dict[int, asyncio.Future] = {}
         self._state_seq = 0
         self._lock = threading.Lock()
-        base = os.path.join(tempfile.gettempdir(), f"inferd-core-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        to_core, from_core = f"ipc://{base}-in", f"ipc://{base}-out"
+        self.proc = None
+        self._dir = tmpdirs.make("core")  # the two sockets' private directory (see distributed.tmpdirs)
+        to_core, from_core = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
         self._ctx = zmq.Context()
         self._push = self._ctx.socket(zmq.PUSH)
-        self._push.bind(to_core)
         self._pull = self._ctx.socket(zmq.PULL)
-        self._pull.bind(from_core)
-        # spawn, not fork: forking after torch/OpenMP started can deadlock the child
-        level = logging.getLogger().getEffectiveLevel()
-        self.proc = mp.get_context("spawn").Process(target=run_core,
-                                                    args=(cfg, to_core, from_core, cfg.threads, level, cpus),
-                                                    name=name, daemon=True)
-        self.proc.start()
-        ready = self._wait_ready(start_timeout)
-        if isinstance(ready, Fault):
-            self.proc.join(10)
-            raise InferdError(f"the engine process failed to start: {ready.reason}")
+        try:
+            try:
+                self._push.bind(to_core)
+                self._pull.bind(from_core)
+            except zmq.ZMQError as e:  # a TMPDIR too long for a unix socket's path, say
+                raise InferdError(f"cannot bind the engine's socket in {self._dir}: {e} (set TMPDIR to a shorter "
+                                  "directory)") from None
+            # spawn, not fork: forking after torch/OpenMP started can deadlock the child
+            level = logging.getLogger().getEffectiveLevel()
+            self.proc = mp.get_context("spawn").Process(target=run_core,
+                                                        args=(cfg, to_core, from_core, cfg.threads, level, cpus),
+                                                        name=name, daemon=True)
+            self.proc.start()
+            ready = self._wait_ready(start_timeout)
+            if isinstance(ready, Fault):
+                self.proc.join(10)
+                raise InferdError(f"the engine process failed to start: {ready.reason}")
+            from inferd.tokenizer import Tokenizer
+
+            tok = Tokenizer.load(ready.tokenizer_path) if ready.tokenizer_path else None
+        except BaseException:  # a failed or interrupted start (Ctrl-C, SIGTERM while loading) leaves nothing
+            self._abandon()
+            raise
         from dataclasses import replace
 
-        from inferd.tokenizer import Tokenizer
-
         log.info("engine core: process %d", ready.info.pid)
-        tok = Tokenizer.load(ready.tokenizer_path) if ready.tokenizer_path else None
         self.info: EngineInfo = replace(ready.info, tokenizer=tok)
         self._send_lock = threading.Lock()
         self._watch = threading.Thread(target=self._watchdog, name="inferd-core-watchdog", daemon=True)
         self._watch.start()
+
+    def _abandon(self):
+        """Undo a start that did not finish: the core process, the sockets, their directory. The
+        core ignores SIGTERM (run_core: the server decides when it stops), so it is killed."""
+        if self.proc is not None and self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+        self._push.close(linger=0)
+        self._pull.close(linger=0)
+        self._ctx.term()
+        tmpdirs.remove(self._dir)
 
     def _wait_ready(self, timeout: float):
         import zmq
@@ -188,9 +206,11 @@ class EngineCoreClient:
             except Exception:
                 pass
             self.proc.join(10)
-            if self.proc.is_alive():
-                self.proc.terminate()
+            if self.proc.is_alive():  # deaf to the message and to SIGTERM (which it ignores)
+                self.proc.kill()
                 self.proc.join(5)
+        # the core is gone: its sockets' files can go now, while the sockets close on their loop
+        tmpdirs.remove(self._dir)
         loop = self._loop
         try:
             on_loop = asyncio.get_running_loop() is loop

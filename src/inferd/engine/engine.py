@@ -71,6 +71,9 @@ class LLMEngine:
 
             loaded = load_model(cfg.load_config(), shard=self.tp.shard if self.tp is not None else None)
         self.loaded = loaded
+        if getattr(loaded.model, "encoder", False):
+            raise InferdError(f"{loaded.config.architecture} is an encoder (embedding) model: it runs with "
+                              "--runner pooling (or auto), not generate")
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         mcfg = loaded.config
@@ -140,10 +143,10 @@ class LLMEngine:
         self._ids = itertools.count()
         self.eos_ids = set(self.tokenizer.eos_token_ids) if self.tokenizer else (
             {mcfg.eos_token_id} if isinstance(mcfg.eos_token_id, int) else set(mcfg.eos_token_id or []))
-        log.info("KV cache: %d blocks of %d tokens (%s, %.1f MiB)%s", num_blocks, cfg.block_size,
-                 str(kv_dtype).replace("torch.", ""), num_blocks * per_block / 2**20,
+        log.info("KV cache: %d blocks of %d tokens, %.1f MiB (%s), %s%s", num_blocks, cfg.block_size,
+                 num_blocks * per_block / 2**20, self._kv_dtype_why(kv_dtype), self._kv_size_why(),
                  f": up to {num_blocks * cfg.block_size} tokens in flight" if layout.num_groups == 1 else
-                 f", {layout.num_groups} KV groups of {layout.group_size} layers (windows {list(layout.windows)})")
+                 f"; {layout.num_groups} KV groups of {layout.group_size} layers (windows {list(layout.windows)})")
         self._kv_beyond_pool(cfg, layout)
         self.kv = None  # KVTransfer: this engine's end of disaggregated prefill/decode
         if kv_cfg is not None:
@@ -220,6 +223,26 @@ class LLMEngine:
         from inferd.loading.loader import resolve_dtype
 
         return resolve_dtype(c)
+
+    def _kv_dtype_why(self, kv_dtype) -> str:
+        name = str(kv_dtype).replace("torch.", "")
+        if self.config.kv_cache_dtype != "auto":
+            return f"{name}: --kv-cache-dtype"
+        # the activations' dtype: bf16 where the model computes in bf16 (--dtype auto on a CPU with
+        # AVX512-BF16); float32 under int8 activations, whose paged attention measured faster on a
+        # float32 cache than on a bf16 one (docs/quantization.md)
+        return f"{name}: the model's activations, --kv-cache-dtype auto"
+
+    def _kv_size_why(self) -> str:
+        cfg = self.config
+        if cfg.num_kv_blocks:
+            return "num_kv_blocks"
+        if cfg.kv_cache_memory:
+            return "--kv-cache-memory"
+        if self.model.device.type == "cuda":
+            return f"--gpu-memory-utilization {cfg.gpu_memory_utilization}"
+        return (f"the CPU default: {CPU_KV_DEFAULT_FRACTION:.0%} of available memory, at most "
+                f"{CPU_KV_DEFAULT_CAP / 2**30:.0f} GiB (--kv-cache-memory sets it)")
 
     def _kv_bytes(self) -> int:
         cfg = self.config

@@ -7,6 +7,8 @@ what max_tokens a request gets when it names none, and its bounds. The server an
 same functions before they queue anything, so a bad request fails the same way everywhere."""
 from __future__ import annotations
 
+import operator
+
 from inferd.engine.request import SamplingParams
 from inferd.errors import InferdError
 
@@ -44,6 +46,15 @@ def kv_blocks_needed(prompt_len: int, max_tokens: int, samples: int, block_size:
     return full + sum(full if w is None else min(full, windowed(w)) for w in group_windows)
 
 
+def token_ids(prompt) -> list[int]:
+    """A prompt given as ids -> a list of ints; anything that is not an integer id is one clear error
+    (int() would read "12" or 1.5 as an id, and fail on a dict with a message about literals)."""
+    try:
+        return [operator.index(t) for t in prompt]
+    except TypeError:
+        raise InferdError("a prompt is text or a list of integer token ids") from None
+
+
 def check_request(prompt: str | list[int], params: SamplingParams, tokenizer, vocab: int, max_model_len: int,
               block_size: int, num_kv_blocks: int, group_windows: tuple = (), chunk: int = 0) -> list[int]:
     """The prompt's token ids; fills in params.max_tokens when absent (and logprobs for best_of)."""
@@ -53,7 +64,7 @@ def check_request(prompt: str | list[int], params: SamplingParams, tokenizer, vo
             raise InferdError("this model has no tokenizer: pass token ids")
         prompt_ids = tokenizer.encode(prompt)
     else:
-        prompt_ids = [int(t) for t in prompt]
+        prompt_ids = token_ids(prompt)
     if not prompt_ids:
         raise InferdError("prompt is empty")
     if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:

@@ -26,6 +26,11 @@ def config_from_metadata(meta: dict[str, Any], rope_tensors: dict[str, np.ndarra
     fam = registry.for_gguf(arch)
     if fam.name == "llama" and meta.get("llama.expert_count"):
         fam = registry.by_name("mixtral")  # what llama.cpp's converter writes for Mixtral
+    elif fam.name == "llama" and meta.get("llama.attention.sliding_window"):
+        # llama.cpp's converter writes Mistral as `llama` and drops its window (llama.cpp's llama graph
+        # has none: such a file attends to everything, there as here); a file that keeps the window
+        # carries it under the key every architecture uses for one, and is Mistral
+        fam = registry.by_name("mistral")
 
     def g(name, default=None):
         return meta.get(f"{arch}.{name}", default)

@@ -21,44 +21,13 @@ from inferd.config import LoadConfig, available_memory_bytes
 from inferd.errors import InferdError
 from inferd.gguf_file import DEFAULT_GGUF_FILE, default_model_path  # noqa: F401  (re-exported)
 from inferd.loading.checks import check_config, check_gguf, check_safetensors, read_config_json
+from inferd.loading.source import DEFAULT_MODEL_NAMES, ModelSource, resolve_model  # noqa: F401  (re-exported)
 from inferd.model.config import ModelConfig, builtin_config, config_from_hf
 from inferd.model import registry
 from inferd.model.layers import Rope
 from inferd.model.llama import LlamaModel
 
 log = logging.getLogger("inferd")
-
-DEFAULT_MODEL_NAMES = ("default", "smollm2-135m", "smollm2-135m-instruct", "smollm2")
-@dataclass
-class ModelSource:
-    kind: str  # gguf | hf | builtin
-    path: str | None
-    name: str
-
-
-def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
-    if model is None or model.lower() in DEFAULT_MODEL_NAMES:
-        if load_format == "dummy":
-            return ModelSource("builtin", None, "smollm2-135m")
-        return ModelSource("gguf", default_model_path(), "smollm2-135m")
-    from inferd.loading import embedded
-
-    if load_format != "dummy" and model.lower() in embedded.NAMES:
-        return ModelSource("gguf", embedded.resolve(model), embedded.NAMES[model.lower()])
-    path = os.path.expanduser(model)
-    if os.path.isdir(path):
-        return ModelSource("hf", path, os.path.basename(os.path.normpath(path)))
-    if os.path.isfile(path):
-        return ModelSource("gguf", path, os.path.basename(path))
-    if load_format == "dummy" and builtin_config(model) is not None:
-        return ModelSource("builtin", None, model)
-    if path.endswith(".gguf") or os.sep in path.lstrip(".") and path.startswith((".", "/", "~")):
-        raise InferdError(f"model file not found: {model}")
-    raise InferdError(
-        f"model {model!r} not found locally: pass a .gguf file or a model folder "
-        "(inferd never downloads weights; fetch a hub model first, e.g. with `hf download`)"
-    )
-
 
 def resolve_dtype(dtype: str, device: str = "cpu", *, packed: bool = False, int8_activations: bool = False) -> torch.dtype:
     """`--dtype` -> a torch dtype; `auto` picks what the model's fastest path on this device takes
@@ -206,6 +175,10 @@ def _no_default_init():
 
 def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor] | None, dtype, device,
                 seed: int = 0) -> LlamaModel:
+    if registry.by_name(cfg.architecture).encoder:  # BERT: its own names, no LM head (loading/encoder.py)
+        from inferd.loading.encoder import build_encoder
+
+        return build_encoder(cfg, state_dict, dtype, device, seed)
     # allocated where it runs, uninitialised (not on the meta device and then `to_empty`, whose
     # empty_like goes through torch's Python reference ops: ~1 s of every load)
     with torch.device(device), _no_default_init():
@@ -332,6 +305,8 @@ def _load(lc: LoadConfig, shard=None) -> LoadedModel:
         if lc.with_tokenizer and os.path.isfile(os.path.join(src.path, "tokenizer.json")):
             tok = _load_tokenizer(src.path)
     name = "awq" if checkpoint else (lc.quantization or "none")
+    if method is not None and registry.by_name(cfg.architecture).encoder:
+        raise InferdError(f"--quantization {name}: encoder models ({cfg.architecture}) are served unquantized")
     if method is not None and "gguf" in method.needs and (src.kind != "gguf" or dummy):
         raise InferdError("--quantization gguf needs a .gguf model file")
     if method is not None and "checkpoint" in method.needs and not checkpoint:

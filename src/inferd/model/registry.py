@@ -30,6 +30,8 @@ class Family:
     gguf_names: tuple[tuple[str, str], ...] = ()
     gguf_norm_offset: float = 0.0
     tested: str = ""  # what the suite holds it to (docs/reference/models.md)
+    # an encoder (bidirectional attention, no KV cache, no LM head): served by the pooling runner only
+    encoder: bool = False
 
 
 # Gemma's four norms a layer: llama.cpp calls the pre-MLP one ffn_norm, as Llama's single one
@@ -40,8 +42,12 @@ _GEMMA_NAMES = (("ffn_norm.weight", "pre_feedforward_layernorm.weight"),
 FAMILIES: tuple[Family, ...] = (
     Family("llama", "llama", "LlamaModel", ("LlamaForCausalLM",), ("llama",), True,
            tested="HF and GGUF (Llama 3 RoPE from rope_type or rope_freqs); the whole engine suite; TP"),
+    # llama.cpp's converter writes Mistral as `llama` and drops its window; a `llama` file that keeps
+    # it (llama.attention.sliding_window) is read as Mistral (loading/gguf.py)
     Family("mistral", "llama", "LlamaModel", ("MistralForCausalLM",), ("mistral",), True, sliding_window=True,
-           tested="HF (sliding window)"),
+           tested="HF and GGUF (arch `llama` with `llama.attention.sliding_window`), past the window, the "
+                  "window's count checked (one key more, one fewer, none: each differs from transformers); "
+                  "a file as llama.cpp's converter writes it (no window) runs as Llama, as in llama.cpp"),
     Family("qwen2", "llama", "LlamaModel", ("Qwen2ForCausalLM",), ("qwen2",), False, attention_bias=True,
            tested="HF and GGUF (q/k/v biases); the engine"),
     Family("qwen3", "qwen3", "Qwen3Model", ("Qwen3ForCausalLM",), ("qwen3",), False,
@@ -68,6 +74,10 @@ FAMILIES: tuple[Family, ...] = (
            tested="HF and GGUF (local and global layers, past the window); the engine with KV groups; TP=2; "
                   "the real Gemma 3 270M Q4_K_M (`--model gemma3-270m`): transformers' tokens and tokenizer, "
                   "a 4k request holding the windows only, llama.cpp's chat format, structured output"),
+    Family("bert", "bert", "BertModel", ("BertModel", "BertForMaskedLM", "BertForPreTraining"), (), False,
+           encoder=True,
+           tested="HF (an encoder: the pooling runner); the real all-MiniLM-L6-v2 (`--model all-minilm-l6-v2`) "
+                  "against sentence-transformers, padding-free batches"),
 )
 
 

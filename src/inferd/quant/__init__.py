@@ -96,12 +96,35 @@ def method(name: str) -> Method | None:
 
 
 def apply(model, ctx: QuantContext, shard=None) -> list[str]:
-    """Quantize the model in place as `ctx` says; returns what was done, one line each (for the log).
-    `shard(model)` runs between the method (codes) and the packing for kernels (tensor parallelism)."""
-    from inferd.quant import w4a8
-    from inferd.quant.linear import hand_over, weight_bytes
+    """Quantize the model in place as `ctx` says; returns what was done, one line each (for the log),
+    the last one the weights' resident size. `shard(model)` runs between the method (codes) and the
+    packing for kernels (tensor parallelism)."""
+    from inferd.quant.linear import weight_bytes
 
     m = method(ctx.method)
+    built = str(model.dtype)[6:], weight_bytes(model)  # the dense model as the loader built it
+    lines = _apply(model, ctx, m, shard)
+    lines.append(resident_line(weight_bytes(model), built, m is not None and ctx.method, ctx.activations,
+                               shard is not None))
+    return lines
+
+
+def resident_line(now: int, built: tuple[str, int], method: str | None, activations: bool, shard: bool) -> str:
+    """The weights' resident size, said once at the end of the load (a method's own line says what it
+    did, not sizes midway through the packing); for a quantized model, beside the size of the dense
+    model it replaced, the one that quantization none builds in that dtype."""
+    dtype, dense = built
+    kind = f"{method}{' with int8 activations' if activations else ''}" if method else f"dense {dtype}"
+    line = f"weights: {now / 2**20:.1f} MiB resident ({kind})"
+    if shard:
+        return line + ", this rank's share"
+    return line + (f"; the dense {dtype} model would hold {dense / 2**20:.1f} MiB" if method else "")
+
+
+def _apply(model, ctx: QuantContext, m: Method | None, shard) -> list[str]:
+    from inferd.quant import w4a8
+    from inferd.quant.linear import hand_over
+
     if ctx.activations and (m is None or ctx.dense):
         raise InferdError("--quantize-activations applies to quantized weights: add --quantization "
                           "int4, int4-gptq, gguf, awq (W4A8) or int8, int8-gptq (W8A8)" if m is None else
@@ -126,6 +149,5 @@ def apply(model, ctx: QuantContext, shard=None) -> list[str]:
     halves = sum(isinstance(x, HalfLinear) for x in model.modules())
     n = w4a8.quantize_activations(model, blocks, halves)
     lines.append(f"W4A8/W8A8: {n} packed linears take int8 activations (per 32-block)"
-                 f"{f', {halves} F16/BF16 ones float32' if halves else ''}; {str(model.dtype)[6:]} glue; "
-                 f"weights {weight_bytes(model) / 2**20:.1f} MiB")
+                 f"{f', {halves} F16/BF16 ones float32' if halves else ''}; {str(model.dtype)[6:]} glue")
     return lines

@@ -252,8 +252,6 @@ def save_awq(folder: str, model, codes: dict, group_size: int, tokenizer=None, s
 
 def apply(model, ctx) -> str:
     """The registry's entry for `awq`: the int4 linears a checkpoint folder holds (read at load)."""
-    from inferd.quant.linear import weight_bytes
-
     if not ctx.checkpoint:
         raise InferdError("--quantization awq needs an AWQ checkpoint folder (quantization_config.quant_method "
                           "awq); make one with `inferd quantize --method awq`")
@@ -261,4 +259,4 @@ def apply(model, ctx) -> str:
         raise InferdError("AWQ int4 kernels are CPU-only in this build")
     g = ctx.checkpoint["group_size"]
     n = attach_awq_linears(model, ctx.checkpoint["parts"], g)
-    return f"AWQ checkpoint: {n} int4 linears (group {g}); weights {weight_bytes(model) / 2**20:.1f} MiB"
+    return f"AWQ checkpoint: {n} int4 linears (group {g})"

@@ -210,7 +210,6 @@ def apply_gguf_blocks(model, reader, cfg, dense: bool = False) -> dict[str, int]
 
 def apply(model, ctx) -> str:
     """The registry's entry for `gguf` (`--quantize-lm-head`: the Q8_0 output layer to int8 with its own block scales)."""
-    from inferd.quant.linear import weight_bytes
     from inferd.quant.gguf_blocks import BlocksLinear, decode
     from inferd.quant.half import HalfLinear, tie_embedding
     from inferd.quant.half import weights as half_weights
@@ -219,7 +218,6 @@ def apply(model, ctx) -> str:
 
     if ctx.reader is None:
         raise InferdError("--quantization gguf needs a .gguf model file")
-    before = weight_bytes(model)
     n = apply_gguf_blocks(model, ctx.reader, ctx.config, ctx.dense)
     if ctx.lm_head:
         t, lin = _head(ctx.reader), model.lm_head
@@ -239,5 +237,4 @@ def apply(model, ctx) -> str:
         tied = isinstance(model.lm_head, HalfLinear) and _head(ctx.reader) is emb  # the head's own matrix
         tie_embedding(model, model.lm_head.weight if tied else half_weights(emb))
     kinds = " + ".join(f"{k} {v}" for k, v in n.items() if v)
-    return (f"gguf-native: {kinds} linears from the file's own blocks{', lm_head int8' if ctx.lm_head else ''}; "
-            f"weights {before / 2**20:.1f} MiB -> {weight_bytes(model) / 2**20:.1f} MiB")
+    return f"gguf-native: {kinds} linears from the file's own blocks{', lm_head int8' if ctx.lm_head else ''}"

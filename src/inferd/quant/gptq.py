@@ -164,13 +164,11 @@ def apply(model, ctx) -> str:
     copy (the serving model may be bf16), kept for the rest of the process."""
     import sys
 
-    from inferd.quant.linear import weight_bytes
     from inferd.quant.rtn import quantize_lm_head_int8
 
     method = ctx.method[:4]
     if model.device.type != "cpu":
         raise InferdError(f"{method} kernels are CPU-only in this build")
-    before = weight_bytes(model)
     key = (*ctx.cache_key, method, ctx.group_size)
     if key not in _CODES:
         if ctx.calibration is None:
@@ -188,5 +186,4 @@ def apply(model, ctx) -> str:
         quantize_lm_head_int8(model, ctx.dense)
     return (f"{method}-gptq (group {ctx.group_size}{', lm_head int8 RTN' if ctx.lm_head else ''}): {rep['linears']} "
             f"linears on {rep['tokens']} calibration tokens in {rep['seconds']:.0f} s; relative output error "
-            f"{rep['rel_output_error_gptq']:.2e} (round-to-nearest {rep['rel_output_error_rtn']:.2e}); weights "
-            f"{before / 2**20:.1f} MiB -> {weight_bytes(model) / 2**20:.1f} MiB")
+            f"{rep['rel_output_error_gptq']:.2e} (round-to-nearest {rep['rel_output_error_rtn']:.2e})")

@@ -70,9 +70,5 @@ def quantize_lm_head_int8(model: nn.Module, dense: bool = False) -> nn.Module:
 
 def apply(model, ctx) -> str:
     """The registry's entry: `int8` / `int4` at load."""
-    from inferd.quant.linear import weight_bytes
-
-    before = weight_bytes(model)
     quantize(model, ctx.method, ctx.group_size, ctx.lm_head, ctx.dense)
-    return (f"quantized {ctx.method} (group {ctx.group_size}{', lm_head too' if ctx.lm_head else ''}): "
-            f"weights {before / 2**20:.1f} MiB -> {weight_bytes(model) / 2**20:.1f} MiB")
+    return f"quantized {ctx.method} (group {ctx.group_size}{', lm_head too' if ctx.lm_head else ''})"

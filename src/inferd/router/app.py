@@ -387,7 +387,10 @@ class Router:
         tok = self.tokenizer
         try:
             if chat:
-                ids = tok.apply_chat_template(body.get("messages") or [], add_generation_prompt=True, tokenize=True)
+                # as the server renders them: developer is OpenAI's newer name of system
+                msgs = [{**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m
+                        for m in body.get("messages") or []]
+                ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
             else:
                 p = body.get("prompt")
                 if isinstance(p, list) and p and isinstance(p[0], int):

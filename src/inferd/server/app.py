@@ -16,13 +16,14 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inferd.errors import InferdError
-from inferd.server import chat, completions, web
+from inferd.server import chat, completions, embeddings, web
 from inferd.server.limits import Front, Limits
 from inferd.server.metrics import Metrics
 from inferd.server.models import Models
 from inferd.server.protocol import (COMMON_ERRORS, ApiError, DetokenizeRequest, DetokenizeResponse, HealthResponse,
                                     LoadLoRARequest, LoRAActionResponse, ModelAction, ModelActionResponse, ModelList,
-                                    TokenizeRequest, TokenizeResponse, UnloadLoRARequest, error_responses)
+                                    TokenizeRequest, TokenizeResponse, UnloadLoRARequest, error_responses,
+                                    validation_error)
 
 
 def create_app(models: Models, api_key: str | None = None, metrics: Metrics | None = None,
@@ -44,13 +45,7 @@ def create_app(models: Models, api_key: str | None = None, metrics: Metrics | No
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_, e: RequestValidationError):
-        errs = e.errors()
-        first = errs[0] if errs else {}
-        loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        msg = first.get("msg", "invalid request")
-        if first.get("type") == "json_invalid":
-            msg, loc = "request body is not valid JSON", ""
-        return JSONResponse(ApiError(f"{loc}: {msg}" if loc else msg, param=loc or None).body(), status_code=400)
+        return JSONResponse(validation_error(e.errors()).body(), status_code=400)
 
     @app.exception_handler(InferdError)
     async def _inferd_error(_, e: InferdError):
@@ -143,6 +138,7 @@ def create_app(models: Models, api_key: str | None = None, metrics: Metrics | No
     # -- generation -----------------------------------------------------------------------------
     app.include_router(completions.router(models))
     app.include_router(chat.router(models))
+    app.include_router(embeddings.router(models))  # /v1/embeddings, /pooling, /api/embed, /api/embeddings
     app.include_router(web.router(models, app.state))  # the chat page, the dashboard and its state JSON
     app.openapi = lambda: openapi_document(app)
     return app

@@ -49,15 +49,15 @@ async def complete(srv: Served, req: CompletionRequest):
 
 
 def _prompt_ids(srv: Served, p) -> list[list[int]]:
+    """The prompts' token ids; the shapes were checked as the request parsed (protocol.check_prompt)."""
     if isinstance(p, str):
         return [srv.tok.encode(p)]
-    if p and all(isinstance(x, str) for x in p):
+    if isinstance(p[0], str):
         return [srv.tok.encode(x) for x in p]
-    if p and all(isinstance(x, int) for x in p):
-        return [list(p)]
-    if p and all(isinstance(x, list) for x in p):
-        return [list(x) for x in p]
-    raise ApiError("prompt must be a non-empty string, list of strings, or token ids", param="prompt")
+    nested = isinstance(p[0], list)
+    ids = [list(x) for x in p] if nested else [list(p)]
+    srv.check_vocab(ids, nested)
+    return ids
 
 
 async def completion_chunks(srv: Served, req: CompletionRequest, prompts, params_for, cid, created, score_only,

@@ -18,7 +18,7 @@ from fastapi.responses import StreamingResponse
 from inferd.engine.client import EngineClient, EngineDead, Overloaded
 from inferd.engine.processor import resolve_max_tokens
 from inferd.errors import InferdError
-from inferd.server.protocol import ApiError
+from inferd.server.protocol import ApiError, check_parts
 
 # When the HTTP request reached the server (time.monotonic()). Set by the outermost middleware and
 # read where the engine request is made (several calls down, in a streaming task that inherits the
@@ -62,14 +62,38 @@ class Served:
     def render_chat(self, messages, add_generation_prompt=True, kwargs=None, tools=None, tool_choice=None) -> list[int]:
         from inferd.server.tools import render_messages, template_knows_tools
 
+        check_parts(messages, self.info.modalities, self.name)
         msgs, extra = render_messages(messages, tools, tool_choice, template_knows_tools(self.tok.chat_template))
         return self.tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tokenize=True,
                                             **{**(kwargs or {}), **extra})
 
+    def check_vocab(self, prompts: list[list[int]], nested: bool):
+        """Token ids a client gave are this model's (negative ones never parse: protocol.check_prompt)."""
+        vocab = self.info.vocab_size
+        for i, ids in enumerate(prompts):
+            for j, t in enumerate(ids):
+                if t >= vocab:
+                    where = f"prompt[{i}][{j}]" if nested else f"prompt[{j}]"
+                    raise ApiError(f"{where} is {t}: past the vocabulary of model `{self.name}` (token ids 0 to "
+                                   f"{vocab - 1})", param="prompt")
+
     def token_str(self, t: int) -> str:
         return self.tok.decode([t], skip_special_tokens=False)
 
+    def require_runner(self, runner: str):
+        """A generation route to an embedding model, or an embedding route to a generating one: a 400
+        saying which the model answers."""
+        have = getattr(self.info, "runner", "generate")
+        if have == runner:
+            return
+        if have == "pooling":
+            raise ApiError(f"model `{self.name}` is an embedding model: it answers /v1/embeddings, /pooling and "
+                           "/api/embed, not text generation", param="model")
+        raise ApiError(f"model `{self.name}` generates text and has no embeddings: serve an embedding model, or "
+                       "this one with --runner pooling", param="model")
+
     def max_tokens_for(self, req_max: int | None, n_prompt: int) -> int:
+        self.require_runner("generate")
         try:
             return resolve_max_tokens(req_max, n_prompt, self.max_len)
         except InferdError as e:

@@ -1,9 +1,10 @@
 """Request schemas of the OpenAI-compatible API (pydantic, strict types, unknown fields ignored)."""
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from inferd.engine.request import SamplingParams, StructuredOutputs
 from inferd.errors import InferdError, openai_error
@@ -226,6 +227,161 @@ class _Sampling(Strict):
         return p
 
 
+# -- the shapes of prompts and messages -------------------------------------------------------------
+# A prompt or a chat whose shape is wrong gets one plain sentence naming the place (`prompt[3]`,
+# `messages[2].role`, `messages[0].content[1]`), checked before pydantic's union would answer with
+# the last branch it tried ("prompt.str: Input should be a valid string"). The schemas below still
+# publish the accepted shapes for the OpenAPI document; what the served model decides (a token id
+# past its vocabulary, a content part it cannot read) is checked where the model is known.
+
+PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of token-id lists"
+ROLES = ("system", "user", "assistant", "tool", "developer")  # developer: OpenAI's newer name of system
+# content part types -> what a model must take to read them (EngineInfo.modalities)
+PART_MODALITIES = {"text": "text", "image_url": "image", "image": "image", "input_image": "image",
+                   "input_audio": "audio", "audio_url": "audio", "video_url": "video", "file": "file",
+                   "input_file": "file"}
+
+
+def kind(x) -> str:
+    """A JSON value's type in a client's words."""
+    if isinstance(x, bool):
+        return "a boolean"
+    if isinstance(x, int):
+        return "an integer"
+    if isinstance(x, float):
+        return "a number"
+    if isinstance(x, str):
+        return "a string"
+    if isinstance(x, list):
+        return "a list"
+    if isinstance(x, dict):
+        return "an object"
+    return "null" if x is None else type(x).__name__
+
+
+def shown(x, limit: int = 40) -> str:
+    """A client's value quoted in an error, cut short."""
+    text = repr(x)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _is_token(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _prompt_item_kind(x) -> str | None:
+    if isinstance(x, str):
+        return "strings"
+    if _is_token(x):
+        return "token ids"
+    if isinstance(x, list):
+        return "token-id lists"
+    return None
+
+
+def _check_token(t, where: str):
+    if not _is_token(t):
+        raise ApiError(f"{where} is {kind(t)}: a token-id list holds token ids (integers) only", param="prompt")
+    if t < 0:
+        raise ApiError(f"{where} is {t}: token ids are 0 or more", param="prompt")
+    if t > INT32_MAX:
+        raise ApiError(f"{where} is {t}: past any vocabulary (token ids are below 2^31)", param="prompt")
+
+
+def check_prompt(p):
+    """A completion's prompt: one string, or a list of one kind (strings, token ids, token-id lists)."""
+    if isinstance(p, str):
+        return
+    if not isinstance(p, list):
+        raise ApiError(f"prompt is {kind(p)}: give {PROMPT_SHAPES}", param="prompt")
+    if not p:
+        raise ApiError(f"prompt is an empty list: give {PROMPT_SHAPES}", param="prompt")
+    first = _prompt_item_kind(p[0])
+    for i, x in enumerate(p):
+        k = _prompt_item_kind(x)
+        if k is None:
+            raise ApiError(f"prompt[{i}] is {kind(x)}: a prompt list holds strings, token ids or token-id lists",
+                           param="prompt")
+        if k != first:
+            raise ApiError(f"prompt mixes {first} and {k} (prompt[{i}] is {kind(x)}): a list holds strings only, "
+                           "token ids only, or token-id lists only", param="prompt")
+    if first != "token ids" and len(p) > MAX_PROMPTS:
+        raise ApiError(f"prompt holds {len(p)} prompts: at most {MAX_PROMPTS} in one request", param="prompt")
+    if first == "token ids":
+        for i, t in enumerate(p):
+            _check_token(t, f"prompt[{i}]")
+    elif first == "token-id lists":
+        for i, ids in enumerate(p):
+            if not ids:
+                raise ApiError(f"prompt[{i}] is an empty list: each token-id list holds at least one token id",
+                               param="prompt")
+            for j, t in enumerate(ids):
+                if isinstance(t, list):
+                    raise ApiError(f"prompt[{i}][{j}] is a list: prompts nest two levels deep at most "
+                                   "(a list of token-id lists)", param="prompt")
+                _check_token(t, f"prompt[{i}][{j}]")
+
+
+def check_messages(msgs):
+    """A chat's messages: a non-empty list of objects, each with a role from ROLES and content that
+    is a string, null, or a non-empty list of parts that each name their type."""
+    if not isinstance(msgs, list):
+        raise ApiError(f"messages is {kind(msgs)}: give a list of messages", param="messages")
+    if not msgs:
+        raise ApiError("messages is an empty list: a chat needs at least one message", param="messages")
+    if len(msgs) > MAX_MESSAGES:
+        raise ApiError(f"messages holds {len(msgs)} messages: at most {MAX_MESSAGES} in one request",
+                       param="messages")
+    for i, m in enumerate(msgs):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise ApiError(f"{where} is {kind(m)}: a message is an object with a role and content", param=where)
+        _check_role(m.get("role"), "role" in m, f"{where}.role")
+        _check_content(m.get("content"), f"{where}.content")
+
+
+def _check_role(role, given: bool, where: str):
+    allowed = ", ".join(ROLES)
+    if not given:
+        raise ApiError(f"{where} is missing: give one of {allowed}", param=where)
+    if role == "function":
+        raise ApiError(f"{where} is 'function' (OpenAI's deprecated function calling), which this server does not "
+                       "take: send a function's result as role tool with the tool_call_id it answers", param=where)
+    if not isinstance(role, str) or role not in ROLES:
+        raise ApiError(f"{where} is {shown(role)}: a role is one of {allowed}", param=where)
+
+
+def _check_content(content, where: str):
+    if content is None or isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise ApiError(f"{where} is {kind(content)}: content is a string, a list of content parts, or null",
+                       param=where)
+    if not content:
+        raise ApiError(f"{where} is an empty list: give a string or at least one content part", param=where)
+    for j, part in enumerate(content):
+        at = f"{where}[{j}]"
+        if not isinstance(part, dict):
+            raise ApiError(f'{at} is {kind(part)}: a content part is an object such as {{"type": "text", '
+                           '"text": "..."}', param=at)
+        t = part.get("type")
+        if not isinstance(t, str):
+            raise ApiError(f"{at} has {'no type' if t is None else 'a type that is ' + kind(t)}: a content part "
+                           'names its type ("text", "image_url", ...)', param=at)
+        if t == "text" and not isinstance(part.get("text"), str):
+            raise ApiError(f"{at} is a text part whose text is {kind(part.get('text'))}, not a string", param=at)
+
+
+def check_parts(messages, modalities, model: str):
+    """Every content part of type the served model can read (a text-only model refuses an image)."""
+    for i, m in enumerate(messages):
+        for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
+            if PART_MODALITIES.get(part.type) not in modalities:
+                at = f"messages[{i}].content[{j}]"
+                raise ApiError(f"{at}: {part.type[:32]} parts are not supported by model "
+                               f"`{model}` (it takes {' and '.join(modalities)} only)", param=at)
+
+
 class CompletionRequest(_Sampling):
     prompt: Union[str, Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)],
                   Annotated[list[TokenId], Field(min_length=1)],
@@ -234,6 +390,12 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: None = None  # insertion is not supported: any value is a 400
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, v):
+        check_prompt(v)
+        return v
 
 
 class ToolCallFunction(Strict):
@@ -247,10 +409,18 @@ class ToolCall(Strict):
     function: ToolCallFunction
 
 
+class ContentPart(BaseModel):
+    """One part of a message's content: {"type": "text", "text": ...}, or a part of another type
+    (image_url, input_audio, ...) that only a model taking that kind of input accepts."""
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+    type: str = Field(max_length=64)
+    text: str | None = None
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
-    role: str = Field(max_length=64)
-    content: Union[str, list[dict[str, Any]], None] = None
+    role: Literal["system", "user", "assistant", "tool", "developer"]  # ROLES, published in the schema
+    content: Union[str, Annotated[list[ContentPart], Field(min_length=1)], None] = None
     tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS)  # an assistant's earlier calls
     tool_call_id: str | None = Field(None, max_length=256)  # a tool message: the call it answers
     name: str | None = Field(None, max_length=256)
@@ -288,18 +458,81 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: bool = True
 
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _messages_shape(cls, v):
+        check_messages(v)
+        return v
+
 
 class TokenizeRequest(Strict):
     model: str | None = Field(None, max_length=256)
     prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(None, max_length=MAX_MESSAGES)
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _messages_shape(cls, v):
+        if v is not None:
+            check_messages(v)
+        return v
 
 
 class DetokenizeRequest(Strict):
     model: str | None = Field(None, max_length=256)
     tokens: list[TokenId]
+
+
+# -- pydantic's errors, as one line ----------------------------------------------------------------
+# pydantic names a union's branch in the error's location (`stop.list[constrained-str].0`,
+# `tool_choice.NamedToolChoice.function`): the client wrote neither, so the branch is dropped from
+# the place, and list indices read as a client writes them (`messages[0].tool_calls[1]`).
+_BRANCH = re.compile(r"^(str|int|float|bool|bytes|none|any|constrained-[\w-]+|[\w-]+\[.*\])$")
+
+
+def _is_branch(part) -> bool:
+    return isinstance(part, str) and (part in _MODELS or _BRANCH.match(part) is not None)
+
+
+def _place(loc) -> tuple[str, str | None, int]:
+    """(the place in the request, the place of the union whose branch failed or None, how many
+    steps past that branch the error sat)."""
+    out, union, depth = "", None, 0
+    for part in loc:
+        if part in ("body", "[key]"):
+            continue
+        if _is_branch(part):
+            union = out if union is None else union
+            continue
+        if union is not None:
+            depth += 1
+        out += f"[{part}]" if isinstance(part, int) else f".{part}" if out else str(part)
+    return out, union, depth
+
+
+def validation_error(errors: list[dict]) -> ApiError:
+    """The first of pydantic's errors, as a client reads it. When every branch of a union failed at
+    the field itself, the message says what each wanted; when one got further, its error is told."""
+    if not errors:
+        return ApiError("invalid request")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return ApiError("request body is not valid JSON")
+    place, union, _ = _place(first.get("loc", ()))
+    msg = first.get("msg", "invalid request")
+    if union is not None:
+        branches = [(e, *_place(e.get("loc", ()))) for e in errors]
+        branches = [b for b in branches if b[2] == union]
+        deepest = max(branches, key=lambda b: b[3])
+        if deepest[3] > 0:
+            place, msg = deepest[1], deepest[0].get("msg", msg)
+        else:
+            place = union
+            wants = [b[0].get("msg", "") for b in branches]
+            msg = ", or ".join([wants[0]] + [w.removeprefix("Input should be ") for w in wants[1:]])
+    return ApiError(f"{place}: {msg}" if place else msg, param=place or None)
 
 
 # -- response schemas, for the OpenAPI document (what schemathesis checks every answer against) --
@@ -431,3 +664,6 @@ _REASONS = {400: "invalid request", 401: "missing or wrong API key", 404: "unkno
             408: "request body too slow", 413: "request body too large", 431: "request headers too large",
             500: "the engine failed on this request", 503: "overloaded, shutting down, or engine stopped"}
 COMMON_ERRORS = (400, 401, 408, 413, 431, 503)
+
+# the request models' names, which pydantic puts in an error's location inside a union
+_MODELS = frozenset(n for n, v in list(globals().items()) if isinstance(v, type) and issubclass(v, BaseModel))

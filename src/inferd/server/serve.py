@@ -1,6 +1,7 @@
 """`inferd serve`: load the model, start the engine thread, run uvicorn."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -21,9 +22,40 @@ def _exit_soon(reason: str):
     import threading
 
     log.error("engine process failed (%s): exiting with %d in %.0f s", reason, FAULT_EXIT_CODE, FAULT_GRACE_S)
-    t = threading.Timer(FAULT_GRACE_S, lambda: os._exit(FAULT_EXIT_CODE))
+    t = threading.Timer(FAULT_GRACE_S, _fault_exit)
     t.daemon = True
     t.start()
+
+
+def _fault_exit():
+    """os._exit skips atexit: the engines' socket directories are removed first."""
+    from inferd.distributed import tmpdirs
+
+    tmpdirs.remove_all()
+    os._exit(FAULT_EXIT_CODE)
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds():
+    """While models load (before uvicorn takes the signals over), SIGTERM unwinds like Ctrl-C does,
+    through the engine client's cleanup (its core process, its socket directory), instead of
+    Python's default of dying on the spot; the exit code stays a SIGTERM's, 143."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(sig, _frame):
+        log.info("signal %d while loading: stopping", sig)
+        raise SystemExit(128 + sig)
+
+    before = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def _exit_when_drained(llm, timeout: float):
@@ -37,7 +69,7 @@ def _exit_when_drained(llm, timeout: float):
         while llm.open_requests() and time.monotonic() < deadline:
             time.sleep(0.1)
         time.sleep(FAULT_GRACE_S)  # the last responses leave the socket
-        os._exit(FAULT_EXIT_CODE)
+        _fault_exit()
 
     log.error("an engine process failed (%s): no new requests; exiting with %d once the other engines' "
               "open requests finish (at most %.0f s)", llm.dead, FAULT_EXIT_CODE, timeout)
@@ -79,6 +111,10 @@ def serve(args) -> int:
 
     if parse_kv_events_config(specs[0].config.kv_events_config) is not None and not single:
         raise InferdError("--kv-events-config publishes one model's blocks: start one server per model")
+    if any(s.config.distributed_executor_backend == "ray" and s.config.tensor_parallel_size > 1 for s in specs):
+        from inferd.distributed.ray_address import check_address
+
+        check_address()  # an unreachable RAY_ADDRESS fails here, before an engine process starts
     if dp > 1 and args.engine_in_process:
         raise InferdError("--data-parallel-size > 1 runs each engine in its own process: drop --engine-in-process")
     if not single and args.engine_in_process:
@@ -134,15 +170,20 @@ def serve(args) -> int:
 
     models = Models(specs, start, served, max_loaded=args.max_loaded_models or 0,
                     memory_budget=parse_budget(args.models_memory_budget), on_change=on_change)
-    if single:  # loaded before the server listens, as before: a model that cannot load fails the command
-        models.load_now(models.default)
-    else:
-        for e in models.entries:
-            if e.spec.preload:
-                try:
-                    models.load_now(e)
-                except InferdError as err:
-                    log.error("model %s failed to load at start: %s (it stays unloaded)", e.name, err)
+    try:
+        with _sigterm_unwinds():
+            if single:  # loaded before the server listens, as before: a model that cannot load fails the command
+                models.load_now(models.default)
+            else:
+                for e in models.entries:
+                    if e.spec.preload:
+                        try:
+                            models.load_now(e)
+                        except InferdError as err:
+                            log.error("model %s failed to load at start: %s (it stays unloaded)", e.name, err)
+    except BaseException:  # the models loaded before the failure or the signal stop with it
+        models.shutdown()
+        raise
     speculative = any(s.config.speculative_method for s in specs)
     metrics = Metrics(specs[0].name, speculative=speculative, engines=dp, kv_transfer=kv_cfg is not None,
                       kv_tier=any(s.config.kv_tier is not None for s in specs),
@@ -198,13 +239,12 @@ def model_specs(args) -> list:
     if multi and args.served_model_name:
         raise InferdError("--served-model-name names one model: with several, name each as --model NAME=PATH "
                           "or with name: in the config's models list")
-    if multi and getattr(args, "lora_modules", None):
-        raise InferdError("--lora-modules with several models: give each model its adapters as lora_modules in "
-                          "the config's models list")
+    # with several models each --lora-modules adapter goes to the one it fits (attach_flag_adapters)
+    flag_adapters = getattr(args, "lora_modules", None) if multi else None
     keep = args.keep_alive
     if keep is None:
         keep = DEFAULT_KEEP_ALIVE_S if multi else -1
-    base = EngineConfig.from_args(_without(args, "model"))
+    base = EngineConfig.from_args(_without(args, *(("model", "lora_modules") if flag_adapters else ("model",))))
     fields = EngineConfig.field_names()
     specs, seen = [], set()
     for i, ent in enumerate(entries):
@@ -231,7 +271,23 @@ def model_specs(args) -> list:
         specs.append(ModelSpec(name=str(name), config=cfg, aliases=aliases, preload=preload or not multi,
                                keep_alive=parse_keep_alive(ka), source_path=path if path and os.path.exists(path)
                                else None))
+    if flag_adapters:
+        attach_flag_adapters(specs, flag_adapters)
     return specs
+
+
+def attach_flag_adapters(specs: list, flags: list) -> None:
+    """`--lora-modules` beside several models: each adapter into the config of the model it fits
+    (inferd.engine.adapters), after the adapters a YAML entry gave its model itself."""
+    from inferd.config import lora_module
+    from inferd.engine.adapters import assign_adapters
+
+    placed = assign_adapters([lora_module(f) for f in flags], [(s.name, s.aliases, s.config.model, s.config.load_format) for s in specs])
+    for s in specs:
+        if placed[s.name]:
+            s.config.lora_modules = [*(s.config.lora_modules or []), *placed[s.name]]
+            s.config.validate()
+            log.info("model %s: LoRA adapters %s", s.name, ", ".join(m.split("=", 1)[0] for m in placed[s.name]))
 
 
 def split_named(spec: str) -> dict:

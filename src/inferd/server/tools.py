@@ -85,9 +85,10 @@ def render_messages(messages, tools, tool_choice, native: bool) -> tuple[list[di
     msgs = []
     for m in messages:
         content = m.content
-        if isinstance(content, list):  # content parts: keep the text ones
-            content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
-        d = {"role": m.role, "content": content or ""}
+        if isinstance(content, list):  # content parts: text only (any other was refused, check_parts)
+            content = "".join(p.text or "" for p in content if p.type == "text")
+        # developer is OpenAI's newer name of system, which is the name chat templates know
+        d = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
         if m.tool_calls:
             calls = [{"id": c.id, "type": "function", "function": {"name": c.function.name,
                                                                    "arguments": _args(c.function.arguments)}}

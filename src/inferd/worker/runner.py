@@ -54,7 +54,10 @@ class ModelRunner:
             log.info("decode-only steps: eager (%s)", why)
             self.fused = None
         elif self.fused is not None:
-            log.info("decode-only steps: one fused C++ call (--enforce-eager: eager)")
+            log.info("decode-only steps: fused C++ call (all layers in one native call; steps with prompt "
+                     "tokens run eagerly)")
+        elif enforce_eager:
+            log.info("decode-only steps: eager (--enforce-eager)")
         self.fused_steps = 0  # steps whose hidden states the fused call produced (EngineStats.fused_steps)
         self.eager_decode_steps = 0  # one-token-per-sequence steps the eager forward computed instead
         # each rank's slice of the vocabulary, for the logits gather (set by the tensor-parallel rewrite)
