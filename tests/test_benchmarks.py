@@ -163,9 +163,10 @@ DOCS = ("README.md", "docs/performance.md")
 # the scripts of the README's headlines and the performance page's tables, each run by the suite in its
 # --tiny mode on a tiny Q4_1 GGUF; the flag each takes the model file by
 TINY = {"quant_decode.py": "--model", "serve_overhead.py": "--model", "llamacpp_server_bench.py": "--gguf",
-        "engine_vs_hf.py": "--model", "spec_decode.py": "--model", "w4a8_gemm.py": None, "embeddings.py": None}
+        "engine_vs_hf.py": "--model", "spec_decode.py": "--model", "w4a8_gemm.py": None, "embeddings.py": None,
+        "suffix_decode.py": None}
 # run in their tiny mode by their own module's test, with that feature's checks
-OWN_TEST = {"embeddings.py"}
+OWN_TEST = {"embeddings.py", "suffix_decode.py"}
 # cited with a command but not run here: kv_tier.py (11 servers and 6 routers: its --tiny takes over a
 # minute of two cores) and scheduling_bench.py (no number cited) have a --tiny the suite leaves to a
 # person; llamacpp.py and llamacpp_decode.py are the competitor's build and run, llama.cpp itself; the
