@@ -120,8 +120,15 @@ def add_engine_args(p: argparse.ArgumentParser):
 
 def add_spec_args(p: argparse.ArgumentParser):
     g = p.add_argument_group("speculative decoding")
-    g.add_argument("--speculative-method", default=None, choices=["none", "draft", "ngram"],
-                   help="draft: a draft model guesses; ngram: prompt lookup (no second model)")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='vLLM\'s JSON, e.g. {"method": "suffix", "num_speculative_tokens": 16}: methods suffix, ngram, '
+                        'draft_model; keys num_speculative_tokens, model, quantization, prompt_lookup_min/max, '
+                        'suffix_decoding_max_tree_depth, suffix_decoding_max_spec_factor, suffix_decoding_min_token_prob, '
+                        'suffix_decoding_max_cached_requests (and inferd\'s suffix_decoding_max_cached_tokens, '
+                        'ngram_backoff, cost_model); instead of the flags below')
+    g.add_argument("--speculative-method", default=None, choices=["none", "draft", "ngram", "suffix"],
+                   help="draft: a draft model guesses; ngram: prompt lookup; suffix: suffix decoding over this and "
+                        "earlier requests (no second model)")
     g.add_argument("--num-speculative-tokens", type=int, default=4, help="tokens guessed per step (K)")
     g.add_argument("--draft-model", default=None,
                    help="draft: a model path with the same vocabulary, or self:layers=N (the target's first N layers)")
@@ -320,9 +327,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--api-key", default=None, help="Bearer token (default: $OPENAI_API_KEY if set)")
     b.add_argument("--dataset", default="random",
                    choices=["random", "wikitext", "jsonl", "sharegpt", "prefix-families", "multi-turn", "mixed",
-                            "mooncake-trace", "azure-trace"],
+                            "mooncake-trace", "azure-trace", "agent-loop", "code-edit", "json-extraction",
+                            "low-rep-chat"],
                    help="mixed: request classes from --mix; mooncake-trace / azure-trace: replay a trace at its "
-                        "own arrival times (default: a small synthetic one shipped with inferd)")
+                        "own arrival times (default: a small synthetic one shipped with inferd); agent-loop, "
+                        "code-edit, json-extraction, low-rep-chat: chat workloads for speculative decoding (their "
+                        "messages to a chat endpoint, a transcript to a completions one)")
     b.add_argument("--mix", default=None, help="mixed: NAME:FRACTION:INPUT_LEN:OUTPUT_LEN,... (lengths as "
                    "--input-len; fractions add up to 1; default chat:0.8:128:128,rag:0.2:2048:16)")
     b.add_argument("--trace-speedup", default="1", help="trace datasets: divide the trace's inter-arrival times "

@@ -48,7 +48,7 @@ def endpoint_type(endpoint: str) -> str:
     return "completions"
 
 
-def request_body(cfg: dict, prompt: str, output_len: int | None) -> bytes:
+def request_body(cfg: dict, prompt: str, output_len: int | None, messages: list | None = None) -> bytes:
     kind = cfg["endpoint_type"]
     body: dict = {"model": cfg["model"]} if cfg.get("model") else {}
     if kind == "embeddings":  # one forward, one JSON answer: no stream, no output tokens
@@ -57,9 +57,9 @@ def request_body(cfg: dict, prompt: str, output_len: int | None) -> bytes:
             body.pop(k, None) if v is None else body.__setitem__(k, v)
         return json.dumps(body).encode()
     if kind in ("chat", "messages"):
-        body["messages"] = [{"role": "user", "content": prompt}]
+        body["messages"] = messages or [{"role": "user", "content": prompt}]
     elif kind == "responses":
-        body["input"] = prompt
+        body["input"] = messages or prompt
         body["store"] = False  # nothing kept on the server for a benchmark's requests
     else:
         body["prompt"] = prompt
@@ -384,7 +384,7 @@ def run_benchmark(cfg: dict, prompts: list, offsets_ns: list[int], tokenizer=Non
     """Run and return the trace as a list of JSON-ready records: header, requests..., footer.
     `progress` (a bench.progress.Progress) is redrawn during the run; `on_start()` is called after
     the warm-up, just before the clock starts."""
-    bodies = [request_body(cfg, p.prompt, p.output_len) for p in prompts]
+    bodies = [request_body(cfg, p.prompt, p.output_len, getattr(p, "messages", None)) for p in prompts]
     nw = cfg.get("warmup") or 0
     warm_prompts = [prompts[i % len(prompts)] for i in range(nw)] if prompts else []
     warm_bodies = bodies[:nw] if nw <= len(bodies) else [bodies[i % len(bodies)] for i in range(nw)]

@@ -68,6 +68,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None
+    # suffix decoding's shared cache of outputs: drafts come only from requests of the same salt;
+    # suffix_cache False keeps the request out of it altogether
+    cache_salt: str | None = None
+    suffix_cache: bool = True
 
     def validate(self, vocab_size: int | None = None):
         if isinstance(self.stop, str):

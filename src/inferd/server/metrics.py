@@ -30,6 +30,10 @@ VLLM_NAMES = {
     "inferd:num_preemptions": ("vllm:num_preemptions",),
     "inferd:request_success": ("vllm:request_success",),
     "inferd:lora_requests_info": ("vllm:lora_requests_info",),
+    "inferd:spec_decode_num_drafts": ("vllm:spec_decode_num_drafts",),
+    "inferd:spec_decode_num_draft_tokens": ("vllm:spec_decode_num_draft_tokens",),
+    "inferd:spec_decode_num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens",),
+    "inferd:spec_decode_num_accepted_tokens_per_pos": ("vllm:spec_decode_num_accepted_tokens_per_pos",),
 }
 
 
@@ -177,7 +181,7 @@ class Metrics:
             self.spec = {
                 "num_drafts": Counter("inferd:spec_decode_num_drafts", "Sequence-steps that verified guesses.", L,
                                       registry=r),
-                "num_draft_tokens": Counter("inferd:spec_decode_num_draft_tokens", "Speculative tokens proposed.",
+                "num_draft_tokens": Counter("inferd:spec_decode_num_draft_tokens", "Speculative tokens verified.",
                                             L, registry=r),
                 "num_accepted_tokens": Counter("inferd:spec_decode_num_accepted_tokens",
                                                "Speculative tokens accepted.", L, registry=r),
@@ -189,7 +193,27 @@ class Metrics:
                 "verify_time": Counter("inferd:spec_decode_verify_time_seconds",
                                        "Time of target forwards that verified guesses, with acceptance.", L,
                                        registry=r),
+                "num_verified_rows": Counter("inferd:spec_decode_num_verified_rows",
+                                             "Rows of verify chunks (guesses + 1 each).", L, registry=r),
+                "num_proposed_tokens": Counter("inferd:spec_decode_num_proposed_tokens",
+                                               "Guesses the suffix proposer made, before the grammar and the cost "
+                                               "model.", L, registry=r),
+                "num_cost_skipped_tokens": Counter("inferd:spec_decode_num_cost_skipped_tokens",
+                                                   "Guesses not verified: their expected acceptance did not pay for "
+                                                   "their rows.", L, registry=r),
+                "num_cost_skipped_drafts": Counter("inferd:spec_decode_num_cost_skipped_drafts",
+                                                   "Sequence-steps whose whole draft the cost model skipped.", L,
+                                                   registry=r),
+                "num_grammar_cut_tokens": Counter("inferd:spec_decode_num_grammar_cut_tokens",
+                                                  "Guesses cut before verification because the request's grammar "
+                                                  "forbids them.", L, registry=r),
+                "num_cache_drafts": Counter("inferd:spec_decode_num_cache_drafts",
+                                            "Drafts taken from the shared cache of other requests' outputs.", L,
+                                            registry=r),
             }
+            self.spec_pos = Counter("inferd:spec_decode_num_accepted_tokens_per_pos",
+                                    "Verify steps whose guess at this position was accepted.", L + ["position"],
+                                    registry=r)
             self.spec_rate = Gauge("inferd:spec_decode_draft_acceptance_rate", "Accepted / proposed tokens.", L,
                                    registry=r)
             self.spec_len = Gauge("inferd:spec_decode_mean_accepted_length",
@@ -310,6 +334,12 @@ class Metrics:
                                   waiting_lora_adapters=",".join(lo["waiting"])).set(time.time())
         if self.spec is not None and snap.spec is not None:
             _advance(self.spec, snap.spec, last, "", lab)
+            for j, n in enumerate(snap.spec.get("accepted_per_pos") or []):
+                key = f"pos_{j}"
+                grown = n - last.get(key, 0)
+                if grown > 0:
+                    self.spec_pos.labels(position=str(j), **lab).inc(grown)
+                last[key] = n
             self.spec_rate.labels(**lab).set(snap.spec["acceptance_rate"])
             self.spec_len.labels(**lab).set(snap.spec["mean_accepted_length"])
 

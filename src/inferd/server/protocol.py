@@ -137,6 +137,11 @@ class _Sampling(Strict):
     # structured output (inferd.engine.structured): OpenAI's response_format, vLLM's structured_outputs
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # suffix decoding's shared cache of outputs (inferd.engine.speculative.suffix): requests draft only
+    # from outputs of requests with the same cache_salt (vLLM's field); suffix_cache false keeps this
+    # request out of it (its output is not shared, nor are others' drafted from)
+    cache_salt: str | None = Field(None, max_length=256)
+    suffix_cache: bool = True
 
     @model_validator(mode="before")
     @classmethod
@@ -210,6 +215,8 @@ class _Sampling(Strict):
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=self.constraint(),
+            cache_salt=self.cache_salt,
+            suffix_cache=self.suffix_cache,
         )
         try:
             p.validate()
