@@ -263,7 +263,14 @@ void pack_blocks_pair(const uint8_t* const* src, int64_t S, uint8_t* out) {
             std::memcpy(blk + 128 * j + 64 * v + 4 * l, &w, 4);
           }
         }
-        for (int h = 0; h < F.high; ++h) {  // a code and its partner 16 on as one 64-bit lane pair
+        if constexpr (F.high == 2) {  // Q6_K: 2-bit fields, chunks 2e and 2e + 1 in group j's vector e
+          for (int e = 0; e < 2; ++e) {
+            const auto top = [](uint32_t w) { return (w >> 4) & 0x03030303u; };
+            const uint32_t w = top(lo[2 * e]) << 4 | top(hi[2 * e]) << 6 | top(lo[2 * e + 1]) | top(hi[2 * e + 1]) << 2;
+            std::memcpy(blk + PLANES + 128 * j + 64 * e + 4 * l, &w, 4);
+          }
+        }
+        for (int h = 0; h < (F.high == 2 ? 0 : F.high); ++h) {  // a code and its partner 16 on as one 64-bit lane pair
           const int bit = F.base + h;
           uint64_t t = 0;
           for (int c = 0; c < 4; ++c) t |= (((lo[c] | static_cast<uint64_t>(hi[c]) << 32) >> bit) & 0x0101010101010101ull) << c;
