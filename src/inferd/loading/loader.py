@@ -312,8 +312,8 @@ def _load(lc: LoadConfig, shard=None) -> LoadedModel:
         from inferd.loading import gguf as G
         from inferd.loading.plan import gguf_plan
 
-        check_gguf(src.path)  # before the gguf reader trusts a count or an offset
-        reader = open_gguf(src.path)
+        header = check_gguf(src.path)  # before the gguf reader trusts a count or an offset
+        reader = open_gguf(src.path, header)
         meta = read_metadata(reader)
         cfg = _checked(lambda: G.config_from_metadata(meta, G.rope_tensors(reader)), src.path)
         plan = None if dummy else gguf_plan(reader, cfg)
