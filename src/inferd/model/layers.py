@@ -70,7 +70,7 @@ def _yarn_inv_freq(inv: torch.Tensor, rs: dict, dim: int, base: float) -> torch.
     if rs.get("truncate", True):
         lo, hi = math.floor(lo), math.ceil(hi)
     lo, hi = max(lo, 0), min(hi, dim - 1)
-    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - lo) / max(hi - lo, 0.001)).clamp(0, 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64, device="cpu") - lo) / max(hi - lo, 0.001)).clamp(0, 1)
     return inv / factor * ramp + inv * (1 - ramp)
 
 
