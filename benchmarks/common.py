@@ -208,6 +208,10 @@ def paths_line(p: dict) -> str:
                 + (f", lm_head {p['lm_head']}" if p.get("lm_head") else ""))
     if "kv_dtype" in p:
         bits.append(f"KV {p['kv_dtype']}")
+    if p.get("runner") == "pooling":
+        bits.append(f"pooling runner ({p.get('pooling')}): attention {p.get('attention')}, {p.get('kernel_forwards')} of "
+                    f"{p.get('forwards')} forwards native; {p.get('tokens')} tokens computed for {p.get('real_tokens')} "
+                    f"real ({p.get('padded_tokens')} padded)")
     if "fused_steps" in p:
         bits.append(f"fused decode {'built' if p.get('fused_built') else 'not built'}, "
                     f"{p.get('fused_steps')} fused of {p.get('steps')} steps"

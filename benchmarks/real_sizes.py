@@ -248,7 +248,11 @@ def inferd_worker(path: str, threads: int, gen: int, prompt: int) -> dict:
 def run_inferd(path: str, threads: int, gen: int, prompt: int) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", path, "--threads", str(threads), "--gen", str(gen),
            "--prompt", str(prompt)]
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    import llamacpp
+
+    # the OpenMP wait policy llama.cpp gets (passive on a loaded machine, active on a quiet one), for
+    # both sides alike: it decides a 2-thread decode's speed by up to 4x either way
+    env = {**llamacpp.llamacpp_env(), "OMP_NUM_THREADS": str(threads)}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     if r.returncode:
         raise RuntimeError(f"inferd worker failed: {(r.stderr or r.stdout).strip().splitlines()[-3:]}")
@@ -339,9 +343,11 @@ def main() -> None:
     else:
         import llamacpp
 
-        setup["llama.cpp"] = (f"{llamacpp.isa_choice()['note']}; OpenMP wait policy "
-                              f"{llamacpp.omp_env()['OMP_WAIT_POLICY']}; llama-bench -p {args.prompt} -n {args.gen} -r 3, "
+        setup["llama.cpp"] = (f"{llamacpp.isa_choice()['note']}; llama-bench -p {args.prompt} -n {args.gen} -r 3, "
                               "llama-server's start to /health")
+    import llamacpp
+
+    setup["OpenMP wait policy"] = f"{llamacpp.omp_env()['OMP_WAIT_POLICY']} (both sides, by the load at start)"
     rows, paths, lines = [], {}, []
     for shape in args.shapes.split(","):
         for qtype in args.types.split(","):

@@ -56,14 +56,17 @@ def flags_markdown() -> str:
 def metrics_markdown() -> str:
     from inferd.router.app import RouterMetrics
     from inferd.server.metrics import VLLM_NAMES, Metrics
+    from inferd.server.openai.store import ResponseStore
 
     out = ["# Prometheus metrics", "",
            "Generated from the metrics modules at every docs build (`docs/hooks.py`). Every `inferd serve` series "
-           "carries `model_name` and `engine` labels; the vLLM names are the same values under the names "
-           "Kubernetes LLM routers read.", "",
+           "carries `model_name` and `engine` labels (but the server-wide ones: the HTTP requests by route, "
+           "dialect and status, and the Responses API's store); the vLLM names are the same values under the "
+           "names Kubernetes LLM routers read.", "",
            "## `inferd serve` (`GET /metrics`)", "", "| series | type | also exposed as | meaning |",
            "|---|---|---|---|"]
     m = Metrics("model", speculative=True, engines=1, kv_transfer=True, kv_tier=True, kv_events=True)
+    m.watch_store(ResponseStore())
     for fam in m.registry.collect():
         also = ", ".join(f"`{n}`" for n in VLLM_NAMES.get(fam.name, ()))
         out.append(f"| `{fam.name}` | {fam.type} | {also} | {_cell(fam.documentation)} |")

@@ -325,6 +325,91 @@ def write_tiny_chat_gguf(path, n_layers=2, hidden=64, seed=0, qtype=None, types=
     return str(path)
 
 
+# A Qwen3-style chat template of our own: ChatML, an assistant turn's reasoning in <think> tags,
+# and enable_thinking=false writing the empty think block into the prompt (as Qwen3's does).
+THINKING_TEMPLATE = (
+    "{% for m in messages %}{% if m.role == 'assistant' %}<|im_start|>assistant\n"
+    "{% if m.reasoning_content %}<think>\n{{ m.reasoning_content }}\n</think>\n\n{% endif %}"
+    "{{ m.content or '' }}<|im_end|>\n{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+THINKING_REASONING, THINKING_ANSWER = "Let me think.", "Hello!"
+
+
+def write_tiny_thinking_gguf(path, hidden=64):
+    """A tiny thinking model whose greedy output is `<think>Let me think.</think>\n\nHello!`, then
+    <|im_end|>, after any prompt its template ends (with thinking off, `Hello!` alone): SmolLM2's
+    tokenizer plus `<think>` and `</think>` as single (user-defined) tokens, and one layer whose
+    attention and MLP write nothing, so each next token is a function of the last one alone: the
+    output matrix maps each token of the chain to the next. The engine runs it like any model, so
+    the reasoning parser is exercised on the engine's real output."""
+    import numpy as np
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    from inferd.gguf_file import default_model_path, read_gguf_metadata
+    from inferd.tokenizer import Tokenizer
+
+    src = GGUFReader(default_model_path())
+    tok = Tokenizer.from_gguf_metadata(read_gguf_metadata(default_model_path()))
+    tokens = [str(t) for t in src.fields["tokenizer.ggml.tokens"].contents()] + ["<think>", "</think>"]
+    types = list(src.fields["tokenizer.ggml.token_type"].contents()) + [4, 4]  # user-defined: kept in text
+    think, end_think = len(tokens) - 2, len(tokens) - 1
+    vocab = len(tokens)
+
+    def one(text):
+        ids = tok.encode(text, add_special_tokens=False)
+        assert len(ids) == 1, (text, ids)
+        return ids[0]
+
+    chain = [one("\n"), think, one("Let"), one(" me"), one(" think"), one("."), end_think, one("\n\n"),
+             one("Hello"), one("!"), tok.eos_token_id]
+    w = GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_context_length(2048)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(2 * hidden)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(vocab)
+    for key, field in src.fields.items():
+        if not key.startswith("tokenizer.") or key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
+                                                       "tokenizer.chat_template"):
+            continue
+        if field.types[0] == GGUFValueType.ARRAY:
+            w.add_array(key, field.contents())
+        else:
+            w.add_key_value(key, field.contents(), field.types[0])
+    w.add_array("tokenizer.ggml.tokens", tokens)
+    w.add_array("tokenizer.ggml.token_type", types)
+    w.add_chat_template(THINKING_TEMPLATE)
+    rng = np.random.default_rng(0)
+    emb = rng.standard_normal((vocab, hidden)).astype(np.float32)
+    out = np.zeros((vocab, hidden), np.float32)
+    for a, b in zip(chain, chain[1:]):
+        out[b] = 10 * emb[a] / np.linalg.norm(emb[a])
+    ones, hd = np.ones(hidden, np.float32), hidden // 4
+    w.add_tensor("token_embd.weight", emb)
+    w.add_tensor("output_norm.weight", ones)
+    w.add_tensor("output.weight", out)
+    p = "blk.0."
+    w.add_tensor(p + "attn_norm.weight", ones)
+    w.add_tensor(p + "ffn_norm.weight", ones)
+    w.add_tensor(p + "attn_q.weight", 0.1 * rng.standard_normal((hidden, hidden)).astype(np.float32))
+    w.add_tensor(p + "attn_k.weight", 0.1 * rng.standard_normal((2 * hd, hidden)).astype(np.float32))
+    w.add_tensor(p + "attn_v.weight", 0.1 * rng.standard_normal((2 * hd, hidden)).astype(np.float32))
+    w.add_tensor(p + "attn_output.weight", np.zeros((hidden, hidden), np.float32))  # attention adds nothing
+    w.add_tensor(p + "ffn_gate.weight", 0.1 * rng.standard_normal((2 * hidden, hidden)).astype(np.float32))
+    w.add_tensor(p + "ffn_up.weight", 0.1 * rng.standard_normal((2 * hidden, hidden)).astype(np.float32))
+    w.add_tensor(p + "ffn_down.weight", np.zeros((hidden, 2 * hidden), np.float32))  # nor does the MLP
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
 def wait_until(predicate, timeout: float = 20, what: str = "condition"):
     """Poll predicate() every 0.1 s until it holds; fails the test naming `what` after `timeout` s.
     Wait on the condition a test depends on, never for a guessed time: a loaded machine only makes

@@ -153,7 +153,7 @@ def test_parse_stream_with_continuous_usage_role_chunk_and_usage_chunk():
         return json.dumps(d)
 
     p = parse_events(_resp([ch({"role": "assistant", "content": ""}, 0), ch({"content": "a"}, 1),
-                            ch({"content": "bcd"}, 4), ch({}, 4), ch({}, 4, choices=False), "[DONE]"]), chat=True)
+                            ch({"content": "bcd"}, 4), ch({}, 4), ch({}, 4, choices=False), "[DONE]"]), "chat")
     kinds = [(e[1], e[2]) for e in p["events"]]
     assert kinds == [("role", None), ("content", 1), ("content", 3), ("empty", None), ("usage", 0), ("done", None)]
     assert p["completion_tokens"] == 4 and p["prompt_tokens"] == 7 and p["text"] == "abcd" and p["done"]
@@ -161,13 +161,13 @@ def test_parse_stream_with_continuous_usage_role_chunk_and_usage_chunk():
 
 def test_parse_stream_without_per_chunk_usage_falls_back_to_text():
     p = parse_events(_resp(['{"choices": [{"text": ""}]}', '{"choices": [{"text": "hi"}]}',
-                            '{"choices": [], "usage": {"completion_tokens": 3}}', "[DONE]"]), chat=False)
+                            '{"choices": [], "usage": {"completion_tokens": 3}}', "[DONE]"]), "completions")
     assert [(e[1], e[2]) for e in p["events"]] == [("empty", None), ("content", None), ("usage", None), ("done", None)]
     assert p["completion_tokens"] == 3
 
 
 def test_parse_stream_error_event():
-    p = parse_events(_resp(['{"error": {"message": "out of memory"}}', "[DONE]"]), chat=False)
+    p = parse_events(_resp(['{"error": {"message": "out of memory"}}', "[DONE]"]), "completions")
     assert "out of memory" in p["error"]
 
 

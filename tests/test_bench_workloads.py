@@ -283,3 +283,31 @@ def test_trace_replay_sends_at_the_trace_times(mock, tmp_path):
     r = bench("--base-url", mock, "--dataset", "azure-trace", "--sweep", "rate:1,2")
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert r.returncode == 2 and len(lines) == 1 and "--trace-speedup" in lines[0]
+
+
+# -- chat workloads for speculative decoding (inferd.bench.workloads) ------------------------------
+
+def test_speculation_workloads_are_reproducible_chats(tok):
+    """Each workload: alternating user/assistant messages ending with the user, the same for the
+    same seed and other for another; agent-loop quotes its tool output back, code-edit carries the
+    file the answer copies; a chat endpoint is sent the messages, a completions one the transcript."""
+    from inferd.bench.runner import request_body
+    from inferd.bench.workloads import WORKLOADS, conversations
+
+    for wl in WORKLOADS:
+        ps, _ = D.build_prompts(wl, 6, tok, "1", None, seed=3)
+        again, _ = D.build_prompts(wl, 6, tok, "1", None, seed=3)
+        other, _ = D.build_prompts(wl, 6, tok, "1", None, seed=4)
+        assert [p.messages for p in ps] == [p.messages for p in again] != [p.messages for p in other]
+        for p in ps:
+            roles = [m["role"] for m in p.messages]
+            assert roles[-1] == "user" and all(a != b for a, b in zip(roles, roles[1:]))
+            assert p.output_len == 160 and p.prompt_len == len(tok.encode(p.prompt))
+            body = json.loads(request_body({"endpoint_type": "chat"}, p.prompt, p.output_len, p.messages))
+            assert body["messages"] == p.messages
+            assert json.loads(request_body({"endpoint_type": "completions"}, p.prompt, 8))["prompt"] == p.prompt
+    turns = conversations("agent-loop", 3)
+    assert [len(t) for t in turns] == [3, 5, 7]  # turns 2, 3 and 4 of one conversation
+    listing = turns[0][2]["content"]
+    assert "drwxr-xr-x" in listing and listing.split("\nWhich")[0] in turns[2][2]["content"]
+    assert "def " in conversations("code-edit", 1)[0][0]["content"]

@@ -163,13 +163,18 @@ DOCS = ("README.md", "docs/performance.md")
 # the scripts of the README's headlines and the performance page's tables, each run by the suite in its
 # --tiny mode on a tiny Q4_1 GGUF; the flag each takes the model file by
 TINY = {"quant_decode.py": "--model", "serve_overhead.py": "--model", "llamacpp_server_bench.py": "--gguf",
-        "engine_vs_hf.py": "--model", "spec_decode.py": "--model", "w4a8_gemm.py": None, "real_sizes.py": None}
+        "engine_vs_hf.py": "--model", "spec_decode.py": "--model", "w4a8_gemm.py": None, "embeddings.py": None,
+        "real_sizes.py": None, "suffix_decode.py": None}
+# run in their tiny mode by their own module's test, with that feature's checks
+OWN_TEST = {"embeddings.py", "suffix_decode.py"}
 # cited with a command but not run here: kv_tier.py (11 servers and 6 routers: its --tiny takes over a
 # minute of two cores) and scheduling_bench.py (no number cited) have a --tiny the suite leaves to a
 # person; llamacpp.py and llamacpp_decode.py are the competitor's build and run, llama.cpp itself; the
-# rest are only listed in the performance page's table of scripts (their numbers are on other pages)
+# rest are only listed in the performance page's table of scripts (their numbers are on other pages;
+# gguf_repack.py's ops are held to the Python route by tests/test_repack.py)
 NOT_RUN = {"kv_tier.py", "scheduling_bench.py", "llamacpp.py", "llamacpp_decode.py", "decode_breakdown.py",
-           "structured.py", "scale_out.py", "disaggregated.py", "tensor_parallel.py", "soak.py", "dashboard.py"}
+           "structured.py", "scale_out.py", "disaggregated.py", "tensor_parallel.py", "soak.py", "dashboard.py",
+           "gguf_repack.py"}
 
 
 def doc_commands(doc: str) -> list[tuple[str, list[str]]]:
@@ -310,7 +315,7 @@ def run_tiny(script: str, model: str, tmp_path) -> tuple[dict, str]:
     return doc, r.stdout
 
 
-@pytest.mark.parametrize("script", sorted(set(TINY) - {"quant_decode.py", "serve_overhead.py"}))
+@pytest.mark.parametrize("script", sorted(set(TINY) - {"quant_decode.py", "serve_overhead.py"} - OWN_TEST))
 def test_cited_command_runs_in_its_tiny_mode(script, tiny_q41_gguf, tmp_path):
     """The documented command with --tiny: every table of it at tiny sizes, in one round; llama.cpp's
     parts (they need it built) left out, saying so."""
@@ -361,3 +366,38 @@ def test_serve_overhead_configs_load_one_model_on_both_sides(tiny_q41_gguf, tmp_
         assert fmt in modes[0]["weight_formats"], (label, modes[0]["weight_formats"])
     with pytest.raises(SystemExit, match="names no --quantization"):
         bench_module("serve_overhead.py").load_options(["--dtype", "float32"])
+
+
+def test_suffix_decode_tiny_reports_screening_ratios_and_paths(default_gguf_path, tmp_path):
+    """benchmarks/suffix_decode.py --tiny: every contender on every workload and batch size, the
+    loop screening per workload, ratios to plain decode and to prompt lookup, the suffix contender's
+    record showing its cost model, and each label checked against its record."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "suffix.json"
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "suffix_decode.py"), "--tiny", "--json", str(out)],
+                       cwd=root, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    labels = {"plain decode", "ngram k=8", "suffix k=16, cost model"}
+    assert set(doc["paths"]) == labels
+    sp = doc["paths"]["suffix k=16, cost model"]["speculative"]
+    assert sp["method"] == "suffix" and sp["cost_model"] and sp["num_speculative_tokens"] == 16
+    for label, p in doc["paths"].items():
+        check_label(label, p)
+    assert set(doc["screens"]) == {"code-edit", "low-rep-chat"}
+    for s in doc["screens"].values():
+        assert s["screened"] >= s["kept"] + s["looping"] and 0 <= s["mean_self_repeat"] <= 1
+    rows = doc["rows"]
+    assert {(r["workload"], r["batch"], r["label"]) for r in rows} == {
+        (w, b, n) for w in doc["screens"] for b in (1, 2) for n in labels}
+    for row in rows:
+        assert row["median"] > 0 and len(row["runs"]) == 1
+        if row["label"] == "plain decode":
+            assert row["speedup_vs_plain"] == 1.0
+        else:
+            assert row["spec_num_verified_rows"] == row["spec_num_draft_tokens"] + row["spec_num_drafts"]
+    assert "cost model: suffix k=16, cost model: 1:" in r.stdout and "/ngram" in r.stdout

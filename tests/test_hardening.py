@@ -1,7 +1,8 @@
-"""Hostile and faulty conditions: schemathesis over the OpenAPI document, request limits (413, 431, 408, counts), numbers past 64 bits and
-non-finite floats, malformed prompts, messages, roles and content parts (the wording and param of
-each), unsupported output constraints, OpenAI error shapes everywhere, the constant-time key check,
-a stalled reader, faults injected into engine steps, the UTF-8 cut at max_tokens, and SIGTERM
+"""Hostile and faulty conditions: schemathesis over the OpenAPI document (every dialect's routes),
+request limits (413, 431, 408, counts), numbers past 64 bits and non-finite floats, malformed
+prompts, messages, roles and content parts (the wording and param of each), unsupported output
+constraints, OpenAI error shapes everywhere (Anthropic's and Ollama's on their routes, each
+refusal's wording), the constant-time key check (Bearer and x-api-key), a stalled reader, faults injected into engine steps, the UTF-8 cut at max_tokens, and SIGTERM
 draining open streams (leaving no engine socket behind)."""
 import asyncio
 import contextlib
@@ -253,6 +254,103 @@ def test_other_fields_errors_name_the_place_not_the_union_branch(srv, body, para
     assert err["param"] == "messages[0].tool_calls[0].function.name", err
 
 
+# -- the other dialects: each refusal in its own shape ---------------------------------------------
+
+def dialect_error(r, status, shape):
+    """The error body of the dialect (OpenAI's, Anthropic's, Ollama's): its one message."""
+    assert r.status_code == status, r.text
+    b = r.json()
+    if shape == "anthropic":
+        assert set(b) == {"type", "error"} and b["type"] == "error" and set(b["error"]) == {"type", "message"}, b
+        return b["error"]["message"]
+    if shape == "ollama":
+        assert set(b) == {"error"} and isinstance(b["error"], str), b
+        return b["error"]
+    assert set(b["error"]) >= {"message", "type", "param", "code"}, b
+    return b["error"]["message"]
+
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("path,body,status,shape,message", [
+    ("/v1/messages", {"max_tokens": 4, "messages": "hi"}, 400, "anthropic",
+     "messages is a string: give a list of messages"),
+    ("/v1/messages", {"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": {}}]}]}, 400, "anthropic",
+     "messages[0].content[0].type is {}: a content block is one of text, tool_use, tool_result, thinking, "
+     "redacted_thinking, image, document, search_result"),
+    ("/v1/messages", {"max_tokens": 4, "messages": [{"role": "system", "content": "x"}]}, 400, "anthropic",
+     "messages[0].role is 'system': a role is user or assistant (the system prompt is the top-level system field)"),
+    ("/v1/messages", {"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "tool_result"}]}]}, 400,
+     "anthropic", "messages[0].content[0] is a tool_result block whose tool_use_id is null, not a string"),
+    ("/v1/messages", {"max_tokens": 0, "messages": MSG}, 400, "anthropic", "max_tokens"),
+    ("/v1/messages", {"messages": MSG}, 400, "anthropic", "max_tokens: Field required"),
+    ("/v1/messages", {"max_tokens": 4, "messages": MSG, "temperature": 3}, 400, "anthropic", "temperature"),
+    ("/v1/messages", {"max_tokens": 4, "messages": MSG, "tools": [{"type": "web_search_20250305",
+                                                                   "name": "web_search"}]}, 400, "anthropic",
+     "tools[0].type is 'web_search_20250305': this server runs client tools only"),
+    ("/v1/messages", {"max_tokens": 4, "messages": MSG, "mcp_servers": [{"url": "x"}]}, 400, "anthropic",
+     "mcp_servers is not supported by this server"),
+    ("/v1/messages", {"max_tokens": 4, "messages": MSG, "tool_choice": {"type": "tool"}, "tools": [
+        {"name": "f", "input_schema": {"type": "object"}}]}, 400, "anthropic", "tool_choice of type tool names the tool"),
+    ("/v1/messages", b"{not json", 400, "anthropic", "request body is not valid JSON"),
+    ("/v1/messages/count_tokens", {"messages": [{"role": "user", "content": 5}]}, 400, "anthropic",
+     "messages[0].content is an integer: content is a string or a list of content blocks"),
+    ("/v1/messages/nope", {}, 404, "anthropic", "no such route"),
+    ("/v1/responses", {"input": []}, 400, "openai", "input is an empty list: give a string or at least one input item"),
+    ("/v1/responses", {"input": [{"type": "item_reference", "id": "msg_1"}]}, 400, "openai",
+     "input[0].type is 'item_reference': this server takes input items of type message, function_call, "
+     "function_call_output, reasoning"),
+    ("/v1/responses", {"input": [{"type": "function_call_output", "output": "x"}]}, 400, "openai",
+     "input[0].call_id is null: a function_call_output names the call_id it answers"),
+    ("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, 400, "openai",
+     "input[0].content[0] is a input_text part whose text is null, not a string"),
+    ("/v1/responses", {"input": "x", "background": True}, 400, "openai",
+     "background is not supported by this server's Responses API"),
+    ("/v1/responses", {"input": "x", "tools": [{"type": "web_search"}]}, 400, "openai",
+     "tools[0].type is 'web_search': this server runs function tools only"),
+    ("/v1/responses", {"input": "x", "previous_response_id": "resp_gone"}, 404, "openai", "resp_gone"),
+    ("/v1/responses", {"input": "x", "text": {"format": {"type": "json_schema", "name": "x"}}}, 400, "openai",
+     "text.format of type json_schema needs a schema"),
+    ("/v1/responses", {"input": "x", "max_output_tokens": -1}, 400, "openai", "max_output_tokens"),
+    ("/api/chat", {"model": "tiny-chat.gguf", "messages": "hi"}, 400, "ollama",
+     "messages is a string: give a list of messages"),
+    ("/api/chat", {"model": "tiny-chat.gguf", "messages": [{"role": "wizard", "content": "x"}]}, 400, "ollama",
+     "messages[0].role is 'wizard': a role is one of system, user, assistant, tool"),
+    ("/api/chat", {"model": "tiny-chat.gguf", "messages": MSG, "options": {"temperature": "hot"}}, 400, "ollama",
+     "options.temperature"),
+    ("/api/chat", {"model": "tiny-chat.gguf", "messages": MSG, "keep_alive": "forever"}, 400, "ollama",
+     "keep_alive is 'forever': give seconds or a duration such as \"5m\" or \"1h30m\""),
+    ("/api/chat", {"model": "tiny-chat.gguf", "messages": MSG, "format": "yaml"}, 400, "ollama", "format"),
+    ("/api/generate", {"prompt": "x"}, 400, "ollama", "model: Field required"),
+    ("/api/generate", {"model": "tiny-chat.gguf", "prompt": "x", "suffix": "y"}, 400, "ollama",
+     "suffix is not supported by this server"),
+    ("/api/generate", {"model": "nope", "prompt": "x"}, 404, "ollama", "model 'nope' not found"),
+    ("/api/generate", {"model": "tiny-chat.gguf", "prompt": "x", "options": {"num_predict": 0}}, 400, "ollama",
+     "options.num_predict is 0: give at least 1, or -1 for no limit"),
+    ("/api/pull", {"model": "llama3"}, 400, "ollama", "/api/pull is not supported"),
+])
+def test_each_dialect_refuses_in_its_own_shape(srv, path, body, status, shape, message):
+    got = dialect_error(post(srv, path, body), status, shape)
+    assert message in got, got
+
+
+def test_a_405_names_every_method_of_the_path(srv):
+    r = httpx.request("OPTIONS", srv.base + "/v1/responses/resp_1", timeout=10)
+    assert r.status_code == 405 and r.headers["allow"] == "DELETE, GET", r.headers
+    r = httpx.get(srv.base + "/v1/messages", timeout=10)
+    assert r.status_code == 405 and dialect_error(r, 405, "anthropic") == "Method Not Allowed"
+
+
+def test_a_body_over_the_limit_is_413_in_each_dialects_shape(srv):
+    big = "x" * (LIMIT + 10)
+    assert str(LIMIT) in dialect_error(post(srv, "/v1/messages", {"max_tokens": 1, "messages": [
+        {"role": "user", "content": big}]}), 413, "anthropic")
+    assert str(LIMIT) in dialect_error(post(srv, "/api/chat", {"model": "m", "messages": [
+        {"role": "user", "content": big}]}), 413, "ollama")
+    assert str(LIMIT) in dialect_error(post(srv, "/v1/responses", {"input": big}), 413, "openai")
+
+
 @pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
 def test_non_finite_floats_are_400(srv, literal):
     assert_error(post(srv, "/v1/completions", '{"prompt": "a", "temperature": %s}' % literal), 400)
@@ -324,12 +422,13 @@ def test_api_key_is_compared_in_constant_time(monkeypatch):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
             bad = await c.get("/v1/x", headers={"Authorization": "Bearer wrong"})
             good = await c.get("/v1/x", headers={"Authorization": "Bearer s3cret"})
-            return bad, good
+            x_key = await c.get("/v1/x", headers={"x-api-key": "s3cret"})  # Anthropic's clients
+            return bad, good, x_key
 
-    bad, good = asyncio.run(go())
+    bad, good, x_key = asyncio.run(go())
     assert bad.status_code == 401 and bad.json()["error"]["code"] == "invalid_api_key"
-    assert good.status_code == 200
-    assert calls == [(b"Bearer wrong", b"Bearer s3cret"), (b"Bearer s3cret", b"Bearer s3cret")]
+    assert good.status_code == 200 and x_key.status_code == 200
+    assert calls == [(b"Bearer wrong", b"Bearer s3cret"), (b"Bearer s3cret", b"Bearer s3cret"), (b"s3cret", b"s3cret")]
 
 
 def test_a_client_that_stops_reading_is_aborted():
@@ -559,7 +658,9 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(srv, tmp_pat
            # an open-ended event stream (the dashboard's): every case would wait out the request timeout
            "--exclude-path", "/v1/engine/state/stream",
            "--report-junit-path", str(junit)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    env = {**os.environ, "SCHEMATHESIS_HOOKS": "schemathesis_hooks",
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     out = r.stdout[-6000:] + r.stderr[-3000:]
     assert r.returncode == 0, out
     m = re.search(r"(\d+) generated, (\d+) passed", r.stdout)

@@ -295,13 +295,16 @@ def _sample_engine(loaded, n, max_tokens, seed0=0, temperature=1.0, **opts):
 N_SAMPLES = 2000
 
 
-@pytest.mark.parametrize("method", ["bad-draft", "self-draft", "ngram"])
+@pytest.mark.parametrize("method", ["bad-draft", "self-draft", "ngram", "suffix"])
 def test_sampled_distribution_is_the_targets(small, method):
     """x2 and x3 are produced by verification (K=2 guesses after the prefill token): their
-    marginals and their joint with x1 must match the target's exact distribution."""
+    marginals and their joint with x1 must match the target's exact distribution. Suffix decoding
+    drafts mostly from the shared cache: earlier samples' continuations, by their frequencies."""
     model = small.model
     opts = dict(speculative_method="ngram", num_speculative_tokens=2)
-    if method == "bad-draft":
+    if method == "suffix":
+        opts = dict(speculative_method="suffix", num_speculative_tokens=2, spec_cost_model=False)
+    elif method == "bad-draft":
         opts = dict(speculative_method="draft", draft_model="bad", num_speculative_tokens=2,
                     draft_loaded=make_tiny_model(seed=99, vocab_size=V, scale=0.5))
     elif method == "self-draft":
@@ -310,6 +313,8 @@ def test_sampled_distribution_is_the_targets(small, method):
     sp = eng.spec.stats
     print(method, sp.as_dict())
     assert sp.num_draft_tokens >= N_SAMPLES // 2 and sp.num_accepted_tokens > 0
+    if method == "suffix":
+        assert sp.num_cache_drafts > N_SAMPLES // 4
     assert sp.num_accepted_tokens < sp.num_draft_tokens  # rejections happened too
     p1 = _next_probs(model, [PROMPT])[0]
     p2 = _next_probs(model, [PROMPT + [a] for a in range(V)])  # [x1, x2]

@@ -355,6 +355,29 @@ def test_real_model_quantized_with_ngram_speculation(default_gguf_path, quant):
     compare(got, ref, max_ties=1)
 
 
+def test_suffix_decoding_across_ranks(default_gguf_path):
+    """Suffix decoding at TP=2: the cost model's timed steps run on both ranks (a rank that missed
+    one would hang the next collective), the guesses are verified by the split model; outputs equal
+    TP=1 without speculation. The same prompts twice: the second pass drafts from the first's
+    outputs."""
+    quant = dict(quantization="int8")
+    one = LLMEngine(model=default_gguf_path, dtype="float32", kv_cache_memory=SMALL_KV, **quant)
+    prompts = [one.tokenizer.encode(p) for p in PROMPTS[:4]]
+    ref = run_recording(one, [(p, 12) for p in prompts])
+    one.close()
+    eng = LLMEngine(model=default_gguf_path, dtype="float32", tensor_parallel_size=2, kv_cache_memory=SMALL_KV,
+                    max_num_seqs=4, speculative_config={"method": "suffix", "num_speculative_tokens": 4}, **quant)
+    try:
+        assert eng.spec.cost is not None and len(eng.spec.cost.rows) >= 2
+        got = generate(eng, [(p, 12) for p in prompts])
+        again = generate(eng, [(p, 12) for p in prompts])
+        assert eng.spec.stats.num_cache_drafts > 0
+        assert_no_leaks(eng)
+    finally:
+        eng.close()
+    assert compare(got, ref) <= 1 and compare(again, ref) <= 1
+
+
 class Summed:
     """An all-reduce that does nothing: each rank's partial sums, looked at alone."""
     def all_reduce_(self, x):

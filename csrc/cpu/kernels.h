@@ -108,6 +108,14 @@ struct Kernels {
   // cache rows at their slots
   void (*quantize_kv)(bool src_bf16, const void* k, int64_t k_stride, const void* v, int64_t v_stride,
                       const int64_t* slots, int64_t T, int64_t Hkv, int64_t D, int8_t* kc, int8_t* vc);
+  // attention within each of S sequences laid end to end (rows starts[s]..starts[s+1]), no cache:
+  // q [T, H, D], k and v [T, Hkv, D] row-strided, out [T, H * D] row-strided; causal or bidirectional
+  void (*varlen_f32)(const float* q, const float* k, const float* v, int64_t qs, int64_t ks, int64_t vs,
+                     const int64_t* starts, int64_t S, int64_t H, int64_t Hkv, int64_t D, float scale, bool causal,
+                     float* out, int64_t os);
+  void (*varlen_bf16)(const bf16* q, const bf16* k, const bf16* v, int64_t qs, int64_t ks, int64_t vs,
+                      const int64_t* starts, int64_t S, int64_t H, int64_t Hkv, int64_t D, float scale, bool causal,
+                      bf16* out, int64_t os);
 };
 
 // One per variant; null where the variant was not built (a non-x86 machine).

@@ -121,6 +121,33 @@ Tensor paged_decode(Tensor q, Tensor k, Tensor v, Tensor block_tables, Tensor ct
   return out;
 }
 
+// Attention within each sequence of a flat batch (the pooling runner): q [T, H, D], k/v [T, Hkv, D]
+// may be views of one fused projection (rows strided, heads and elements contiguous); starts [S + 1]
+// int64. Returns [T, H * D] in q's dtype.
+Tensor varlen_attention(Tensor q, Tensor k, Tensor v, Tensor starts, double scale, bool causal) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && q.size(0) == k.size(0) && q.size(2) == k.size(2));
+  TORCH_CHECK(q.dtype() == k.dtype() && k.dtype() == v.dtype(), "q, k, v must share a dtype");
+  for (const Tensor* x : {&q, &k, &v})
+    TORCH_CHECK(x->stride(2) == 1 && x->stride(1) == x->size(2), "heads and their elements must be contiguous");
+  TORCH_CHECK(starts.dtype() == at::kLong && starts.is_contiguous() && starts.dim() == 1 && starts.size(0) >= 1);
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(1), S = starts.size(0) - 1;
+  TORCH_CHECK(H % Hkv == 0);
+  const int64_t* st = starts.data_ptr<int64_t>();
+  TORCH_CHECK(st[0] == 0 && st[S] == T, "starts must run from 0 to the number of rows");
+  for (int64_t s = 0; s < S; ++s) TORCH_CHECK(st[s + 1] > st[s], "every sequence needs a row");
+  auto out = at::empty({T, H * D}, q.options());
+  const auto& kn = active();
+  if (q.dtype() == at::kFloat) {
+    kn.varlen_f32(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), q.stride(0), k.stride(0), v.stride(0),
+                  st, S, H, Hkv, D, static_cast<float>(scale), causal, out.data_ptr<float>(), H * D);
+  } else {
+    TORCH_CHECK(q.dtype() == at::kBFloat16, "float32 or bfloat16 only");
+    kn.varlen_bf16(q.data_ptr<bf16>(), k.data_ptr<bf16>(), v.data_ptr<bf16>(), q.stride(0), k.stride(0), v.stride(0),
+                   st, S, H, Hkv, D, static_cast<float>(scale), causal, out.data_ptr<bf16>(), H * D);
+  }
+  return out;
+}
+
 // x rounded once per call into scratch owned by the calling thread (a decode step makes ~120
 // calls); the pointers are taken here because parallel workers have thread_locals of their own.
 struct Rounded { const int8_t* xq; const float* dx; const float* xs; const int32_t* xi; };
@@ -362,6 +389,8 @@ TORCH_LIBRARY(inferd, m) {
   m.def("write_kv(Tensor k_new, Tensor v_new, Tensor slots, Tensor(a!) kc, Tensor(b!) vc) -> ()", &write_kv);
   m.def("paged_decode(Tensor q, Tensor k, Tensor v, Tensor block_tables, Tensor ctx_lens, int block_size, "
         "float scale, int window) -> Tensor", &paged_decode);
+  m.def("varlen_attention(Tensor q, Tensor k, Tensor v, Tensor starts, float scale, bool causal) -> Tensor",
+        &varlen_attention);
   m.def("w4a8_linear(Tensor x, Tensor w, int N) -> Tensor", &w4a8_linear);
   m.def("w8a8_linear(Tensor x, Tensor w, int N) -> Tensor", &w8a8_linear);
   m.def("blocks_linear(Tensor x, Tensor w, int N, int type) -> Tensor", &blocks_linear);

@@ -110,13 +110,27 @@ def add_engine_args(p: argparse.ArgumentParser):
     g.add_argument("--scheduling", default="continuous", choices=["continuous", "static"],
                    help="continuous: admit and retire sequences every step; static: run fixed batches to the "
                         "end (to compare)")
+    g.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
+                   help="auto: an encoder (BERT) runs as a pooling model, a decoder generates; pooling: "
+                        "embeddings from any model (/v1/embeddings, /pooling, /api/embed): one forward a request, "
+                        "no KV cache")
+    g.add_argument("--pooling", default=None, choices=["mean", "cls", "last"],
+                   help="how a pooling model makes one vector of a sequence's hidden states (default: the model's "
+                        "sentence-transformers files; else cls for an encoder, last for a decoder)")
     add_spec_args(p)
 
 
 def add_spec_args(p: argparse.ArgumentParser):
     g = p.add_argument_group("speculative decoding")
-    g.add_argument("--speculative-method", default=None, choices=["none", "draft", "ngram"],
-                   help="draft: a draft model guesses; ngram: prompt lookup (no second model)")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='vLLM\'s JSON, e.g. {"method": "suffix", "num_speculative_tokens": 16}: methods suffix, ngram, '
+                        'draft_model; keys num_speculative_tokens, model, quantization, prompt_lookup_min/max, '
+                        'suffix_decoding_max_tree_depth, suffix_decoding_max_spec_factor, suffix_decoding_min_token_prob, '
+                        'suffix_decoding_max_cached_requests (and inferd\'s suffix_decoding_max_cached_tokens, '
+                        'ngram_backoff, cost_model); instead of the flags below')
+    g.add_argument("--speculative-method", default=None, choices=["none", "draft", "ngram", "suffix"],
+                   help="draft: a draft model guesses; ngram: prompt lookup; suffix: suffix decoding over this and "
+                        "earlier requests (no second model)")
     g.add_argument("--num-speculative-tokens", type=int, default=4, help="tokens guessed per step (K)")
     g.add_argument("--draft-model", default=None,
                    help="draft: a model path with the same vocabulary, or self:layers=N (the target's first N layers)")
@@ -170,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--system", default=None, help="system message")
     c.set_defaults(func=cmd_chat)
 
-    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (streaming, Prometheus /metrics)")
+    sv = sub.add_parser("serve", help="HTTP server speaking OpenAI's, Anthropic's and Ollama's APIs (streaming, "
+                                      "Prometheus /metrics)")
     add_model_args(sv, several=True)
     add_engine_args(sv)
     add_lora_args(sv)
@@ -178,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     sv.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     sv.add_argument("--served-model-name", default=None, help="model id the API reports and accepts")
-    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or INFERD_API_KEY)")
+    sv.add_argument("--api-key", default=None,
+                    help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' (or INFERD_API_KEY)")
     sv.add_argument("--max-waiting", type=int, default=512, help="queued requests beyond this get 503")
     sv.add_argument("--log-level", default="info", help="debug | info | warning | error")
     sv.add_argument("--max-request-body-bytes", type=int, default=4 * 1024 * 1024,
@@ -206,6 +222,17 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--enable-prompt-tokens-details", action="store_true",
                     help="usage.prompt_tokens_details.cached_tokens in answers: prompt tokens not computed "
                          "for this request (prefix cache hits, KV pulled from a prefill worker)")
+    sv.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                    help="split a thinking model's <think>...</think> text from its answer: chat's "
+                         "reasoning_content, Responses' reasoning items, Anthropic's thinking blocks, Ollama's "
+                         "thinking")
+    rg = sv.add_argument_group("the Responses API's store (previous_response_id, GET /v1/responses/ID)")
+    rg.add_argument("--responses-store-entries", type=int, default=1024,
+                    help="most responses kept; past it the oldest go (0: keep none)")
+    rg.add_argument("--responses-store-bytes", default="64MiB",
+                    help="most bytes of kept responses and their conversations (JSON); past it the oldest go")
+    rg.add_argument("--responses-store-ttl", type=float, default=3600.0,
+                    help="seconds a response stays retrievable after it was made")
     mg = sv.add_argument_group("several models (repeated --model, or models: in the --config YAML)")
     mg.add_argument("--preload", action="store_true",
                     help="load every model at start (default with one model; with several each loads on its "
@@ -295,14 +322,23 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("action", nargs="*", help="`report TRACE.jsonl|SWEEP.json` recomputes a saved run (and "
                                              "redraws --html); `compare A.json B.json ...` puts results side by side")
     b.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, e.g. http://127.0.0.1:8000")
-    b.add_argument("--endpoint", default="/v1/completions", help="/v1/completions | /v1/chat/completions")
+    b.add_argument("--endpoint", default="/v1/completions",
+                   help="/v1/completions | /v1/chat/completions | /v1/responses | /v1/messages | /v1/embeddings "
+                        "(an embeddings workload: requests/s, latency percentiles, input tokens/s; /pooling and "
+                        "/api/embed too)")
+    b.add_argument("--endpoint-type", default="auto", choices=["auto", "completions", "chat", "responses", "messages", "embeddings"],
+                   help="the API the endpoint speaks (auto: from its path): OpenAI's completions, chat completions "
+                        "or Responses API, Anthropic's Messages, or embeddings; TTFT and TPOT are measured the same way in each")
     b.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
     b.add_argument("--api-key", default=None, help="Bearer token (default: $OPENAI_API_KEY if set)")
     b.add_argument("--dataset", default="random",
                    choices=["random", "wikitext", "jsonl", "sharegpt", "prefix-families", "multi-turn", "mixed",
-                            "mooncake-trace", "azure-trace"],
+                            "mooncake-trace", "azure-trace", "agent-loop", "code-edit", "json-extraction",
+                            "low-rep-chat"],
                    help="mixed: request classes from --mix; mooncake-trace / azure-trace: replay a trace at its "
-                        "own arrival times (default: a small synthetic one shipped with inferd)")
+                        "own arrival times (default: a small synthetic one shipped with inferd); agent-loop, "
+                        "code-edit, json-extraction, low-rep-chat: chat workloads for speculative decoding (their "
+                        "messages to a chat endpoint, a transcript to a completions one)")
     b.add_argument("--mix", default=None, help="mixed: NAME:FRACTION:INPUT_LEN:OUTPUT_LEN,... (lengths as "
                    "--input-len; fractions add up to 1; default chat:0.8:128:128,rag:0.2:2048:16)")
     b.add_argument("--trace-speedup", default="1", help="trace datasets: divide the trace's inter-arrival times "

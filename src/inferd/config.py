@@ -61,13 +61,22 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling: str = "continuous"  # continuous | static
     seed: int = 0
-    speculative_method: str | None = None  # None | draft | ngram
+    speculative_method: str | None = None  # None | draft | ngram | suffix
     num_speculative_tokens: int = 4
+    # vLLM's --speculative-config JSON: it sets the method and the fields below (see SPEC_CONFIG_KEYS)
+    speculative_config: str | dict | None = None
     draft_model: str | None = None  # a model path, or self:layers=N (the target's first N layers)
     draft_quantization: str = "none"  # none | int8 | int4
     ngram_min: int = 1
     ngram_max: int = 4
     ngram_backoff: int = 8  # after a verify that kept no guess, skip lookups for 1, 2, 4 .. this many steps; 0: never
+    # suffix decoding (inferd.engine.speculative.suffix), vLLM's defaults
+    suffix_max_tree_depth: int = 24  # the longest context matched (and the default number of guesses)
+    suffix_max_spec_factor: float = 1.0  # guesses <= factor x the matched context's length
+    suffix_min_token_prob: float = 0.1  # a guess's estimated probability (match frequencies) at least this
+    suffix_max_cached_requests: int = 10000  # earlier requests' outputs kept for drafting (0: none)
+    suffix_max_cached_tokens: int = 1 << 18  # ... and their tokens at most (least recently used dropped first)
+    spec_cost_model: bool = True  # suffix: verify only the guesses whose expected acceptance pays for their rows
     # disaggregated prefill/decode: vLLM's --kv-transfer-config JSON, and --role as its shorthand
     # (parsed by inferd.distributed.kv_transfer.config, which this layer cannot import)
     kv_transfer_config: str | dict | None = None
@@ -89,6 +98,11 @@ class EngineConfig:
     lora_modules: list | str | None = None
     max_loras: int = 1
     max_lora_rank: int = 16
+    # what the engine runs (vLLM's --runner): auto (an encoder pools, a decoder generates), generate,
+    # or pooling (embeddings: one forward a request, no KV cache; inferd.engine.pooling); --pooling
+    # overrides the model's own pooling (mean | cls | last)
+    runner: str = "auto"
+    pooling: str | None = None
 
     def validate(self):
         if self.block_size < 1:
@@ -101,13 +115,25 @@ class EngineConfig:
             raise InferdError(f"unknown scheduling {self.scheduling!r} (choose continuous or static)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise InferdError("gpu_memory_utilization must be in (0, 1]")
+        if self.speculative_config is not None:
+            if self.speculative_method not in (None, "none", ""):
+                raise InferdError("give --speculative-config or --speculative-method, not both")
+            for k, v in parse_speculative_config(self.speculative_config).items():
+                setattr(self, k, v)
+            self.speculative_config = None  # applied: validating again (a copy, another process) is a no-op
         if self.speculative_method in ("none", ""):
             self.speculative_method = None
         if self.speculative_method is not None:
-            if self.speculative_method not in ("draft", "ngram"):
-                raise InferdError(f"unknown speculative method {self.speculative_method!r} (choose draft or ngram)")
+            if self.speculative_method not in SPEC_METHODS:
+                raise InferdError(f"unknown speculative method {self.speculative_method!r} "
+                                  f"(choose {', '.join(SPEC_METHODS)})")
             if self.num_speculative_tokens is None or self.num_speculative_tokens < 1:
                 raise InferdError("num_speculative_tokens must be at least 1")
+            if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+                raise InferdError(f"num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS} (each guess "
+                                  "is a row of the verify step)")
+            if self.speculative_method == "suffix":
+                check_suffix_options(self)
             if self.speculative_method == "draft" and not self.draft_model:
                 raise InferdError("speculative method draft needs --draft-model (a model path or self:layers=N)")
             if self.speculative_method == "ngram" and not 1 <= self.ngram_min <= self.ngram_max:
@@ -143,6 +169,10 @@ class EngineConfig:
             self.lora_modules = [self.lora_modules]
         for spec in self.lora_modules or []:
             lora_module(spec)  # a malformed entry fails here, before any model loads
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise InferdError(f"unknown runner {self.runner!r} (choose auto, generate, pooling)")
+        if self.pooling not in (None, "mean", "cls", "last"):
+            raise InferdError(f"unknown pooling {self.pooling!r} (choose mean, cls, last)")
         if self.lora_modules and not self.enable_lora:
             self.enable_lora = True  # naming adapters asks for them (vLLM wants both flags; one is enough)
         if self.enable_lora:
@@ -152,9 +182,9 @@ class EngineConfig:
                 raise InferdError("max_lora_rank must be at least 1")
             if self.kv_transfer_config is not None or self.role is not None:
                 raise InferdError("LoRA adapters with disaggregated prefill/decode are not supported yet")
-            if self.speculative_method is not None:
-                raise InferdError("LoRA adapters with speculative decoding are not supported yet (the draft "
-                                  "would need each adapter too): drop --speculative-method or --enable-lora")
+            if self.speculative_method == "draft":
+                raise InferdError("LoRA adapters with a draft model are not supported yet (the draft would need "
+                                  "each adapter too): use the ngram or suffix method, or drop --enable-lora")
         if self.tensor_parallel_size > 1:
             if self.kv_transfer_config is not None or self.role is not None:
                 raise InferdError("tensor parallelism does not combine with disaggregated prefill/decode yet "
@@ -189,6 +219,70 @@ class EngineConfig:
             sys.stderr.write("inferd: note: --gpu-memory-utilization applies to CUDA only; on CPU the KV pool "
                              "is sized by --kv-cache-memory\n")
         return cfg.validate()
+
+
+SPEC_METHODS = ("draft", "ngram", "suffix")
+MAX_SPECULATIVE_TOKENS = 64
+# vLLM's method names -> ours
+_SPEC_METHOD_NAMES = {"ngram": "ngram", "suffix": "suffix", "draft_model": "draft", "draft": "draft"}
+# --speculative-config keys (vLLM's, then inferd's own) -> (EngineConfig field, type)
+SPEC_CONFIG_KEYS = {
+    "num_speculative_tokens": ("num_speculative_tokens", int),
+    "model": ("draft_model", str),
+    "quantization": ("draft_quantization", str),
+    "prompt_lookup_min": ("ngram_min", int),
+    "prompt_lookup_max": ("ngram_max", int),
+    "suffix_decoding_max_tree_depth": ("suffix_max_tree_depth", int),
+    "suffix_decoding_max_spec_factor": ("suffix_max_spec_factor", float),
+    "suffix_decoding_min_token_prob": ("suffix_min_token_prob", float),
+    "suffix_decoding_max_cached_requests": ("suffix_max_cached_requests", int),
+    "suffix_decoding_max_cached_tokens": ("suffix_max_cached_tokens", int),
+    "ngram_backoff": ("ngram_backoff", int),
+    "cost_model": ("spec_cost_model", bool),
+}
+
+
+def parse_speculative_config(value) -> dict:
+    """vLLM's --speculative-config ({"method": "suffix", "num_speculative_tokens": 16, ...}, or the
+    dict a YAML config gave) -> EngineConfig fields; anything it cannot honour is one InferdError.
+    For suffix, num_speculative_tokens defaults to the tree depth, as in vLLM."""
+    d = json_flag(value, "--speculative-config")
+    method = d.pop("method", None)
+    if method is None and d.get("model"):
+        method = "draft_model"  # vLLM infers a draft model from "model"
+    if method not in _SPEC_METHOD_NAMES:
+        raise InferdError(f"--speculative-config: method must be one of {', '.join(sorted(_SPEC_METHOD_NAMES))}, "
+                          f"got {method!r}")
+    out: dict = {"speculative_method": _SPEC_METHOD_NAMES[method]}
+    for key, v in d.items():
+        if key not in SPEC_CONFIG_KEYS:
+            raise InferdError(f"--speculative-config: unknown or unsupported key {key!r} (inferd reads "
+                              f"method, {', '.join(SPEC_CONFIG_KEYS)})")
+        field_name, kind = SPEC_CONFIG_KEYS[key]
+        if v is None:
+            continue
+        ok = isinstance(v, bool) if kind is bool else (
+            isinstance(v, kind) and not isinstance(v, bool) if kind is not float
+            else isinstance(v, (int, float)) and not isinstance(v, bool))
+        if not ok:
+            raise InferdError(f"--speculative-config: {key} must be {kind.__name__ if kind is not str else 'a string'}, "
+                              f"got {v!r}")
+        out[field_name] = float(v) if kind is float else v
+    if out["speculative_method"] == "suffix" and "num_speculative_tokens" not in out:
+        out["num_speculative_tokens"] = min(out.get("suffix_max_tree_depth", EngineConfig.suffix_max_tree_depth),
+                                            MAX_SPECULATIVE_TOKENS)
+    return out
+
+
+def check_suffix_options(cfg: "EngineConfig"):
+    if cfg.suffix_max_tree_depth < 1:
+        raise InferdError("suffix_decoding_max_tree_depth must be at least 1")
+    if not cfg.suffix_max_spec_factor > 0:
+        raise InferdError("suffix_decoding_max_spec_factor must be > 0")
+    if not 0 <= cfg.suffix_min_token_prob <= 1:
+        raise InferdError("suffix_decoding_min_token_prob must be in [0, 1]")
+    if cfg.suffix_max_cached_requests < 0 or cfg.suffix_max_cached_tokens < 0:
+        raise InferdError("suffix_decoding_max_cached_requests and _tokens must be >= 0")
 
 
 def yaml_defaults(path: str, dests: set[str]) -> dict:

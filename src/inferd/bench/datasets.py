@@ -18,6 +18,11 @@ and each trace block's tokens are a function of (seed, hash id) only, so that re
 ids share a token prefix as they did in the trace (prefix-cache hits are real). Without
 --dataset-path a small synthetic trace shipped in `inferd/bench/traces/` is replayed.
 
+Chat workloads for speculative decoding (inferd.bench.workloads: `agent-loop`, `code-edit`,
+`json-extraction`, `low-rep-chat`): multi-message conversations generated offline from shipped text
+(--input-len does not apply; --output-len, default 160), sent as their messages to a chat endpoint
+and as a plain transcript to a completions one.
+
 Lengths (`--input-len`, `--output-len`, the --mix lengths): `N`, `MIN-MAX` (uniform integers), or
 `normal:MEAN,STD` (rounded, at least 1). Random, mixed and WikiText prompts hit their input length
 exactly under the tokenizer (text -> tokens -> text can merge or split tokens, so the text is
@@ -38,6 +43,7 @@ from datetime import date
 from pathlib import Path
 from typing import Callable
 
+from inferd.bench.workloads import WORKLOADS, conversations, render
 from inferd.errors import InferdError
 
 WIKITEXT_REL = os.path.join("shared", "data", "wikitext-2", "test.txt")
@@ -46,7 +52,8 @@ TRACE_DATASETS = ("mooncake-trace", "azure-trace")
 TRACE_BLOCK_SIZE = 512  # Mooncake's: one hash id per 512 prompt tokens
 TRACES_DIR = Path(__file__).resolve().parent / "traces"
 SHIPPED_TRACES = {"mooncake-trace": "mooncake_synthetic.jsonl", "azure-trace": "azure_synthetic.csv"}
-DATASETS = ("random", "wikitext", "jsonl", "sharegpt", "prefix-families", "multi-turn", "mixed", *TRACE_DATASETS)
+DATASETS = ("random", "wikitext", "jsonl", "sharegpt", "prefix-families", "multi-turn", "mixed", *TRACE_DATASETS,
+            *WORKLOADS)
 
 
 @dataclass
@@ -56,6 +63,7 @@ class BenchPrompt:
     output_len: int | None  # max_tokens to ask for (None: let the server decide)
     klass: str | None = None  # the request class (`mixed`), kept in the trace for per-class metrics
     arrival_ns: int | None = None  # trace datasets: when the trace sends it (ns after its first row)
+    messages: list | None = None  # chat workloads (inferd.bench.workloads): what a chat endpoint is sent
 
 
 def parse_length(spec: str, what: str) -> Callable[[random.Random], int]:
@@ -460,6 +468,14 @@ def build_prompts(dataset: str, num: int, tokenizer, input_len: str, output_len:
             warnings.append(f"replaying the first {num} of the {len(rows)} rows of {p} (--num-prompts)")
             rows = rows[:num]
         return _trace_prompts(rows, _Exact(tokenizer), seed, block_size, out_spec, rng, speedup, warnings), warnings
+    if dataset in WORKLOADS:
+        out_spec = out_spec or parse_length("160", "--output-len")
+        prompts = []
+        for msgs in conversations(dataset, num, seed):
+            text = render(msgs)
+            plen = len(tokenizer.encode(text)) if tokenizer is not None else None
+            prompts.append(BenchPrompt(text, plen, out_spec(rng), messages=msgs))
+        return prompts, warnings
     if dataset in ("prefix-families", "multi-turn"):
         if tokenizer is None:
             raise InferdError(f"--dataset {dataset} needs a tokenizer: pass --tokenizer PATH|server")

@@ -171,6 +171,7 @@ def cmd_run(args) -> int:
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY") or None
 
     from inferd.bench.http import Client
+    from inferd.bench.runner import endpoint_type
     from inferd.bench.tokenizer import resolve_tokenizer
 
     Client(args.base_url)  # validates the URL
@@ -184,7 +185,8 @@ def cmd_run(args) -> int:
         warnings.append(f"--request-rate {args.request_rate} is ignored: --dataset {args.dataset} sends each "
                         f"request at its time in the trace (scale them with --trace-speedup)")
     cfg = {"base_url": args.base_url, "endpoint": args.endpoint,
-           "endpoint_type": "chat" if "chat" in args.endpoint else "completions", "model": model,
+           "endpoint_type": endpoint_type(args.endpoint) if args.endpoint_type == "auto" else args.endpoint_type,
+           "model": model,
            "tokenizer": tok_id, "dataset": args.dataset, "dataset_path": args.dataset_path,
            "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
            **({"prefix_families": args.prefix_families, "question_len": args.question_len}

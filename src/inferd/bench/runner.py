@@ -32,17 +32,45 @@ async def sleep_until(deadline_ns: int) -> None:
         await asyncio.sleep(delay / 1e9)
 
 
-def request_body(cfg: dict, prompt: str, output_len: int | None) -> bytes:
+# Anthropic's API requires max_tokens: a request whose dataset names no output length gets this
+MESSAGES_MAX_TOKENS = 1024
+ENDPOINT_TYPES = ("completions", "chat", "responses", "messages", "embeddings")
+
+
+def endpoint_type(endpoint: str) -> str:
+    """The API an endpoint path speaks, for --endpoint-type auto (embeddings: /v1/embeddings, /pooling,
+    /api/embed: one answer, no output tokens; latency is the whole request's)."""
+    if "embed" in endpoint or endpoint.rstrip("/").endswith("/pooling"):
+        return "embeddings"
+    for kind, part in (("chat", "chat"), ("responses", "responses"), ("messages", "messages")):
+        if part in endpoint:
+            return kind
+    return "completions"
+
+
+def request_body(cfg: dict, prompt: str, output_len: int | None, messages: list | None = None) -> bytes:
+    kind = cfg["endpoint_type"]
     body: dict = {"model": cfg["model"]} if cfg.get("model") else {}
-    if cfg["endpoint_type"] == "chat":
-        body["messages"] = [{"role": "user", "content": prompt}]
+    if kind == "embeddings":  # one forward, one JSON answer: no stream, no output tokens
+        body["input"] = prompt
+        for k, v in (cfg.get("extra_body") or {}).items():
+            body.pop(k, None) if v is None else body.__setitem__(k, v)
+        return json.dumps(body).encode()
+    if kind in ("chat", "messages"):
+        body["messages"] = messages or [{"role": "user", "content": prompt}]
+    elif kind == "responses":
+        body["input"] = messages or prompt
+        body["store"] = False  # nothing kept on the server for a benchmark's requests
     else:
         body["prompt"] = prompt
     if output_len is not None:
-        body["max_tokens"] = output_len
+        body[{"responses": "max_output_tokens"}.get(kind, "max_tokens")] = output_len
         body["ignore_eos"] = True
+    elif kind == "messages":
+        body["max_tokens"] = MESSAGES_MAX_TOKENS
     body["stream"] = True
-    body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    if kind in ("completions", "chat"):  # the other APIs tell the output's tokens once, at the end
+        body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
     for k, v in (cfg.get("extra_body") or {}).items():
         if v is None:
             body.pop(k, None)
@@ -53,7 +81,10 @@ def request_body(cfg: dict, prompt: str, output_len: int | None) -> bytes:
 
 async def _run(cfg: dict, bodies: list[bytes], offsets_ns: list[int], warmup_bodies: list[bytes],
                progress=None, on_start=None) -> dict:
-    client = Client(cfg["base_url"], cfg.get("api_key"))
+    headers = None
+    if cfg["endpoint_type"] == "messages":  # what Anthropic's API asks of every request
+        headers = {"anthropic-version": "2023-06-01", **({"x-api-key": cfg["api_key"]} if cfg.get("api_key") else {})}
+    client = Client(cfg["base_url"], cfg.get("api_key"), headers)
     path = cfg["endpoint"]
     timeout = cfg.get("timeout")
     conc = cfg.get("max_concurrency")
@@ -129,8 +160,66 @@ async def _run(cfg: dict, bodies: list[bytes], offsets_ns: list[int], warmup_bod
     return {"rx_timestamps": "kernel" if client.kernel_timestamps else "user", "t0": t0, "t0_epoch": t0_epoch, "raw": raw, "warm": warm_raw, "lags": lags, "wall": wall, "cpu": cpu}
 
 
-def parse_events(resp: Response, chat: bool) -> dict:
-    """Raw SSE payloads -> trace events, output tokens (from usage), text, errors."""
+def _openai_chunk(d: dict, kind: str) -> tuple:
+    """One chunk of a completions or chat stream: (kind, text, role, completion_tokens, usage)."""
+    usage = d.get("usage") if isinstance(d.get("usage"), dict) else None
+    ct = usage.get("completion_tokens") if usage else None
+    choices = d.get("choices") or []
+    if not choices:
+        return "usage" if usage else "empty", "", None, ct, usage
+    c = choices[0]
+    if kind == "chat":
+        delta = c.get("delta") or {}
+        return "choice", (delta.get("content") or "") + (delta.get("reasoning_content") or ""), delta.get("role"), \
+            ct, usage
+    return "choice", c.get("text") or "", None, ct, usage
+
+
+_RESPONSES_TEXT = ("response.output_text.delta", "response.reasoning_text.delta",
+                   "response.function_call_arguments.delta")
+_RESPONSES_END = ("response.completed", "response.incomplete")
+
+
+def _dialect_event(d: dict, kind: str) -> tuple:
+    """One event of a Responses or Messages stream as (kind, text, role, completion_tokens, usage,
+    error): its text deltas are content (reasoning and tool arguments too, as chat's), its closing
+    event carries the usage; TTFT and TPOT are then read exactly as for chat."""
+    t = d.get("type")
+    if kind == "responses":
+        if t in _RESPONSES_TEXT:
+            return "choice", d.get("delta") or "", None, None, None, None
+        if t == "response.created":
+            return "choice", "", "assistant", None, None, None
+        if t in _RESPONSES_END:
+            u = (d.get("response") or {}).get("usage") or {}
+            usage = {"prompt_tokens": u.get("input_tokens"), "completion_tokens": u.get("output_tokens")}
+            return "usage", "", None, usage["completion_tokens"], usage, None
+        if t in ("response.failed", "error"):
+            e = (d.get("response") or {}).get("error") or d
+            return "error", "", None, None, None, e.get("message", str(e)) if isinstance(e, dict) else str(e)
+        return "empty", "", None, None, None, None
+    if t == "content_block_delta":
+        delta = d.get("delta") or {}
+        text = delta.get("text") or delta.get("thinking") or delta.get("partial_json") or ""
+        return "choice", text, None, None, None, None
+    if t == "message_start":
+        u = (d.get("message") or {}).get("usage") or {}
+        return "choice", "", "assistant", None, {"prompt_tokens": u.get("input_tokens")}, None
+    if t == "message_delta":
+        u = d.get("usage") or {}
+        total_in = sum(u.get(k) or 0 for k in ("input_tokens", "cache_read_input_tokens",
+                                                "cache_creation_input_tokens"))
+        usage = {"completion_tokens": u.get("output_tokens"), "prompt_tokens": total_in or None}
+        return "usage", "", None, usage["completion_tokens"], usage, None
+    if t == "error":
+        e = d.get("error") or {}
+        return "error", "", None, None, None, e.get("message", str(e)) if isinstance(e, dict) else str(e)
+    return "empty", "", None, None, None, None
+
+
+def parse_events(resp: Response, kind: str) -> dict:
+    """Raw SSE payloads -> trace events, output tokens (from usage), text, errors. `kind`: the
+    endpoint type (completions, chat, responses, messages)."""
     chunks = []  # (t, kind0, text, role, completion_tokens or None)
     rid = None
     err = None
@@ -149,28 +238,30 @@ def parse_events(resp: Response, chat: bool) -> dict:
             continue
         if not isinstance(d, dict):
             continue
+        if kind in ("responses", "messages"):
+            k, text, role, ct, usage, e = _dialect_event(d, kind)
+            rid = rid or d.get("id") or (d.get("response") or d.get("message") or {}).get("id")
+            if e is not None:
+                chunks.append((t, "error", "", None, None))
+                err = err or "error event in stream: " + e
+                continue
+            if usage and usage.get("prompt_tokens") is not None:
+                prompt_tokens = usage["prompt_tokens"]
+            chunks.append((t, k, text, role, ct))
+            if d.get("type") in _RESPONSES_END or d.get("type") == "message_stop":
+                chunks.append((t, "done", "", None, None))
+                done = True
+            continue
         if d.get("error") is not None and not d.get("choices"):
             e = d["error"]
             chunks.append((t, "error", "", None, None))
             err = err or "error event in stream: " + (e.get("message", str(e)) if isinstance(e, dict) else str(e))
             continue
         rid = rid or d.get("id")
-        usage = d.get("usage") if isinstance(d.get("usage"), dict) else None
-        ct = usage.get("completion_tokens") if usage else None
+        k, text, role, ct, usage = _openai_chunk(d, kind)
         if usage and usage.get("prompt_tokens") is not None:
             prompt_tokens = usage["prompt_tokens"]
-        choices = d.get("choices") or []
-        if not choices:
-            chunks.append((t, "usage" if usage else "empty", "", None, ct))
-            continue
-        c = choices[0]
-        if chat:
-            delta = c.get("delta") or {}
-            text = (delta.get("content") or "") + (delta.get("reasoning_content") or "")
-            role = delta.get("role")
-        else:
-            text, role = c.get("text") or "", None
-        chunks.append((t, "choice", text, role, ct))
+        chunks.append((t, k, text, role, ct))
     # per-chunk token counts are trusted when every chunk with text carried usage
     choice = [c for c in chunks if c[1] == "choice"]
     known = any(c[4] is not None for c in choice) and all(c[4] is not None for c in choice if c[2])
@@ -188,30 +279,54 @@ def parse_events(resp: Response, chat: bool) -> dict:
             n = (ct - prev) if ct is not None else 0
             if ct is not None:
                 prev = ct
-            kind = "content" if n > 0 else ("role" if role else "empty")
-            events.append([t, kind, n if kind == "content" else None, len(text)])
+            kind0 = "content" if n > 0 else ("role" if role else "empty")
+            events.append([t, kind0, n if kind0 == "content" else None, len(text)])
         else:
-            kind = "content" if text else ("role" if role else "empty")
-            events.append([t, kind, None, len(text)])
+            kind0 = "content" if text else ("role" if role else "empty")
+            events.append([t, kind0, None, len(text)])
     return {"events": events, "text": "".join(c[2] for c in chunks), "completion_tokens": last_ct,
             "prompt_tokens": prompt_tokens, "response_id": rid, "error": err, "done": done}
 
 
-def parse_plain(resp: Response, chat: bool) -> dict:
+def parse_embeddings(resp: Response) -> dict:
+    """An embeddings answer: its latency is the whole request's (no first token); usage counts the
+    input tokens the server embedded."""
+    body = b"".join(resp.body)
+    try:
+        d = json.loads(body)
+        n = len(d["data"] if "data" in d else d["embeddings"])
+    except (ValueError, KeyError, TypeError):
+        return {"events": [], "text": "", "completion_tokens": None, "prompt_tokens": None, "response_id": None,
+                "error": f"unexpected response body: {body[:100]!r}", "done": False}
+    usage = d.get("usage") if isinstance(d.get("usage"), dict) else {}
+    return {"events": [], "text": "", "completion_tokens": 0, "response_id": d.get("id"), "error": None,
+            "prompt_tokens": usage.get("prompt_tokens", d.get("prompt_eval_count")), "done": n > 0}
+
+
+def _plain_text(d: dict, kind: str) -> str:
+    if kind == "responses":
+        return "".join(c.get("text") or "" for item in d.get("output") or () if item.get("type") == "message"
+                       for c in item.get("content") or ())
+    if kind == "messages":
+        return "".join(b.get("text") or "" for b in d.get("content") or ())
+    c = d["choices"][0]
+    return ((c.get("message") or {}).get("content") if kind == "chat" else c.get("text")) or ""
+
+
+def parse_plain(resp: Response, kind: str) -> dict:
     """A 200 answer that is not an event stream (a server that ignored stream=true)."""
     body = b"".join(resp.body)
     try:
         d = json.loads(body)
-        c = d["choices"][0]
-        text = (c.get("message") or {}).get("content") if chat else c.get("text")
-        text = text or ""
+        text = _plain_text(d, kind)
     except (ValueError, KeyError, IndexError, TypeError, AttributeError):
         return {"events": [], "text": "", "completion_tokens": None, "prompt_tokens": None, "response_id": None,
                 "error": f"unexpected response body: {body[:100]!r}", "done": False}
     usage = d.get("usage") if isinstance(d.get("usage"), dict) else {}
-    ct = usage.get("completion_tokens")
+    ct = usage.get("completion_tokens", usage.get("output_tokens"))
     ev = [[resp.end_ns, "content" if (ct or text) else "empty", ct if ct else None, len(text)]]
-    return {"events": ev, "text": text, "completion_tokens": ct, "prompt_tokens": usage.get("prompt_tokens"),
+    return {"events": ev, "text": text, "completion_tokens": ct,
+            "prompt_tokens": usage.get("prompt_tokens", usage.get("input_tokens")),
             "response_id": d.get("id"), "error": None, "done": True}
 
 
@@ -227,7 +342,7 @@ def _http_error(resp: Response) -> str:
     return f"HTTP {resp.status}: {msg}".strip()
 
 
-def build_record(i: int, item, t0: int, prompt, chat: bool, tokenizer) -> dict:
+def build_record(i: int, item, t0: int, prompt, endpoint_type: str, tokenizer) -> dict:
     sched, dispatch, slot, send, end, resp, kind, err, warm = item
     rec = {"type": "request", "index": i, "warmup": warm, "prompt_len": prompt.prompt_len,
            "output_len": prompt.output_len, "sched_ns": sched - t0, "dispatch_ns": dispatch - t0,
@@ -243,7 +358,8 @@ def build_record(i: int, item, t0: int, prompt, chat: bool, tokenizer) -> dict:
         return rec
     if resp is None or resp.status is None:
         return rec
-    p = parse_events(resp, chat) if resp.sse else parse_plain(resp, chat)
+    p = (parse_embeddings(resp) if endpoint_type == "embeddings" else parse_events(resp, endpoint_type) if resp.sse
+         else parse_plain(resp, endpoint_type))
     for e in p["events"]:
         e[0] -= t0
     rec.update(events=p["events"], text=p["text"], response_id=p["response_id"], prompt_tokens=p["prompt_tokens"])
@@ -268,7 +384,7 @@ def run_benchmark(cfg: dict, prompts: list, offsets_ns: list[int], tokenizer=Non
     """Run and return the trace as a list of JSON-ready records: header, requests..., footer.
     `progress` (a bench.progress.Progress) is redrawn during the run; `on_start()` is called after
     the warm-up, just before the clock starts."""
-    bodies = [request_body(cfg, p.prompt, p.output_len) for p in prompts]
+    bodies = [request_body(cfg, p.prompt, p.output_len, getattr(p, "messages", None)) for p in prompts]
     nw = cfg.get("warmup") or 0
     warm_prompts = [prompts[i % len(prompts)] for i in range(nw)] if prompts else []
     warm_bodies = bodies[:nw] if nw <= len(bodies) else [bodies[i % len(bodies)] for i in range(nw)]
@@ -285,14 +401,14 @@ def run_benchmark(cfg: dict, prompts: list, offsets_ns: list[int], tokenizer=Non
         if was_enabled:
             gc.enable()
         gc.unfreeze()
-    chat = cfg["endpoint_type"] == "chat"
+    kind = cfg["endpoint_type"]
     t0 = out["t0"]
     header = {"type": "header", "format": TRACE_FORMAT, "version": TRACE_VERSION,
               "date": time.strftime("%Y%m%d-%H%M%S", time.localtime(out["t0_epoch"] / 1e9)),
               "t0_perf_ns": t0, "t0_epoch_ns": out["t0_epoch"], "rx_timestamps": out["rx_timestamps"],
               "config": {k: v for k, v in cfg.items() if k != "api_key"}, "warnings": list(warnings or [])}
-    recs = [build_record(i, it, t0, warm_prompts[i], chat, tokenizer) for i, it in enumerate(out["warm"])]
-    recs += [build_record(i, it, t0, prompts[i], chat, tokenizer) for i, it in enumerate(out["raw"])]
+    recs = [build_record(i, it, t0, warm_prompts[i], kind, tokenizer) for i, it in enumerate(out["warm"])]
+    recs += [build_record(i, it, t0, prompts[i], kind, tokenizer) for i, it in enumerate(out["raw"])]
     footer = {"type": "footer", "wall_ns": out["wall"], "cpu_ns": out["cpu"],
               "loop_lag_interval_ns": LOOP_LAG_INTERVAL_NS, "loop_lag_ns": out["lags"]}
     return [header, *recs, footer]

@@ -67,6 +67,9 @@ def run_throughput(args) -> dict:
     if args.num_prompts < 1:
         raise InferdError("--num-prompts must be at least 1")
     cfg = EngineConfig.from_args(args)
+    if cfg.runner == "pooling":
+        raise InferdError("inferd throughput measures generation; embeddings: `inferd bench --endpoint /v1/embeddings` "
+                          "against a server, or benchmarks/embeddings.py")
     eng = LLMEngine(cfg)
     tok = eng.tokenizer
     out_range = parse_range(args.output_len, "output-len")
@@ -157,6 +160,11 @@ def format_report(r: dict) -> str:
             ("Tokens per target step", f"{r['spec_tokens_per_step']:.2f} (per sequence)"),
             ("Draft / verify time (s)", f"{r['spec_draft_time_s']:.2f} / {r['spec_verify_time_s']:.2f}"),
         ]
+        if r["speculative_method"] == "suffix":  # where the guesses went
+            rows.append(("Guesses", f"{r['spec_num_proposed_tokens']} proposed: {r['spec_num_draft_tokens']} verified, "
+                                    f"{r['spec_num_cost_skipped_tokens']} skipped by the cost model, "
+                                    f"{r['spec_num_grammar_cut_tokens']} cut by a grammar; "
+                                    f"{r['spec_num_cache_drafts']} drafts from the shared cache"))
     w = max(len(k) for k, _ in rows)
     title = f"inferd throughput ({r['scheduling']}, max_num_seqs={r['max_num_seqs']}, {r['dtype']})"
     return "\n".join([title, "-" * len(title)] + [f"{k:<{w}}  {v}" for k, v in rows])

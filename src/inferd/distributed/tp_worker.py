@@ -64,9 +64,12 @@ def serve(spec: dict) -> int:
         layout = kv_layout(setup["window"], mcfg.num_hidden_layers)  # rank 0's, from the same windows
         pool = KVPool(layout.group_size, setup["num_blocks"] + (layout.num_groups > 1), setup["block_size"],
                       model.layers[0].n_kv, mcfg.head_dim, kv_dtype, model.device)
-        attention = SpecPagedAttention if setup["speculative"] else PagedAttention
-        attn = attention(pool, mcfg.head_dim, setup["window"], scale=attention_scale(mcfg), layout=layout,
-                         softcap=mcfg.attn_logit_softcapping)
+        if setup["speculative"]:  # verify chunks of up to k + 1 rows through the decode kernel, as rank 0's
+            attn = SpecPagedAttention(pool, mcfg.head_dim, setup["window"], scale=attention_scale(mcfg), layout=layout,
+                                      softcap=mcfg.attn_logit_softcapping, max_rows=cfg.num_speculative_tokens + 1)
+        else:
+            attn = PagedAttention(pool, mcfg.head_dim, setup["window"], scale=attention_scale(mcfg), layout=layout,
+                                  softcap=mcfg.attn_logit_softcapping)
         lora = None
         if cfg.enable_lora:  # this rank's share of every adapter; rank 0 sends the slot writes
             from inferd.config import lora_module

@@ -42,9 +42,9 @@ class AsyncLLM:
     @classmethod
     def from_config(cls, cfg, **kw) -> AsyncLLM:
         """Load the model of `cfg` in this process and run its engine on a thread."""
-        from inferd.engine.engine import LLMEngine
+        from inferd.engine.pooling import make_engine
 
-        return cls(LLMEngine(cfg), **kw)
+        return cls(make_engine(cfg), **kw)
 
     # -- EngineClient, on the event loop ----------------------------------------------------------
     @property

@@ -35,6 +35,12 @@ class EngineInfo:
     # what a prompt may hold besides token ids: every family inferd serves today reads text only;
     # the server refuses a chat's image or audio parts until a model here takes them
     modalities: tuple[str, ...] = ("text",)
+    architecture: str = ""  # the model's family (ModelConfig.architecture): what APIs that describe a model tell
+    model_path: str | None = None  # the file or folder the weights came from (None: built in)
+    # generate, or pooling (embeddings: inferd.engine.pooling) with the model's pooling: mode,
+    # normalize and dimensions (the vector's length)
+    runner: str = "generate"
+    pooling: dict | None = None
     # how the load went (inferd.loading.report): seconds, peak resident memory, weights held, the
     # layers left dense for want of a kernel, by GGUF type
     load: dict = field(default_factory=dict)

@@ -57,9 +57,9 @@ def run_core(cfg, to_core: str, from_core: str, threads: int | None, log_level: 
     try:
         from dataclasses import replace
 
-        from inferd.engine.engine import LLMEngine
+        from inferd.engine.pooling import make_engine
 
-        engine = LLMEngine(cfg)
+        engine = make_engine(cfg)
         # the tokenizer crosses as the file it came from: the API process loads its own
         send(Ready(replace(engine.info(), tokenizer=None), engine.tokenizer_path()))
         try:

@@ -71,6 +71,9 @@ class LLMEngine:
 
             loaded = load_model(cfg.load_config(), shard=self.tp.shard if self.tp is not None else None)
         self.loaded = loaded
+        if getattr(loaded.model, "encoder", False):
+            raise InferdError(f"{loaded.config.architecture} is an encoder (embedding) model: it runs with "
+                              "--runner pooling (or auto), not generate")
         self.load_report = dict(getattr(loaded, "report", None) or {})  # how the load went (loading.report)
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -126,8 +129,10 @@ class LLMEngine:
                 name, path = lora_module(spec)
                 self.lora.add(name, path)
             self.scheduler.max_loras = cfg.max_loras
+        # verify chunks of every length the configuration allows (k + 1 rows) go through the decode kernel
+        rows = {"max_rows": cfg.num_speculative_tokens + 1} if cfg.speculative_method is not None else {}
         self.runner = ModelRunner(self.model, attention(self.pool, mcfg.head_dim, window, scale=attention_scale(mcfg),
-                                                        layout=layout, softcap=mcfg.attn_logit_softcapping),
+                                                        layout=layout, softcap=mcfg.attn_logit_softcapping, **rows),
                                   cfg.enforce_eager,
                                   comm=self.tp.comm if self.tp is not None else None, lora=self.lora)
         self.requests: dict[str, Request] = {}
@@ -198,7 +203,8 @@ class LLMEngine:
     def info(self) -> EngineInfo:
         """What a client of this engine knows of it (inferd.engine.client)."""
         return EngineInfo(self.loaded.source.name, self.tokenizer, self.max_model_len, self.model_config.vocab_size,
-                          self.spec is not None, os.getpid(), self.cache_info(), load=self.load_report)
+                          self.spec is not None, os.getpid(), self.cache_info(),
+                          architecture=self.model_config.architecture, model_path=self.loaded.source.path, load=self.load_report)
 
     def tokenizer_path(self) -> str | None:
         """The file another process loads this engine's tokenizer from (None: no tokenizer)."""
@@ -423,8 +429,13 @@ class LLMEngine:
             return None
         st = self.spec.stats
         spec = {k: getattr(st, k) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens",
-                                            "num_emitted_tokens", "draft_time", "verify_time")}
-        spec.update(acceptance_rate=st.acceptance_rate, mean_accepted_length=st.mean_accepted_length)
+                                            "num_emitted_tokens", "draft_time", "verify_time", "num_verified_rows",
+                                            "num_proposed_tokens", "num_cost_skipped_tokens",
+                                            "num_cost_skipped_drafts", "num_grammar_cut_tokens", "num_cache_drafts",
+                                            "num_budget_cut_tokens", "num_cost_probes",
+                                            "num_explored", "num_skipped")}
+        spec.update(acceptance_rate=st.acceptance_rate, mean_accepted_length=st.mean_accepted_length,
+                    accepted_per_pos=list(st.accepted_per_pos), method=self.spec.method)
         return spec
 
     def state(self, steps: int = STEP_HISTORY) -> dict:
@@ -483,6 +494,7 @@ class LLMEngine:
             if self.structured is not None:
                 self.structured.wait()
             return self._fail(batch.requests, e, "the forward pass")
+        t_forward = time.monotonic() - t_fwd
         if self.structured is not None:
             self.structured.wait()
         outputs: list[RequestOutput] = []
@@ -526,7 +538,10 @@ class LLMEngine:
         self.stats.sample_events += len(outputs)
         if spec is not None:
             spec.release_finished()
-        self._record(batch, time.monotonic() - t0)
+        dt = time.monotonic() - t0
+        if spec is not None:
+            spec.observe_step(dt, t_forward, sum(batch.num_new))
+        self._record(batch, dt)
         return outputs
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor, outputs: list):

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 from inferd.config import EngineConfig
 from inferd.engine.engine import LLMEngine
-from inferd.engine.request import SamplingParams
+from inferd.engine.pooling import make_engine
+from inferd.engine.request import PoolingParams, SamplingParams
 from inferd.errors import InferdError
 
 # the roles a chat template is given; `developer` (what OpenAI's newer clients send for system) as system
@@ -29,6 +30,13 @@ class CompletionOutput:
     samples: list = field(default_factory=list)  # all n samples (this one is samples[0])
 
 
+@dataclass
+class EmbeddingOutput:
+    request_id: str
+    embedding: list[float]
+    num_prompt_tokens: int
+
+
 class LLM:
     """Offline use: `LLM(model=...).generate(prompts, SamplingParams(...))`, or `.chat(messages)`.
 
@@ -37,7 +45,12 @@ class LLM:
     vLLM's dict form: {"prompt": text} or {"prompt_token_ids": [ids]}."""
 
     def __init__(self, model: str | None = None, loaded=None, config: EngineConfig | None = None, **engine_options):
-        self.engine = LLMEngine(config or EngineConfig(model=model), loaded=loaded, **engine_options)
+        cfg = config or EngineConfig(model=model)
+        for k, v in engine_options.items():  # the runner is chosen from them (make_engine)
+            if not hasattr(cfg, k):
+                raise InferdError(f"unknown engine option {k!r}")
+            setattr(cfg, k, v)
+        self.engine = make_engine(cfg, loaded=loaded)
         self.tokenizer = self.engine.tokenizer
 
     def close(self):
@@ -119,6 +132,22 @@ class LLM:
             chat_messages(c), add_generation_prompt=add_generation_prompt, tokenize=True, **extra)}
             for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def embed(self, inputs, params: PoolingParams | None = None) -> list[EmbeddingOutput]:
+        """One EmbeddingOutput per input (a text, or a list of token ids), in order (vLLM's
+        `LLM.embed`); needs the pooling runner (an encoder model, or `runner="pooling"`)."""
+        single = isinstance(inputs, str) or (isinstance(inputs, list) and inputs and isinstance(inputs[0], int))
+        if single:
+            inputs = [inputs]
+        ids = [self.engine.add_request(x, params or PoolingParams()) for x in inputs]
+        done: dict[str, EmbeddingOutput] = {}
+        while self.engine.has_unfinished():
+            for o in self.engine.step():
+                if o.error:
+                    raise InferdError(f"embedding {o.request_id} failed: {o.error}")
+                if o.embedding is not None:
+                    done[o.request_id] = EmbeddingOutput(o.request_id, o.embedding, o.num_prompt_tokens)
+        return [done[i] for i in ids]
 
     def stream(self, prompt, params: SamplingParams | None = None):
         """Yield (text delta, RequestOutput) for one prompt as tokens come; runs other queued work too."""

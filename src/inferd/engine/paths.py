@@ -85,6 +85,7 @@ def engine_paths(engine) -> dict:
         "decode_tokens": stats.decode_tokens,
         "tensor_parallel_size": cfg.tensor_parallel_size,
         "speculative_method": cfg.speculative_method,
+        "speculative": _spec_paths(engine),
         "draft": _draft_paths(engine),
         "lora": _lora_paths(engine),
     }
@@ -98,6 +99,19 @@ def _lora_paths(engine) -> dict | None:
     return {"adapters": len(lora.adapters), "max_loras": lora.max_loras, "max_rank": lora.max_rank,
             "lora_steps": lora.lora_steps, "multi_adapter_steps": lora.multi_adapter_steps,
             "slot_writes": lora.slot_writes, "products_per_step": lora.applies_last}
+
+
+def _spec_paths(engine) -> dict | None:
+    """Speculation: its guesses per step, whether the cost model chose them, and where the guesses
+    went (a row that claims suffix drafts or the cost model is held to these)."""
+    spec = getattr(engine, "spec", None)
+    if spec is None:
+        return None
+    st = spec.stats
+    return {"method": spec.method, "num_speculative_tokens": spec.k, "cost_model": spec.cost is not None,
+            "drafts": st.num_drafts, "draft_tokens": st.num_draft_tokens, "accepted_tokens": st.num_accepted_tokens,
+            "proposed_tokens": st.num_proposed_tokens, "cost_skipped_tokens": st.num_cost_skipped_tokens,
+            "grammar_cut_tokens": st.num_grammar_cut_tokens, "cache_drafts": st.num_cache_drafts}
 
 
 def _draft_paths(engine) -> dict | None:
@@ -165,10 +179,14 @@ def label_problems(label: str, paths: dict) -> list[str]:
         claim = not _NO_AMX.search(low)
         need(bool(ran) == claim, "AMX" if claim else "without AMX",
              f"amx={paths.get('amx')}" if "amx" in paths else f"kernel variant {paths.get('kernel_variant')}")
-    for spec, method in (("ngram", "ngram"), ("draft", "draft")):
+    for spec, method in (("ngram", "ngram"), ("draft", "draft"), ("suffix", "suffix")):
         if spec in words:
             need(paths.get("speculative_method") == method, spec,
                  f"speculative_method={paths.get('speculative_method')}")
+    if "cost model" in low:
+        on = not re.search(r"\bno cost model", low)
+        sp = paths.get("speculative") or {}
+        need(bool(sp.get("cost_model")) == on, "cost model" if on else "no cost model", f"speculative {sp}")
     m = re.search(r"\btp\s*=\s*(\d+)", low)
     if m:
         need(paths.get("tensor_parallel_size") == int(m.group(1)), m.group(0),

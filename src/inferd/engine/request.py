@@ -68,6 +68,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None
+    # suffix decoding's shared cache of outputs: drafts come only from requests of the same salt;
+    # suffix_cache False keeps the request out of it altogether
+    cache_salt: str | None = None
+    suffix_cache: bool = True
 
     def validate(self, vocab_size: int | None = None):
         if isinstance(self.stop, str):
@@ -121,6 +125,25 @@ class SamplingParams:
     def num_samples(self) -> int:
         """Sequences the engine runs for the request: best_of of them when set, else n."""
         return self.best_of or self.n
+
+
+@dataclass
+class PoolingParams:
+    """A pooling request (an embedding): one forward pass over the prompt, one vector back. Stands
+    where SamplingParams stands in `EngineClient.generate`, so every client carries it unchanged.
+    `normalize` None: the model's own choice (its sentence-transformers Normalize module); `dimensions`
+    a Matryoshka cut, refused by a model that was not trained for one."""
+    normalize: bool | None = None
+    dimensions: int | None = None
+
+    num_samples = 1  # one output, as Streams.read counts them
+    n = 1
+    greedy = True  # nothing is sampled: a Request holds no generator
+
+    def validate(self):
+        if self.dimensions is not None:
+            raise InferdError("dimensions: this model does not support a shortened embedding (no Matryoshka "
+                              "training declared)")
 
 
 class Status(enum.Enum):
@@ -258,3 +281,4 @@ class RequestOutput:
     kv_transfer_params: dict | None = None  # a KV producer's finished request: where its prompt KV is
     num_cached_tokens: int = 0  # prompt tokens not computed here (prefix cache, remote KV), when finished
     num_output_tokens: int = 0  # tokens generated so far (output_ids does not cross a process boundary)
+    embedding: list[float] | None = None  # a pooling request's vector (PoolingParams)

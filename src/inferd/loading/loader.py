@@ -117,6 +117,10 @@ def _no_default_init():
 
 def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor] | None, dtype, device,
                 seed: int = 0) -> LlamaModel:
+    if registry.by_name(cfg.architecture).encoder:  # BERT: its own names, no LM head (loading/encoder.py)
+        from inferd.loading.encoder import build_encoder
+
+        return build_encoder(cfg, state_dict, dtype, device, seed)
     """A dense model: random weights (`state_dict` None: tests, --load-format dummy) or the tensors
     of a state dict under our unfused names, each copied once into its layer."""
     if state_dict is not None:
@@ -172,7 +176,7 @@ def build_skeleton(cfg: ModelConfig, plan, dtype, device) -> LlamaModel:
             raise InferdError(f"weight {path}: {e}, the config expects [{old.out_features}, {old.in_features}]") \
                 from None
     model.embed_tokens = _embedding(plan.embedding, cfg, dtype)
-    missing = []
+    missing, taken = [], set()
     for mod_name, mod in model.named_modules():
         if isinstance(mod, PlannedLinear):
             continue
@@ -190,8 +194,12 @@ def build_skeleton(cfg: ModelConfig, plan, dtype, device) -> LlamaModel:
             if tuple(part.shape) != tuple(param.shape):
                 raise InferdError(f"weight {full} has shape {tuple(part.shape)}, config expects {tuple(param.shape)}")
             mod._parameters[pname] = nn.Parameter(part.dense(dtype), requires_grad=False)
+            taken.add(full)
     if missing:
         raise InferdError(f"weights missing from the file: {sorted(missing)[:5]}")
+    unread = plan.unused + sorted(set(plan.tensors) - taken)
+    if unread:  # a tensor under a name nothing maps is a weight the model would silently go without
+        log.warning("%d tensors of the file are read by no layer: %s", len(unread), ", ".join(unread[:5]))
     return _finish(model, device)
 
 
@@ -212,7 +220,7 @@ def _embedding(part, cfg: ModelConfig, dtype) -> nn.Module:
 
 def tie_dense_head(model: nn.Module, cfg: ModelConfig) -> bool:
     """A tied model whose head and table are both dense floats holds the matrix once."""
-    head, emb = model.lm_head, model.embed_tokens
+    head, emb = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)  # an encoder has no head
     if not cfg.tie_word_embeddings or type(head) is not Linear or not isinstance(emb, nn.Embedding):
         return False
     if head.weight.shape != emb.weight.shape or head.weight.dtype != emb.weight.dtype or head.bias is not None:
@@ -277,7 +285,7 @@ def _load(lc: LoadConfig, shard=None) -> LoadedModel:
         lc = dataclasses.replace(lc, quantization="none")  # an AWQ folder still serves as awq (below)
     method = quant.method(lc.quantization)
     dummy = lc.load_format == "dummy"
-    tok = reader = plan = None
+    tok = reader = plan = sd = None
     checkpoint = {}
     if src.kind == "builtin":
         cfg = builtin_config(src.name)
@@ -311,11 +319,15 @@ def _load(lc: LoadConfig, shard=None) -> LoadedModel:
             sd = load_safetensors_folder(src.path)
             checkpoint = {"parts": take_awq_linears(sd, cfg, awq["group_size"]), "group_size": awq["group_size"]}
             plan = memory_plan(sd, cfg)
+        elif not dummy and registry.by_name(cfg.architecture).encoder:
+            sd = load_safetensors_folder(src.path)  # an encoder (BERT) is small and has its own names
         elif not dummy:
             plan = safetensors_plan(src.path, cfg)
         if lc.with_tokenizer and os.path.isfile(os.path.join(src.path, "tokenizer.json")):
             tok = _load_tokenizer(src.path)
     name = "awq" if checkpoint else (lc.quantization or "none")
+    if method is not None and registry.by_name(cfg.architecture).encoder:
+        raise InferdError(f"--quantization {name}: encoder models ({cfg.architecture}) are served unquantized")
     if method is not None and "gguf" in method.needs and (src.kind != "gguf" or dummy):
         raise InferdError("--quantization gguf needs a .gguf model file")
     if method is not None and "checkpoint" in method.needs and not checkpoint:
@@ -330,7 +342,7 @@ def _load(lc: LoadConfig, shard=None) -> LoadedModel:
     if lc.dtype == "auto":
         log.info("--dtype auto: %s", str(tdtype)[6:])
     if plan is None:
-        net = build_model(cfg, None, tdtype, dev)
+        net = build_model(cfg, sd, tdtype, dev)
     else:
         guard(src, plan, cfg, lc, name, tdtype)
         report.begin(plan, reader, tdtype)

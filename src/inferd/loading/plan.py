@@ -259,12 +259,8 @@ def gguf_plan(reader, cfg) -> TensorPlan:
     plan = fuse(names, cfg, stacked)
     plan.kind = "gguf"
     plan.file_bytes = os.path.getsize(reader.path)
-    plan.unused = unused + sorted(k for k in plan.tensors if not _is_model_param(k))
+    plan.unused = unused
     return plan
-
-
-def _is_model_param(name: str) -> bool:
-    return name.endswith(".weight") or name.endswith(".bias")
 
 
 # -- safetensors ---------------------------------------------------------------------------------

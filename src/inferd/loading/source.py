@@ -28,7 +28,8 @@ def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
     from inferd.loading import embedded
 
     if load_format != "dummy" and model.lower() in embedded.NAMES:
-        return ModelSource("gguf", embedded.resolve(model), embedded.NAMES[model.lower()])
+        found = embedded.resolve(model)  # a folder for an encoder (all-MiniLM-L6-v2), else a GGUF file
+        return ModelSource("hf" if os.path.isdir(found) else "gguf", found, embedded.NAMES[model.lower()])
     path = os.path.expanduser(model)
     if os.path.isdir(path):
         return ModelSource("hf", path, os.path.basename(os.path.normpath(path)))

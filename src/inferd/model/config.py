@@ -40,6 +40,10 @@ class ModelConfig:
     norm_topk_prob: bool = True
     bos_token_id: Any = None
     eos_token_id: Any = None
+    # encoders (model/bert.py): LayerNorm's eps, the token-type table's rows, the MLP's activation
+    layer_norm_eps: float = 1e-12
+    type_vocab_size: int = 0
+    hidden_act: str = "silu"
     extra: dict = field(default_factory=dict)
 
 
@@ -47,6 +51,8 @@ def config_from_hf(d: dict) -> ModelConfig:
     from inferd.model import registry
 
     fam = registry.for_hf(d.get("architectures"), d.get("model_type"))
+    if fam.encoder:
+        return encoder_config_from_hf(fam.name, d)
     arch = fam.name
     n_heads = d["num_attention_heads"]
     hidden = d["hidden_size"]
@@ -122,6 +128,38 @@ def yarn_scaling(rs: dict, max_pos: int, orig: int | None = None) -> tuple[dict,
         raise InferdError(f"YaRN scaling factor {factor} is below 1")
     out = {**rs, "rope_type": "yarn", "factor": factor, "original_max_position_embeddings": orig}
     return out, max(int(max_pos), int(orig * factor))
+
+
+# what an encoder's config.json may name its MLP activation (transformers' ACT2FN names)
+ENCODER_ACTS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
+
+
+def encoder_config_from_hf(arch: str, d: dict) -> ModelConfig:
+    """A BERT-style config.json: post-LayerNorm layers, learned absolute positions, token types."""
+    if d.get("position_embedding_type", "absolute") != "absolute":
+        raise InferdError(f"position_embedding_type {d['position_embedding_type']!r} is not supported (absolute only)")
+    act = d.get("hidden_act", "gelu")
+    if act not in ENCODER_ACTS:
+        raise InferdError(f"hidden_act {act!r} is not supported (supported: {', '.join(ENCODER_ACTS)})")
+    n_heads = d["num_attention_heads"]
+    hidden = d["hidden_size"]
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=d["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=d["intermediate_size"],
+        num_hidden_layers=d["num_hidden_layers"],
+        num_attention_heads=n_heads,
+        num_key_value_heads=n_heads,
+        head_dim=hidden // n_heads,
+        max_position_embeddings=d.get("max_position_embeddings", 512),
+        layer_norm_eps=float(d.get("layer_norm_eps", 1e-12)),
+        type_vocab_size=int(d.get("type_vocab_size", 2)),
+        hidden_act=act,
+        attention_bias=True,
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_id=d.get("eos_token_id"),
+    )
 
 
 def attention_scale(cfg: ModelConfig) -> float:

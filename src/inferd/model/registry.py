@@ -30,6 +30,8 @@ class Family:
     gguf_names: tuple[tuple[str, str], ...] = ()
     gguf_norm_offset: float = 0.0
     tested: str = ""  # what the suite holds it to (docs/reference/models.md)
+    # an encoder (bidirectional attention, no KV cache, no LM head): served by the pooling runner only
+    encoder: bool = False
 
 
 # Gemma's four norms a layer: llama.cpp calls the pre-MLP one ffn_norm, as Llama's single one
@@ -75,6 +77,10 @@ FAMILIES: tuple[Family, ...] = (
            tested="HF and GGUF (local and global layers, past the window); the engine with KV groups; TP=2; "
                   "the real Gemma 3 270M Q4_K_M (`--model gemma3-270m`): transformers' tokens and tokenizer, "
                   "a 4k request holding the windows only, llama.cpp's chat format, structured output"),
+    Family("bert", "bert", "BertModel", ("BertModel", "BertForMaskedLM", "BertForPreTraining"), (), False,
+           encoder=True,
+           tested="HF (an encoder: the pooling runner); the real all-MiniLM-L6-v2 (`--model all-minilm-l6-v2`) "
+                  "against sentence-transformers, padding-free batches"),
 )
 
 

@@ -1,14 +1,17 @@
-"""The OpenAI-compatible HTTP API over an engine client (FastAPI on uvicorn).
+"""The HTTP API over an engine client (FastAPI on uvicorn), in three dialects.
 
-Routes: /v1/completions (completions.py), /v1/chat/completions (chat.py), both streaming and not;
-the chat page, the dashboard and /v1/engine/state (web.py); here /v1/models, /health, /metrics,
-/tokenize, /detokenize, and /models/load and /models/unload (llama-server's operator routes; the
-served models and when they load: models.py). Every failure a client can cause is an
-OpenAI error body with a 4xx; past --max-waiting queued requests the answer is 503 with Retry-After.
+Routes: OpenAI's /v1/completions, /v1/chat/completions and /v1/responses (openai/); Anthropic's
+/v1/messages and /v1/messages/count_tokens (anthropic/); Ollama's /api/* (ollama/); the chat page,
+the dashboard and /v1/engine/state (web.py); here /v1/models (readable by OpenAI's and Anthropic's
+clients), /health, /metrics, /tokenize, /detokenize, and /models/load and /models/unload
+(llama-server's operator routes; the served models and when they load: models.py). Every failure a
+client can cause is a 4xx in the error shape of the dialect its path speaks (dialects.py); past
+--max-waiting queued requests the answer is 503 with Retry-After.
 """
 from __future__ import annotations
 
 import contextlib
+import re
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -16,10 +19,12 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inferd.errors import InferdError
-from inferd.server import chat, completions, web
+from inferd.server import anthropic, embeddings, ollama, openai, web
+from inferd.server.dialects import dialect_of, error_body
 from inferd.server.limits import Front, Limits
 from inferd.server.metrics import Metrics
 from inferd.server.models import Models
+from inferd.server.openai.store import ResponseStore
 from inferd.server.protocol import (COMMON_ERRORS, ApiError, DetokenizeRequest, DetokenizeResponse, HealthResponse,
                                     LoadLoRARequest, LoRAActionResponse, ModelAction, ModelActionResponse, ModelList,
                                     TokenizeRequest, TokenizeResponse, UnloadLoRARequest, error_responses,
@@ -27,7 +32,8 @@ from inferd.server.protocol import (COMMON_ERRORS, ApiError, DetokenizeRequest, 
 
 
 def create_app(models: Models, api_key: str | None = None, metrics: Metrics | None = None,
-               limits: Limits | None = None, allowed_origins: list[str] | None = None, on_start=None) -> FastAPI:
+               limits: Limits | None = None, allowed_origins: list[str] | None = None, on_start=None,
+               store: ResponseStore | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_):
         if on_start is not None:
@@ -37,35 +43,47 @@ def create_app(models: Models, api_key: str | None = None, metrics: Metrics | No
     app = FastAPI(title="inferd", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.draining = False  # set on SIGTERM: new requests get 503 while the open ones finish
     limits = limits or Limits()
+    store = store if store is not None else ResponseStore()
+    app.state.responses_store = store
+    if metrics is not None:
+        metrics.watch_store(store)
 
-    # -- errors ---------------------------------------------------------------------------------
+    # -- errors, each in the shape of the dialect its path speaks --------------------------------
+    def answer(request, e: ApiError) -> JSONResponse:
+        return JSONResponse(error_body(e, dialect_of(request.url.path)), status_code=e.status, headers=e.headers)
+
     @app.exception_handler(ApiError)
-    async def _api_error(_, e: ApiError):
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+    async def _api_error(request, e: ApiError):
+        return answer(request, e)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_, e: RequestValidationError):
-        return JSONResponse(validation_error(e.errors()).body(), status_code=400)
+    async def _validation(request, e: RequestValidationError):
+        return answer(request, validation_error(e.errors()))
 
     @app.exception_handler(InferdError)
-    async def _inferd_error(_, e: InferdError):
-        return JSONResponse(ApiError(str(e)).body(), status_code=400)
+    async def _inferd_error(request, e: InferdError):
+        return answer(request, ApiError(str(e)))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_, e: StarletteHTTPException):  # routing (404, 405), body limits (408, 413)
+    async def _http_error(request, e: StarletteHTTPException):  # routing (404, 405), body limits (408, 413)
         msg = e.detail if isinstance(e.detail, str) else "request failed"
         if e.status_code == 404 and msg == "Not Found":
-            msg = "no such route"
+            msg = f"no such route (path: {request.url.path[:128]})"
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(ApiError(msg, status=e.status_code, type_=kind).body(), status_code=e.status_code,
-                            headers=getattr(e, "headers", None))
+        headers = getattr(e, "headers", None)
+        methods = allowed_methods(app, request.url.path) if e.status_code == 405 else None
+        if methods:  # every method of the path, not only the first route's that matched it
+            headers = {**(headers or {}), "Allow": ", ".join(methods)}
+        return answer(request, ApiError(msg, status=e.status_code, type_=kind, headers=headers))
 
     if allowed_origins:  # CORS only when asked for (vLLM's --allowed-origins): a browser page elsewhere
         from starlette.middleware.cors import CORSMiddleware  # may not drive the API by default
 
-        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"])
-    app.add_middleware(Front, api_key=api_key, limits=limits, state=app.state)
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["GET", "POST", "DELETE"],
+                           allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version",
+                                          "anthropic-beta"])
+    app.add_middleware(Front, api_key=api_key, limits=limits, state=app.state,
+                       on_response=metrics.on_response if metrics is not None else None)
 
     # -- plain routes ---------------------------------------------------------------------------
     @app.get("/health", responses={200: {"model": HealthResponse}, 503: {"model": HealthResponse}})
@@ -83,8 +101,12 @@ def create_app(models: Models, api_key: str | None = None, metrics: Metrics | No
 
     @app.get("/v1/models", responses={200: {"model": ModelList}, **error_responses(*COMMON_ERRORS)})
     async def list_models():
-        """Every served model with its state (`status.value`: loaded, loading, unloading, unloaded)."""
-        return {"object": "list", "data": [models.card(e) for e in models.entries] + models.adapter_cards()}
+        """Every served model with its state (`status.value`: loaded, loading, unloading, unloaded).
+        The list is OpenAI's and Anthropic's at once (their fields do not collide), so both
+        clients' `models.list()` read it."""
+        cards = [models.card(e) for e in models.entries] + models.adapter_cards()
+        return {"object": "list", "data": cards, "has_more": False,
+                "first_id": cards[0]["id"] if cards else None, "last_id": cards[-1]["id"] if cards else None}
 
     @app.post("/models/load", responses={200: {"model": ModelActionResponse}, **error_responses(*COMMON_ERRORS, 404,
                                                                                                   500, 503)})
@@ -136,11 +158,24 @@ def create_app(models: Models, api_key: str | None = None, metrics: Metrics | No
             return {"prompt": srv.tok.decode(req.tokens)}
 
     # -- generation -----------------------------------------------------------------------------
-    app.include_router(completions.router(models))
-    app.include_router(chat.router(models))
+    app.include_router(openai.router(models, store))
+    app.include_router(anthropic.router(models))
+    app.include_router(ollama.router(models))
+    app.include_router(embeddings.router(models))  # /v1/embeddings, /pooling, /api/embed, /api/embeddings
     app.include_router(web.router(models, app.state))  # the chat page, the dashboard and its state JSON
     app.openapi = lambda: openapi_document(app)
     return app
+
+
+def allowed_methods(app: FastAPI, path: str) -> list[str] | None:
+    """The methods the OpenAPI document gives the path (a path such as /v1/responses/{id} has a
+    route a method, of which Starlette's 405 names only the first), or None for a path it lacks."""
+    for template, ops in openapi_document(app).get("paths", {}).items():
+        parts = re.split(r"(\{[^/{}]+\})", template)
+        pattern = "".join("[^/]+" if p.startswith("{") else re.escape(p) for p in parts)
+        if re.fullmatch(pattern, path):
+            return sorted(m.upper() for m in ops)
+    return None
 
 
 def openapi_document(app: FastAPI) -> dict:

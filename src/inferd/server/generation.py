@@ -44,6 +44,7 @@ class Served:
         self.stall_timeout = limits.stall_timeout_s if limits is not None else None
         self.prompt_details = False  # usage.prompt_tokens_details (--enable-prompt-tokens-details)
         self.lora: str | None = None  # the LoRA adapter its requests run with (a request that names one)
+        self.reasoning_parser: str | None = None  # --reasoning-parser: splits <think> text from answers
 
     def with_adapter(self, name: str) -> "Served":
         """The same model answering as LoRA adapter `name` (vLLM's: the adapter is the `model`)."""
@@ -53,9 +54,9 @@ class Served:
         view.name, view.lora = name, name
         return view
 
-    def usage(self, prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict:
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached: int = 0, details: bool = False) -> dict:
         u = usage(prompt_tokens, completion_tokens)
-        if self.prompt_details:
+        if self.prompt_details or details:
             u["prompt_tokens_details"] = {"cached_tokens": cached}
         return u
 
@@ -80,9 +81,24 @@ class Served:
     def token_str(self, t: int) -> str:
         return self.tok.decode([t], skip_special_tokens=False)
 
-    def max_tokens_for(self, req_max: int | None, n_prompt: int) -> int:
+    def require_runner(self, runner: str):
+        """A generation route to an embedding model, or an embedding route to a generating one: a 400
+        saying which the model answers."""
+        have = getattr(self.info, "runner", "generate")
+        if have == runner:
+            return
+        if have == "pooling":
+            raise ApiError(f"model `{self.name}` is an embedding model: it answers /v1/embeddings, /pooling and "
+                           "/api/embed, not text generation", param="model")
+        raise ApiError(f"model `{self.name}` generates text and has no embeddings: serve an embedding model, or "
+                       "this one with --runner pooling", param="model")
+
+    def max_tokens_for(self, req_max: int | None, n_prompt: int, ceiling: bool = False) -> int:
+        """`ceiling`: the request's max_tokens bounds the output rather than demands it (Anthropic's and
+        the Responses API's meaning): past the context it stops at the context's end."""
+        self.require_runner("generate")
         try:
-            return resolve_max_tokens(req_max, n_prompt, self.max_len)
+            return resolve_max_tokens(req_max, n_prompt, self.max_len, clamp=ceiling)
         except InferdError as e:
             raise ApiError(str(e), param="max_tokens") from None
 
@@ -213,8 +229,8 @@ class SSEResponse(StreamingResponse):
     longer than stall_timeout seconds ends the stream (its request is aborted, its KV blocks freed),
     so a client that stops reading cannot hold an engine slot without bound."""
 
-    def __init__(self, content, stall_timeout: float | None):
-        super().__init__(content, media_type="text/event-stream")
+    def __init__(self, content, stall_timeout: float | None, media_type: str = "text/event-stream"):
+        super().__init__(content, media_type=media_type)
         self.stall_timeout = stall_timeout
 
     async def stream_response(self, send) -> None:
@@ -256,6 +272,39 @@ async def primed(agen):
             await agen.aclose()
 
     return rest()
+
+
+async def translated(chunks: AsyncIterator[Chunk], start: Callable[[], list], feed: Callable[[Chunk], list],
+                     finish: Callable[[], list]):
+    """A dialect's events made from the chat stream by its translator (`start()`, `feed(chunk)`,
+    `finish()`, each a list of events). Leaving it early (a client gone) closes the chat stream at
+    once, which aborts the engine request and frees its blocks."""
+    try:
+        for ev in start():
+            yield ev
+        async for c in chunks:
+            for ev in feed(c):
+                yield ev
+        for ev in finish():
+            yield ev
+    finally:
+        await chunks.aclose()
+
+
+async def framed(events, frame: Callable[[Any], str], on_error: Callable[[ApiError], str]):
+    """A dialect's events, each framed as its wire format writes it (`event:`/`data:` SSE, NDJSON);
+    an error after the stream started becomes the dialect's own error frame, which ends it."""
+    try:
+        async for ev in events:
+            yield frame(ev)
+    except ApiError as e:
+        yield on_error(e)
+    finally:
+        await events.aclose()
+
+
+def sse_event(name: str, data: dict) -> str:
+    return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
 async def sse(chunks):

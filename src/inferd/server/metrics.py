@@ -30,6 +30,10 @@ VLLM_NAMES = {
     "inferd:num_preemptions": ("vllm:num_preemptions",),
     "inferd:request_success": ("vllm:request_success",),
     "inferd:lora_requests_info": ("vllm:lora_requests_info",),
+    "inferd:spec_decode_num_drafts": ("vllm:spec_decode_num_drafts",),
+    "inferd:spec_decode_num_draft_tokens": ("vllm:spec_decode_num_draft_tokens",),
+    "inferd:spec_decode_num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens",),
+    "inferd:spec_decode_num_accepted_tokens_per_pos": ("vllm:spec_decode_num_accepted_tokens_per_pos",),
 }
 
 
@@ -96,6 +100,10 @@ class Metrics:
         # reading (LoRA-aware routers, e.g. the Gateway API Inference Extension, read the newest series)
         self.lora_info = Gauge("inferd:lora_requests_info", "LoRA adapters of running and waiting requests.",
                                ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
+        # one series per route and dialect (OpenAI, Anthropic, Ollama) and status: which APIs are used
+        self.http_requests = Counter("inferd:http_requests", "HTTP requests answered, by route, API dialect "
+                                     "(openai, anthropic, ollama) and status.", ["route", "dialect", "status"],
+                                     registry=r)
         self.cache_config = Gauge("inferd:cache_config_info", "KV cache configuration (value 1).",
                                   L + ["block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching"],
                                   registry=r)
@@ -173,7 +181,7 @@ class Metrics:
             self.spec = {
                 "num_drafts": Counter("inferd:spec_decode_num_drafts", "Sequence-steps that verified guesses.", L,
                                       registry=r),
-                "num_draft_tokens": Counter("inferd:spec_decode_num_draft_tokens", "Speculative tokens proposed.",
+                "num_draft_tokens": Counter("inferd:spec_decode_num_draft_tokens", "Speculative tokens verified.",
                                             L, registry=r),
                 "num_accepted_tokens": Counter("inferd:spec_decode_num_accepted_tokens",
                                                "Speculative tokens accepted.", L, registry=r),
@@ -185,7 +193,27 @@ class Metrics:
                 "verify_time": Counter("inferd:spec_decode_verify_time_seconds",
                                        "Time of target forwards that verified guesses, with acceptance.", L,
                                        registry=r),
+                "num_verified_rows": Counter("inferd:spec_decode_num_verified_rows",
+                                             "Rows of verify chunks (guesses + 1 each).", L, registry=r),
+                "num_proposed_tokens": Counter("inferd:spec_decode_num_proposed_tokens",
+                                               "Guesses the suffix proposer made, before the grammar and the cost "
+                                               "model.", L, registry=r),
+                "num_cost_skipped_tokens": Counter("inferd:spec_decode_num_cost_skipped_tokens",
+                                                   "Guesses not verified: their expected acceptance did not pay for "
+                                                   "their rows.", L, registry=r),
+                "num_cost_skipped_drafts": Counter("inferd:spec_decode_num_cost_skipped_drafts",
+                                                   "Sequence-steps whose whole draft the cost model skipped.", L,
+                                                   registry=r),
+                "num_grammar_cut_tokens": Counter("inferd:spec_decode_num_grammar_cut_tokens",
+                                                  "Guesses cut before verification because the request's grammar "
+                                                  "forbids them.", L, registry=r),
+                "num_cache_drafts": Counter("inferd:spec_decode_num_cache_drafts",
+                                            "Drafts taken from the shared cache of other requests' outputs.", L,
+                                            registry=r),
             }
+            self.spec_pos = Counter("inferd:spec_decode_num_accepted_tokens_per_pos",
+                                    "Verify steps whose guess at this position was accepted.", L + ["position"],
+                                    registry=r)
             self.spec_rate = Gauge("inferd:spec_decode_draft_acceptance_rate", "Accepted / proposed tokens.", L,
                                    registry=r)
             self.spec_len = Gauge("inferd:spec_decode_mean_accepted_length",
@@ -246,6 +274,19 @@ class Metrics:
                     for g in (self.running, self.waiting, self.kv_usage):
                         g.labels(**lab).set(0)
 
+    def watch_store(self, store):
+        """The Responses API's store: its size read at every scrape (it is bounded: store.py)."""
+        r = self.registry
+        Gauge("inferd:responses_store_entries", "Responses kept for previous_response_id and GET /v1/responses.",
+              registry=r).set_function(lambda: len(store))
+        Gauge("inferd:responses_store_bytes", "Bytes of the kept responses and their conversations (JSON).",
+              registry=r).set_function(lambda: store.stats()["bytes"])
+        Gauge("inferd:responses_store_evictions", "Responses evicted from the store (its bounds or time to live) "
+              "since the start.", registry=r).set_function(lambda: store.evicted)
+
+    def on_response(self, route: str, dialect: str, status: int):
+        self.http_requests.labels(route=route, dialect=dialect, status=str(status)).inc()
+
     def labels(self, engine: int = 0, model: str | None = None) -> dict:
         return {"model_name": model or self.model_name, "engine": str(engine)}
 
@@ -293,6 +334,12 @@ class Metrics:
                                   waiting_lora_adapters=",".join(lo["waiting"])).set(time.time())
         if self.spec is not None and snap.spec is not None:
             _advance(self.spec, snap.spec, last, "", lab)
+            for j, n in enumerate(snap.spec.get("accepted_per_pos") or []):
+                key = f"pos_{j}"
+                grown = n - last.get(key, 0)
+                if grown > 0:
+                    self.spec_pos.labels(position=str(j), **lab).inc(grown)
+                last[key] = n
             self.spec_rate.labels(**lab).set(snap.spec["acceptance_rate"])
             self.spec_len.labels(**lab).set(snap.spec["mean_accepted_length"])
 

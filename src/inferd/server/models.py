@@ -357,7 +357,10 @@ class Models:
         st = {"value": e.state}
         if e.error and e.state == UNLOADED:
             st["failed"], st["error"] = True, e.error
-        card = {"id": e.name, "object": "model", "created": int(time.time()), "owned_by": "inferd", "status": st}
+        now = int(time.time())
+        card = {"id": e.name, "object": "model", "created": now, "owned_by": "inferd", "status": st,
+                # Anthropic's model fields beside OpenAI's: both clients read the same list
+                "type": "model", "display_name": e.name, "created_at": rfc3339(now)}
         if e.served is not None:
             card["max_model_len"] = e.served.max_len
         if e.load_seconds is not None:
@@ -365,6 +368,21 @@ class Models:
         if e.spec.aliases:
             card["aliases"] = sorted(e.spec.aliases)
         return card
+
+    def set_keep_alive(self, e: Entry, seconds: float | None):
+        """Ollama's per-request keep_alive: how long the model stays loaded once idle from now on
+        (None: for ever; 0: unloaded as soon as its requests finish)."""
+        e.spec.keep_alive = seconds
+        e.last_used = time.monotonic()
+        if seconds is not None:
+            self.watch()
+
+    def expires_at(self, e: Entry) -> float | None:
+        """When an idle model will be unloaded (Unix time), or None if never."""
+        ka = e.spec.keep_alive
+        if ka is None:
+            return None
+        return time.time() + max(0.0, e.last_used + ka - time.monotonic())
 
     def adapter_cards(self) -> list[dict]:
         out = []
@@ -404,6 +422,10 @@ class Models:
             if e.served is not None:
                 e.served.llm.shutdown()
                 e.served, e.state = None, UNLOADED
+
+
+def rfc3339(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
 
 
 def release_memory():

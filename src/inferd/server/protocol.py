@@ -137,6 +137,11 @@ class _Sampling(Strict):
     # structured output (inferd.engine.structured): OpenAI's response_format, vLLM's structured_outputs
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # suffix decoding's shared cache of outputs (inferd.engine.speculative.suffix): requests draft only
+    # from outputs of requests with the same cache_salt (vLLM's field); suffix_cache false keeps this
+    # request out of it (its output is not shared, nor are others' drafted from)
+    cache_salt: str | None = Field(None, max_length=256)
+    suffix_cache: bool = True
 
     @model_validator(mode="before")
     @classmethod
@@ -210,6 +215,8 @@ class _Sampling(Strict):
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=self.constraint(),
+            cache_salt=self.cache_salt,
+            suffix_cache=self.suffix_cache,
         )
         try:
             p.validate()
@@ -369,10 +376,15 @@ def check_parts(messages, modalities, model: str):
     """Every content part of type the served model can read (a text-only model refuses an image)."""
     for i, m in enumerate(messages):
         for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
-            if PART_MODALITIES.get(part.type) not in modalities:
-                at = f"messages[{i}].content[{j}]"
-                raise ApiError(f"{at}: {part.type[:32]} parts are not supported by model "
-                               f"`{model}` (it takes {' and '.join(modalities)} only)", param=at)
+            check_part(part.type, f"messages[{i}].content[{j}]", modalities, model)
+
+
+def check_part(part_type: str, at: str, modalities, model: str, modality: str | None = None):
+    """One part of content (of any dialect: `at` is its place in the client's words) that the
+    served model must be able to read."""
+    if (modality or PART_MODALITIES.get(part_type)) not in modalities:
+        raise ApiError(f"{at}: {part_type[:32]} parts are not supported by model `{model}` (it takes "
+                       f"{' and '.join(modalities)} only)", param=at)
 
 
 class CompletionRequest(_Sampling):
@@ -486,7 +498,7 @@ _BRANCH = re.compile(r"^(str|int|float|bool|bytes|none|any|constrained-[\w-]+|[\
 
 
 def _is_branch(part) -> bool:
-    return isinstance(part, str) and (part in _MODELS or _BRANCH.match(part) is not None)
+    return isinstance(part, str) and (part in _model_names() or _BRANCH.match(part) is not None)
 
 
 def _place(loc) -> tuple[str, str | None, int]:
@@ -565,6 +577,7 @@ class CompletionChoice(_Choice):
 class ChatChoiceMessage(_Open):
     role: str
     content: str | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser: the <think> text
     tool_calls: list[dict[str, Any]] | None = None
 
 
@@ -648,6 +661,12 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+# A streamed answer in the OpenAPI document: each server-sent event (its `event` name, if it has one,
+# and its `data`, one JSON document or [DONE]), as OpenAPI before 3.2 describes an event stream
+SSE_CONTENT = {"text/event-stream": {"schema": {
+    "type": "object", "properties": {"event": {"type": "string"}, "data": {"type": "string"}}, "required": ["data"]}}}
+
+
 def error_responses(*statuses: int) -> dict:
     """OpenAPI `responses` entries: an OpenAI error body for each status."""
     return {s: {"model": ErrorResponse, "description": _REASONS.get(s, "error")} for s in statuses}
@@ -658,5 +677,14 @@ _REASONS = {400: "invalid request", 401: "missing or wrong API key", 404: "unkno
             500: "the engine failed on this request", 503: "overloaded, shutting down, or engine stopped"}
 COMMON_ERRORS = (400, 401, 408, 413, 431, 503)
 
-# the request models' names, which pydantic puts in an error's location inside a union
-_MODELS = frozenset(n for n, v in list(globals().items()) if isinstance(v, type) and issubclass(v, BaseModel))
+
+def _model_names() -> set[str]:
+    """The schema models' names (every dialect's), which pydantic puts in an error's location
+    inside a union; read when an error is told, so every dialect's models are known."""
+    names, todo = set(), [BaseModel]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub.__module__.startswith("inferd.") and sub.__name__ not in names:
+                names.add(sub.__name__)
+            todo.append(sub)
+    return names

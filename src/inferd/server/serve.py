@@ -120,6 +120,7 @@ def serve(args) -> int:
     if not single and args.engine_in_process:
         raise InferdError("several models run each in its own engine process: drop --engine-in-process")
     limits = Limits.from_args(args)
+    store = responses_store(args)  # a bad bound fails before any model loads
     models: Models | None = None
 
     def start(spec):
@@ -154,6 +155,7 @@ def serve(args) -> int:
             spec.aliases.add(client.info.model_name)
         srv = Served(client, spec.name, limits)
         srv.prompt_details = args.enable_prompt_tokens_details
+        srv.reasoning_parser = args.reasoning_parser
         if "m" in box:
             cache_series(spec, client)
         return srv
@@ -205,10 +207,10 @@ def serve(args) -> int:
 
     app = create_app(models, api_key=api_key, metrics=metrics, limits=limits,
                      allowed_origins=parse_origins(args.allowed_origins),
-                     on_start=started)
+                     on_start=started, store=store)
     scheme = "https" if args.ssl_certfile else "http"
-    log.info("serving %s on %s://%s:%d (OpenAI API under /v1)", ", ".join(models.names()), scheme, args.host,
-             args.port)
+    log.info("serving %s on %s://%s:%d (OpenAI's API under /v1, Anthropic's /v1/messages, Ollama's /api)",
+             ", ".join(models.names()), scheme, args.host, args.port)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
                             ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
                             timeout_graceful_shutdown=args.drain_timeout,
@@ -218,6 +220,17 @@ def serve(args) -> int:
     finally:
         models.shutdown()
     return 0
+
+
+def responses_store(args):
+    """The Responses API's store, bounded by its three flags (server/openai/store.py)."""
+    from inferd.config import parse_bytes
+    from inferd.server.openai.store import ResponseStore
+
+    if args.responses_store_entries < 0 or args.responses_store_ttl < 0:
+        raise InferdError("--responses-store-entries and --responses-store-ttl must be >= 0")
+    return ResponseStore(args.responses_store_entries, parse_bytes(args.responses_store_bytes),
+                         args.responses_store_ttl)
 
 
 DEFAULT_KEEP_ALIVE_S = 300.0  # with several models; one model alone stays loaded

@@ -107,6 +107,9 @@ def render_messages(messages, tools, tool_choice, native: bool) -> tuple[list[di
                 d["content"] = f"<tool_response>\n{d['content']}\n</tool_response>"
         if m.name is not None and native:
             d["name"] = m.name
+        reasoning = getattr(m, "reasoning_content", None)
+        if m.role == "assistant" and isinstance(reasoning, str) and reasoning:
+            d["reasoning_content"] = reasoning  # thinking templates keep the current turn's reasoning
         msgs.append(d)
     extra = {}
     if tools:

@@ -5,7 +5,8 @@ the sequence's whole K/V per layer and a masked SDPA call, which at batch 1 cost
 weights' matmuls. But query j of a chunk starting at position s is exactly a decode query with
 context length s + j + 1 (this layer's new K/V are written before anyone attends), so short
 chunks are handed to the paged decode kernel as k+1 single-query rows sharing one block table:
-K/V read in place, causality from the per-row context length, no mask.
+K/V read in place, causality from the per-row context length, no mask. Every verify chunk the
+configuration allows (k + 1 rows for k guesses) takes this path: `max_rows` is at least k + 1.
 """
 from __future__ import annotations
 
@@ -14,6 +15,11 @@ from inferd.worker.attention import PagedAttention
 
 class SpecPagedAttention(PagedAttention):
     max_rows_per_chunk = 16  # longer chunks (prompts) stay on the batched prefill path
+
+    def __init__(self, *args, max_rows: int | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if max_rows is not None:
+            self.max_rows_per_chunk = max(self.max_rows_per_chunk, max_rows)
 
     def prepare(self, block_tables, starts, lengths, kv_tables=None):
         if self.kernel is None:

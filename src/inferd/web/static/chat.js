@@ -77,6 +77,18 @@
         if (chunk.error) throw new Error(chunk.error.message);
         if (chunk.usage) usage = chunk.usage;
         for (const ch of chunk.choices || []) {
+          // a thinking model's reasoning (--reasoning-parser), shown apart from its answer
+          const thought = ch.delta && ch.delta.reasoning_content;
+          if (thought) {
+            const now = performance.now();
+            if (tFirst === null) tFirst = now;
+            tLast = now;
+            if (!answer.thinking) {
+              answer.thinking = inferd.el('div', 'thinking', '');
+              answer.box.insertBefore(answer.thinking, answer.content);
+            }
+            answer.thinking.appendChild(document.createTextNode(thought));
+          }
           const piece = ch.delta && ch.delta.content;
           if (piece) {
             const now = performance.now();

@@ -146,12 +146,25 @@
       + (tier.stored_bytes / 2 ** 20).toFixed(0) + ' MiB out'
       + (tier.loads ? ' · load ' + inferd.ms(1000 * tier.load_seconds / tier.loads) + ' ms' : '') : 'off');
     const spec = st.speculative;
-    text(n, 'spec-rate', spec ? (100 * spec.acceptance_rate).toFixed(1) + ' %' : 'off');
+    text(n, 'spec-rate', spec ? (100 * spec.acceptance_rate).toFixed(1) + ' %' + acceptedByPosition(spec) : 'off');
+    // where the guesses went: verified (and accepted), skipped by the cost model, cut by a grammar
+    text(n, 'spec-guesses', spec ? spec.num_draft_tokens + ' verified, ' + spec.num_accepted_tokens + ' accepted'
+      + (spec.num_cost_skipped_tokens ? ' · ' + spec.num_cost_skipped_tokens + ' skipped (cost)' : '')
+      + (spec.num_grammar_cut_tokens ? ' · ' + spec.num_grammar_cut_tokens + ' cut (grammar)' : '')
+      + (spec.num_cache_drafts ? ' · ' + spec.num_cache_drafts + ' drafts from the shared cache' : '') : 'off');
     text(n, 'preemptions', String(c.preemptions));
     drawSteps(v);
     drawKV(v);
     drawDists(v);
     drawRequests(v);
+  }
+
+  // vLLM's per-position acceptance: of the verify steps, the share whose guess 1, 2, 3 .. was accepted
+  function acceptedByPosition(spec) {
+    const pos = spec.accepted_per_pos || [];
+    if (!spec.num_drafts || !pos.length) return '';
+    return ' (by position: ' + pos.slice(0, 4).map((a) => Math.round(100 * a / spec.num_drafts)).join(' / ')
+      + (pos.length > 4 ? ' ..' : '') + ' %)';
   }
 
   function recentSteps(v) {

@@ -8,14 +8,15 @@ from fastapi import APIRouter
 
 from inferd.server.generation import Served, logprob_sum, respond
 from inferd.server.models import Models
-from inferd.server.protocol import COMMON_ERRORS, ApiError, CompletionRequest, CompletionResponse, error_responses
+from inferd.server.protocol import (COMMON_ERRORS, SSE_CONTENT, ApiError, CompletionRequest, CompletionResponse,
+                                    error_responses)
 
 
 def router(models: Models) -> APIRouter:
     r = APIRouter()
 
     @r.post("/v1/completions", responses={
-        200: {"model": CompletionResponse, "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+        200: {"model": CompletionResponse, "content": SSE_CONTENT},
         **error_responses(*COMMON_ERRORS, 404, 500)})
     async def completions(req: CompletionRequest):
         async with models.use(req.model) as srv:
