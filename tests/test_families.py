@@ -15,6 +15,9 @@ from inferd.model.layers import ContiguousKV  # noqa: E402
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
             eos_token_id=None)  # the engine runs to max_tokens, as the reference loop does
+# the near-tie bound where activations are quantized to int8: a last-bit difference that crosses a
+# rounding step moves the logits by up to ~6e-3 (the float model's differ by under 1e-6)
+W8A8_TIE = 1e-2
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 32, "rope_theta": 10000.0}
 
@@ -314,7 +317,10 @@ def test_quantized_experts_run_the_dense_layers_kernels(tmp_path):
     assert type(lm.model.layers[0].gate).__name__ == "Linear"
     reqs = mixed_requests(n=8, vocab=hf.config.vocab_size)
     got, _ = run_engine(lm, reqs)
-    compare(got, reference_outputs(lm.model, reqs), max_ties=1)
+    # the engine's attention (the tiled kernel over a batch of prompts) and the reference loop's (SDPA,
+    # one sequence) differ in their sums' last bits (5e-7 in the logits of the float model); int8
+    # activations round some of those across a quantization step, a jump of up to 6e-3 measured here
+    compare(got, reference_outputs(lm.model, reqs), max_ties=1, gap=W8A8_TIE)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "gemma2", "gemma3"])
