@@ -163,3 +163,34 @@ def test_fp8_is_refused_in_one_line():
 
     with pytest.raises(InferdError, match=r"--kv-cache-dtype fp8: not on CPUs; int8"):
         LLMEngine(loaded=make_tiny_model(), dtype="float32", kv_cache_dtype="fp8", num_kv_blocks=8)
+
+
+def test_int8_cache_from_the_serve_flags_and_llm(tiny_long):
+    """`inferd serve --kv-cache-dtype int8` reaches the engine config; LLM(kv_cache_dtype="int8") runs
+    with an int8 pool whose prompt went through the tiled prefill and whose decodes through the split
+    kernel (the engine's record of what ran), the same greedy tokens as a float32 cache's here."""
+    from inferd.cli import build_parser, engine_config_from_args
+    from inferd.engine.llm import LLM
+    from inferd.engine.paths import engine_paths
+    from inferd.engine.request import SamplingParams
+
+    path, ids, _ = tiny_long
+    args = build_parser().parse_args(["serve", "--model", path, "--kv-cache-dtype", "int8"])
+    assert engine_config_from_args(args).kv_cache_dtype == "int8"
+    lm = load_model(path, dtype="float32", with_tokenizer=False)
+    prompt, sp = ids[:300].tolist(), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    outs = {}
+    for kv in ("float32", "int8"):
+        llm = LLM(loaded=lm, dtype="float32", kv_cache_dtype=kv, kv_cache_memory="4MiB")
+        outs[kv] = llm.generate(prompt, sp)[0].token_ids
+        paths = engine_paths(llm.engine)
+        llm.close()
+        a = paths["attention"]
+        assert paths["kv_dtype"] == kv
+        if native.load() is None:  # the torch path reads the int8 rows too, and says it ran
+            assert a["fallback_calls"] > 0 and a["fallback_why"], a
+            continue
+        assert a["fallback_calls"] == 0 and a["tiled_prefill_calls"] > 0, a
+        if kv == "int8":
+            assert a["split_decode_calls"] >= 7 * 2, a  # 7 decode steps x 2 layers (eager or fused)
+    assert outs["int8"] == outs["float32"]
