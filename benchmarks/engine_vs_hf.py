@@ -96,7 +96,9 @@ def same_weights(model, hf) -> str:
     """Compare every linear and the embedding of inferd's model with transformers' (inferd holds q/k/v
     and gate/up fused); raise SystemExit at the first difference: a ratio between different weights
     is no like-for-like row."""
-    pairs = [("embed_tokens", model.embed_tokens.weight, hf.model.embed_tokens.weight)]
+    emb = model.embed_tokens  # a GGUF's table is read in place: its rows, looked up, are the weights
+    table = emb.weight if hasattr(emb, "weight") else emb(torch.arange(emb.num_embeddings))
+    pairs = [("embed_tokens", table, hf.model.embed_tokens.weight)]
     for i, (ours, theirs) in enumerate(zip(model.layers, hf.model.layers)):
         at, mlp = theirs.self_attn, theirs.mlp
         pairs += [(f"layers.{i}.qkv_proj", ours.qkv_proj.weight,
@@ -111,7 +113,7 @@ def same_weights(model, hf) -> str:
             raise SystemExit(f"not like for like: {name} differs between inferd ({a.dtype}) and transformers "
                              f"({b.dtype})")
     return (f"identical: {len(pairs)} tensors (every linear and the embedding) compared bit for bit, "
-            f"{str(model.embed_tokens.weight.dtype)[6:]}")
+            f"{str(table.dtype)[6:]}")
 
 
 def main():

@@ -310,7 +310,7 @@ def test_suffix_greedy_equals_the_reference(tiny_model, mixed16, batch):
         reqs, ref = reqs[:4], ref[:4]
     eng = suffix_engine(tiny_model, max_num_seqs=batch)
     w1, w2 = run_waves(eng, reqs)
-    print("near ties:", compare(w1, ref), compare(w2, ref))
+    print("near ties:", compare(w1, ref, max_ties=1), compare(w2, ref, max_ties=1))
     assert eng.stats.max_batch_seqs == batch
     sp = eng.spec.stats
     assert_speculated(eng, min_rate=0.5)
@@ -325,7 +325,7 @@ def test_suffix_under_preemption_prefix_caching_and_a_small_budget(tiny_model):
     ref = reference_outputs(tiny_model.model, reqs)
     eng = suffix_engine(tiny_model, num_kv_blocks=40, block_size=8, max_num_batched_tokens=24)
     w1, w2 = run_waves(eng, reqs)
-    print("near ties:", compare(w1, ref), compare(w2, ref), "preemptions:", eng.stats.preemptions)
+    print("near ties:", compare(w1, ref, max_ties=1), compare(w2, ref, max_ties=1), "preemptions:", eng.stats.preemptions)
     assert eng.stats.preemptions >= 1 and eng.block_manager.hits > 0
     assert_speculated(eng)
     assert_guesses_accounted(eng.spec.stats)
@@ -342,8 +342,8 @@ def test_cost_model_skips_guesses_that_do_not_pay(tiny_model, mixed16):
     reqs, ref = mixed16
     eng = suffix_engine(tiny_model, cost=STEEP)
     w1, w2 = run_waves(eng, reqs)
-    compare(w1, ref)
-    compare(w2, ref)
+    compare(w1, ref, max_ties=1)
+    compare(w2, ref, max_ties=1)
     sp = eng.spec.stats
     print(sp.as_dict())
     assert sp.num_cost_skipped_tokens > 0 and sp.num_cost_skipped_drafts > 0
@@ -360,7 +360,7 @@ def test_cache_salt_keeps_tenants_apart(tiny_model, mixed16):
     salted = run_waves(eng, reqs, waves=2, params=lambda i, n: SamplingParams(
         max_tokens=n, temperature=0, cache_salt=f"tenant-{next(tenant)}"))
     for w in salted:
-        compare(w, ref)
+        compare(w, ref, max_ties=1)
     assert eng.spec.stats.num_cache_drafts == 0  # each request its own tenant: no one drafts from another
 
 
@@ -387,7 +387,7 @@ def _tiny_adapter(path, cfg, seed=0, r=4):
     import torch
     from safetensors.torch import save_file
 
-    from inferd.loading.lora import projection_shapes
+    from inferd.loading.peft import projection_shapes
 
     g = torch.Generator().manual_seed(seed)
     tensors = {}

@@ -375,7 +375,7 @@ def test_suffix_decoding_across_ranks(default_gguf_path):
         assert_no_leaks(eng)
     finally:
         eng.close()
-    assert compare(got, ref) <= 1 and compare(again, ref) <= 1
+    assert compare(got, ref, max_ties=1) <= 1 and compare(again, ref, max_ties=1) <= 1
 
 
 class Summed:

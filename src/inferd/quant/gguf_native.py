@@ -316,7 +316,10 @@ def apply(model, ctx) -> str:
     for path, parent, name, lin in list(planned_paths(model)):
         if role(path) not in PROJECTIONS and not (role(path) == "lm_head" and ctx.lm_head):
             continue  # the router stays float, as in vLLM
-        layer, kind = build_layer(lin, ctx, model.dtype)
+        if role(path) == "lm_head" and any(_kind(p) == "int4" for p in lin.parts):
+            layer, kind = None, "a 4-bit head is re-rounded to int8"  # the logits are worth 8 bits (head_has_kernel)
+        else:
+            layer, kind = build_layer(lin, ctx, model.dtype)
         if layer is None:
             if role(path) == "lm_head":
                 q, s = quantize_int8(lin.dense_weight(torch.float32))
