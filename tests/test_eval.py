@@ -65,3 +65,4 @@ def test_kv_cache_rows_run_the_paged_kernels_and_are_tabled():
            "reference": {"config": "reference", "perplexity": 20.0, "weight_mib": 1}, "configs": rows}
     table = format_table(res)
     assert "KV cache alone" in table and "98.5%" in table and "0.0007" in table
+    assert "    none float32 act: 'x'" in table  # the continuations are the weights' (a contiguous cache)

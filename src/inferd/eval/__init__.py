@@ -295,8 +295,8 @@ def format_table(res: dict) -> str:
         lines.append(f"  {p!r}")
         lines.append(f"    reference: {res['reference_continuations'][i]!r}")
         for r in res["configs"]:
-            if "continuations" in r:
-                lines.append(f"    {r['config']}: {r['continuations'][i]!r}")
+            if "continuations" in r:  # the weights' (the reference loop's contiguous cache), whatever KV row holds them
+                lines.append(f"    {r['config'].split(', KV ')[0]}: {r['continuations'][i]!r}")
     return "\n".join(lines)
 
 
