@@ -8,7 +8,8 @@
 // at bit 4 (c % 2) and q[l][16 + 4c + p] at bit 4 (c % 2) + 2. A 3-, 5- or 6-bit type adds one or
 // two bit planes of 64 bytes a group: plane j byte 4l + p holds bit base + j of q[l][4c + p] at bit
 // c and of q[l][16 + 4c + p] at bit 4 + c, so chunk c's codes are the low bits with each plane's bit
-// shifted into place (two shifts, two ands, two ors a plane). Scales stay what the file stores: an
+// shifted into place (two shifts, two ands, two ors a plane). Q6_K keeps its two high bits as 2-bit
+// fields instead (q6_codes; quant.gguf_blocks.pack says where). Scales stay what the file stores: an
 // fp16 d (and dmin) per column and super-block, int8 sub-scales (and mins; Q2_K's 4-bit pair in one
 // byte) per 16 or 32 weights, multiplied out in the epilogue (d * sc is exact in fp32: the value
 // gguf's dequantization uses). So a layer holds about the file's bytes: Q6_K exactly 6.5625 bits a
@@ -95,6 +96,21 @@ static inline void low_bits(const uint8_t* blk, VI& lo, VI& hi) {
   }
 }
 
+// Q6_K's chunk c: its nibbles, and the 2-bit fields of vector c / 2 (bits 4-7 for an even c, 0-3 for an
+// odd one). Planes cost 4 shifts a chunk and left the kernel ALU-bound, well under DRAM speed at
+// batch 1; fields cost 1.5. With VNNI the upper 16 k's codes come out times 4 (the nibble at bits 2-5,
+// the field at 6-7: one shift fewer; 4 x 63 still a byte, and vpdpbusd sums into int32 without
+// saturating), which the epilogue takes back exactly with an arithmetic shift of the integer sum.
+template <int C, bool X4>
+static inline void q6_codes(const uint8_t* blk, const uint8_t* fields, VI& lo, VI& hi) {
+  const VI raw = vload(blk + 64 * C);
+  VI f = vload(fields + 64 * (C / 2));
+  if constexpr (C % 2 != 0) f = vshift16<4>(f);
+  lo = vor(vand(raw, vbyte(0x0F)), vand(f, vbyte(0x30)));
+  if constexpr (X4) hi = vor(vand(vshift16<-2>(raw), vbyte(0x3C)), vand(f, vbyte(0xC0)));
+  else hi = vor(vand(vsrl4(raw), vbyte(0x0F)), vand(vshift16<-2>(f), vbyte(0x30)));
+}
+
 template <int T, int MR, int NV>
 static void btile(const BlockOperands& o, int64_t i0, int64_t u0) {
   using B = Blocks<T>;
@@ -151,8 +167,12 @@ static void btile(const BlockOperands& o, int64_t i0, int64_t u0) {
         for (int v = 0; v < NV; ++v) {
           const uint8_t* blk = B::block(sup[v], bi) + unit_off[v];
           VI lo, hi;
-          low_bits<F.base, c>(blk, lo, hi);
-          add_planes<F.base, F.high, c>(blk + 2 * B::GB - unit_off[v] + col[v] / GW * 64 + col[v] % GW * 4, lo, hi);
+          if constexpr (F.high == 2) {
+            q6_codes<c, VNNI>(blk, blk + 2 * B::GB - unit_off[v] + col[v] / GW * 128 + col[v] % GW * 4, lo, hi);
+          } else {
+            low_bits<F.base, c>(blk, lo, hi);
+            add_planes<F.base, F.high, c>(blk + 2 * B::GB - unit_off[v] + col[v] / GW * 64 + col[v] % GW * 4, lo, hi);
+          }
           if constexpr (F.lut) lo = vlookup(tbl, lo), hi = vlookup(tbl, hi);
           for (int r = 0; r < MR; ++r) {
             if constexpr (VNNI) {
@@ -193,6 +213,10 @@ static void btile(const BlockOperands& o, int64_t i0, int64_t u0) {
           for (int r = 0; r < MR; ++r) {
             const int64_t i = i0 + r, xb = i * o.nb + b;
             VI isum = sum[r][v][h];
+#if INFERD_ISA_LEVEL >= 3
+            if constexpr (F.high == 2)
+              if (h == NSUB - 1) isum = _mm512_srai_epi32(isum, 2);  // q6_codes' upper codes were 4 q
+#endif
             if constexpr (OFF != 0) isum = vsub32(isum, vset1(OFF * B::xsum(o, i, b, h)));
             acc[r][v] = ffma(fcvt(isum), fmul(sv, fset1(o.dx[xb])), acc[r][v]);
             if constexpr (F.mink == 1)
@@ -235,7 +259,9 @@ static void btile(const BlockOperands& o, int64_t i0, int64_t g0) {
           const int cc = k % 16 / 4, pp = k % 4, upper = k / 16;
           int q = F.base == 4 ? (blk[j * B::GB + 64 * cc + 4 * l + pp] >> (4 * upper)) & 15
                               : (blk[j * B::GB + 64 * (cc / 2) + 4 * l + pp] >> (4 * (cc % 2) + 2 * upper)) & 3;
-          for (int h = 0; h < F.high; ++h)
+          if constexpr (F.high == 2)
+            q |= ((blk[2 * B::GB + 128 * j + 64 * (cc / 2) + 4 * l + pp] >> (4 * (1 - cc % 2) + 2 * upper)) & 3) << 4;
+          for (int h = 0; h < (F.high == 2 ? 0 : F.high); ++h)
             q |= ((blk[2 * B::GB + 128 * h + 64 * j + 4 * l + pp] >> (cc + 4 * upper)) & 1) << (F.base + h);
           const int w = F.lut ? IQ4_VALUES[q] : q;
           isum[NSUB == 1 ? 0 : upper] += w * xr[k];

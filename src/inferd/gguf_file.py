@@ -35,7 +35,7 @@ HEAD_HASH_BYTES = 8 << 20
 _READERS: dict[tuple, Any] = {}  # the last file opened: (path, inode, size, mtime, head hash) -> its reader
 
 
-def open_gguf(path: str) -> GGUFFile:
+def open_gguf(path: str, header: "GGUFHeader | None" = None) -> GGUFFile:
     """Open a GGUF file (its metadata parsed, its tensors mapped), every failure one clear error.
 
     The reader bounds every count and length; where a file may be hostile, callers run
@@ -43,7 +43,7 @@ def open_gguf(path: str) -> GGUFFile:
     shape and byte range to the file. A load opens the file more than once (tokenizer, then
     weights; `inferd eval` loads a model once per config), so the last file's GGUFFile is kept and
     reused while the file is unchanged (same inode, size, mtime and first bytes). It is read-only
-    and mapped."""
+    and mapped. `header`: parse_gguf(path) where the caller has it already (check_gguf's)."""
     try:
         st = os.stat(path)
     except OSError:
@@ -61,7 +61,7 @@ def open_gguf(path: str) -> GGUFFile:
         return _READERS[key]
     if magic != GGUF_MAGIC:
         raise InferdError(f"not a GGUF file (bad magic {magic!r}): {path}")
-    reader = GGUFFile(path)
+    reader = GGUFFile(path, header)
     _READERS.clear()
     _READERS[key] = reader
     return reader
@@ -92,10 +92,10 @@ class GGUFFile:
     read-only memmap. Its dequantization stays the `gguf` package's (inferd.loading.gguf), and
     tests/test_gguf.py holds both against the `gguf` reader."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, header: "GGUFHeader | None" = None):
         import numpy as np
 
-        header = parse_gguf(path)
+        header = parse_gguf(path) if header is None else header
         self.path = path
         self.metadata = header.metadata
         mm = np.memmap(path, mode="r")
@@ -261,6 +261,25 @@ class _Cursor:
         self.pos += n
         return out
 
+    def strings(self, what: str, count: int) -> list[str]:
+        """`count` strings as string() reads them, in one loop of locals: a tokenizer's vocabulary
+        is ~10^5 of them, and the method calls per item were most of a 1B model's header parse. An
+        item that string() would refuse goes through it, for the same error."""
+        buf, size, pos, out = self.buf, self.size, self.pos, []
+        unpack, add = _U64.unpack_from, out.append
+        for _ in range(count):
+            if size - pos >= 8:
+                (n,) = unpack(buf, pos)
+                if n <= MAX_STRING and n <= size - pos - 8:
+                    add(buf[pos + 8:pos + 8 + n].decode("utf-8", "replace"))
+                    pos += 8 + n
+                    continue
+            self.pos = pos
+            add(self.string(what))
+            pos = self.pos
+        self.pos = pos
+        return out
+
     def value(self, kind: int, key: str):
         if kind in _SCALAR_STRUCTS:
             return self.take(_SCALAR_STRUCTS[kind])[0]
@@ -282,8 +301,7 @@ class _Cursor:
         # count), so a lying count fails before the loop
         if item == _STRING:
             self.need(count * _U64.size)
-            what = f"an item of {key!r}"
-            return [self.string(what) for _ in range(count)]
+            return self.strings(f"an item of {key!r}", count)
         if item == _ARRAY:
             self.need(count * _ARRAY_HEAD.size)
             return [self.array(key, depth + 1) for _ in range(count)]

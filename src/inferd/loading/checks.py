@@ -34,8 +34,9 @@ CONFIG_BOUNDS = {
 }
 
 
-def check_gguf(path: str) -> None:
-    """Raise InferdError unless the file's structure is sound (see the module's docstring)."""
+def check_gguf(path: str):
+    """Raise InferdError unless the file's structure is sound (see the module's docstring); returns
+    the parsed header (inferd.gguf_file.GGUFHeader), so the loader's open_gguf need not parse again."""
     header = parse_gguf(path)
     seen = set()
     for t in header.tensors:
@@ -45,6 +46,7 @@ def check_gguf(path: str) -> None:
         seen.add(t.name)
         if t.offset % header.alignment:
             header.fail(f"tensor {t.name!r}'s offset {t.offset} is not aligned to {header.alignment}")
+    return header
 
 
 _ST_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2,

@@ -203,7 +203,10 @@ def pack(c: Codes) -> torch.Tensor:
     in one byte), then per block both groups' low bits (nibbles: chunk c byte 4l + p holds
     q[l, 4c + p] | q[l, 16 + 4c + p] << 4; Q2_K/Q3_K's 2-bit fields: vector c // 2 byte 4l + p holds
     q[l, 4c + p] at bit 4 (c % 2) and q[l, 16 + 4c + p] two above) and bit planes (plane j byte
-    4l + p: bit base + j of q[l, 4c + p] at bit c, of q[l, 16 + 4c + p] at bit 4 + c)."""
+    4l + p: bit base + j of q[l, 4c + p] at bit c, of q[l, 16 + 4c + p] at bit 4 + c). Q6_K's two
+    high bits are 2-bit fields instead: group j's vector e (at 128 j + 64 e) byte 4l + p holds those of
+    q[l, 4c + p] at bits 4-5 and of q[l, 16 + 4c + p] at bits 6-7 for c = 2e, at bits 0-1 and 2-3 for
+    c = 2e + 1."""
     f = FORMATS[c.type]
     N, K = c.q.shape
     SB = f.super_blocks
@@ -218,7 +221,13 @@ def pack(c: Codes) -> torch.Tensor:
         b2 = (q & 3).reshape(P, S, SB, 2, 2, 2, 16, 4, 2)  # P, s, bi, j, v, c % 2, l, p, upper
         low = sum(b2[:, :, :, :, :, cc, :, :, u] << (4 * cc + 2 * u) for cc in range(2) for u in range(2))
     parts = [low.to(torch.uint8).reshape(P, S, SB, 128 * f.base)]
-    for h in range(f.high):
+    if f.high == 2:  # Q6_K: the 2 high bits as 2-bit fields (csrc/cpu/gguf_blocks_impl.h: fewer shifts than planes)
+        qh = (q >> 4) & 3  # P, s, bi, j, c, l, p, upper
+        byte = torch.stack([(qh[..., 2 * e, :, :, 0] << 4) | (qh[..., 2 * e, :, :, 1] << 6)
+                            | qh[..., 2 * e + 1, :, :, 0] | (qh[..., 2 * e + 1, :, :, 1] << 2) for e in range(2)],
+                           dim=4)  # P, s, bi, j, e, l, p
+        parts.append(byte.to(torch.uint8).reshape(P, S, SB, 256))
+    for h in range(f.high if f.high != 2 else 0):
         bit = (q >> (f.base + h)) & 1  # P, s, bi, j, c, l, p, upper
         byte = sum(bit[..., c_, :, :, u] << (c_ + 4 * u) for c_ in range(4) for u in range(2))  # P, s, bi, j, l, p
         parts.append(byte.to(torch.uint8).reshape(P, S, SB, 128))
