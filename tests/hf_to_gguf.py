@@ -161,6 +161,12 @@ def write_gguf(model, path, arch: str, *, qtype=None, rope_freqs: bool = True,
         w.add_rope_scaling_orig_ctx_len(orig)
         s = c.max_position_embeddings / orig
         w.add_rope_scaling_attn_factors(rp.get("attention_factor") or math.sqrt(1 + math.log(s) / math.log(orig)))
+    if rp.get("rope_type") == "yarn":  # as llama.cpp's converter writes a YaRN config (Qwen2.5's)
+        from gguf import RopeScalingType
+
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(float(rp["factor"]))
+        w.add_rope_scaling_orig_ctx_len(int(rp.get("original_max_position_embeddings") or c.max_position_embeddings))
     # norms and rope_freqs stay F32, as llama.cpp's quantizer leaves one-dimensional tensors
     finish(w, {g: (a, None if a.ndim == 1 else qtype) for g, a in tensors.items()})
     return str(path)

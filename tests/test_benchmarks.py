@@ -20,6 +20,9 @@ W4A8_RECORD = {"engine": "inferd", "kernel_variant": "avx2", "dtype": "float32",
 BF16_RECORD = {**W4A8_RECORD, "dtype": "bfloat16", "kv_dtype": "bfloat16", "weight_formats": {"Linear": 121},
                "lm_head": "Linear", "activations": "bfloat16", "fused_built": False, "fused_steps": 0}
 
+LONG_RECORD = {**BF16_RECORD, "attention": {"kernel": True, "decode_kernel_calls": 60, "split_decode_calls": 60,
+                                            "tiled_prefill_calls": 30, "fallback_calls": 0, "fallback_why": None}}
+
 
 @pytest.mark.parametrize("label, record", [
     ("inferd gguf +lm_head W4A8/W8A8, fused decode", W4A8_RECORD),
@@ -33,6 +36,8 @@ BF16_RECORD = {**W4A8_RECORD, "dtype": "bfloat16", "kv_dtype": "bfloat16", "weig
     ("llama.cpp Q4_1 (OMP active; AMX on)", {"engine": "llama.cpp", "amx": True}),
     ("self-draft 10L k=3, draft int8", {**BF16_RECORD, "speculative_method": "draft",
                                          "draft": {"weight_formats": {"Int8Linear": 70}}}),
+    ("inferd bf16 dense, KV int8, tiled prefill, split decode", {**LONG_RECORD, "kv_dtype": "int8"}),
+    ("inferd W4A8, bf16 KV", {**W4A8_RECORD, "kv_dtype": "bfloat16"}),
 ])
 def test_check_label_passes_what_ran(label, record):
     check_label(label, record)
@@ -56,6 +61,12 @@ def test_check_label_passes_what_ran(label, record):
     ("self-draft 10L k=3, draft int4", {**BF16_RECORD, "speculative_method": "draft",
                                          "draft": {"weight_formats": {"Int8Linear": 70}}}, "int4"),
     ("inferd fused", {}, "fused"),  # a record that cannot show it does not back it
+    ("inferd W4A8, KV int8", W4A8_RECORD, "kv int8"),  # the weights' int8 is not the cache's
+    ("inferd bf16, int8 KV", {**LONG_RECORD, "kv_dtype": "bfloat16"}, "int8 kv"),
+    ("inferd, tiled prefill", {**LONG_RECORD, "attention": {**LONG_RECORD["attention"], "tiled_prefill_calls": 0}},
+     "tiled prefill"),
+    ("inferd, split decode", {**LONG_RECORD, "attention": {**LONG_RECORD["attention"], "fallback_calls": 3}},
+     "split decode"),
 ])
 def test_check_label_refuses_a_path_that_did_not_run(label, record, claim):
     with pytest.raises(ValueError, match=re.escape(repr(claim))):
@@ -77,6 +88,12 @@ def test_engine_state_reports_the_paths_that_ran(tiny_model):
     check_label("tiny fp32 dense, eager", paths)
     with pytest.raises(ValueError):
         check_label("tiny W4A8, fused", paths)
+    a = paths["attention"]  # the prompt through the tiled prefill kernel, its decodes through the decode kernel
+    if a["kernel"]:
+        assert a["tiled_prefill_calls"] == 2 and a["decode_kernel_calls"] == 2 * 3 and a["fallback_calls"] == 0
+        check_label("tiny fp32 KV, tiled prefill", paths)
+    else:  # without the native kernels every layer call is the fallback's, and the record says why
+        assert a["fallback_calls"] > 0 and a["fallback_why"]
 
 
 # -- llama.cpp's ISA options (benchmarks/llamacpp.py: pure functions, fake /proc/cpuinfo flag sets) --

@@ -129,6 +129,30 @@ def test_token_slots_bytes_per_token_and_leases():
 # -- equality and the proof the machinery ran ---------------------------------------------------------
 
 @pytest.mark.parametrize("conn", CONNECTORS)
+def test_an_int8_cache_travels_as_it_is(tiny, conn):
+    """int8 pools on both sides: the prompt's rows move as the pool holds them (head_dim codes and a
+    4-byte scale a row, nothing requantized), so the consumer's tokens are a colocated int8 engine's."""
+    reqs = make_requests(seed=5, n=4)
+    from helpers import run_recording
+
+    alone = LLMEngine(loaded=tiny, dtype="float32", num_kv_blocks=256, kv_cache_dtype="int8")
+    want = run_recording(alone, reqs)  # tokens and the logits each came from: the near-tie rule's
+    alone.close()
+    P = engine(tiny, "kv_producer", conn, kv_cache_dtype="int8")
+    C = engine(tiny, "kv_consumer", conn, kv_cache_dtype="int8", block_size=8)
+    try:
+        got = decode(C, reqs, prefill(P, reqs), P)
+        compare(got, want, max_ties=1, what="int8 disaggregated vs colocated")
+        kv = C.kv.counters
+        assert kv["recomputes"] == kv["failures"] == 0 and C.stats.prefill_tokens == len(reqs)
+        assert kv["bytes"] == kv["tokens"] * bytes_per_token(2, 2, 16 + 4, 1) > 0
+        settle(P, until=lambda: len(P.kv.leases) == 0)
+    finally:
+        P.close()
+        C.close()
+
+
+@pytest.mark.parametrize("conn", CONNECTORS)
 def test_1p1d_gives_the_reference_tokens_and_moves_exactly_the_prompt_kv(tiny, conn):
     """Mixed prompts (short, long and chunked on the producer, shared prefixes that hit its cache),
     then the same families again so the consumer's own cache holds part of some prompts. Different

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from inferd.worker.attention import PagedAttention
-from inferd.worker.kv_pool import KVPool
+from inferd.worker.kv_pool import KVPool, quantize_rows
 from inferd.model import fused_decode
 from inferd.quant import quantize
 from inferd.quant import w4a8
@@ -81,6 +81,9 @@ def _step(lm, pool, tables, ctx, ids, fused=None):
     # a bf16 cache: K/V rounded once on their way in, as the eager forward rounds them, attention in fp32
     ("int4", 7, {}, torch.bfloat16),
     ("int8", 6, {"attention_bias": True, "architecture": "qwen2"}, torch.bfloat16),
+    # an int8 cache: K/V quantized as written, attention by the split decode kernel, in both paths
+    ("int4", 7, {}, torch.int8),
+    ("int4", 5, {"sliding_window": 6, "architecture": "mistral"}, torch.int8),
     # GGUF block layers of several types, and a layer of two kinds of parts
     ("gguf-blocks", 1, {}, torch.float32),
     ("gguf-blocks", 7, {}, torch.float32),
@@ -94,8 +97,9 @@ def test_fused_step_equals_eager_bit_for_bit(method, n_seq, over, kv):
     bs = 4
     pool = KVPool(cfg.num_hidden_layers, 256, bs, cfg.num_key_value_heads, cfg.head_dim, kv, "cpu")
     g = torch.Generator().manual_seed(n_seq)
-    pool.k.copy_(torch.randn(pool.k.shape, generator=g))  # stands in for earlier prefills
-    pool.v.copy_(torch.randn(pool.v.shape, generator=g))
+    for c in (pool.k, pool.v):  # stands in for earlier prefills
+        x = torch.randn(c.shape[:3] + (cfg.head_dim,), generator=g)
+        c.copy_(quantize_rows(x) if kv == torch.int8 else x)
     free = list(range(256))
     rng.shuffle(free)
     ctx = [rng.randint(1, 40) for _ in range(n_seq)]
@@ -106,6 +110,8 @@ def test_fused_step_equals_eager_bit_for_bit(method, n_seq, over, kv):
     h_fused, pool_fused, attn_fused = _step(lm, pool, tables, ctx, ids, fused)
     assert fused.steps == 1  # the fused path ran, not the eager one
     assert attn_fused.kernel_calls == attn_eager.kernel_calls == cfg.num_hidden_layers
+    n_split = cfg.num_hidden_layers if kv == torch.int8 else 0
+    assert attn_fused.split_decode_calls == attn_eager.split_decode_calls == n_split
     assert h_fused.shape == (n_seq, cfg.hidden_size)
     assert torch.equal(h_fused, h_eager)
     assert torch.equal(pool_fused.k, pool_eager.k) and torch.equal(pool_fused.v, pool_eager.v)
@@ -180,9 +186,9 @@ def gguf_w4a8(default_gguf_path):
     return load_model(default_gguf_path, with_tokenizer=False, quantization="gguf", quantize_activations=True)
 
 
-@pytest.mark.parametrize("kv", ["auto", "bfloat16"])
+@pytest.mark.parametrize("kv", ["auto", "bfloat16", "int8"])
 def test_engine_says_fused_and_counts_fused_steps_for_each_kv_dtype(gguf_w4a8, kv, caplog):
-    """The default GGUF as W4A8, its KV cache in fp32 (auto: the model's dtype) or bf16: the runner
+    """The default GGUF as W4A8, its KV cache in fp32 (auto: the model's dtype), bf16 or int8: the runner
     announces the fused step, EngineStats.fused_steps counts the steps it served, the paths record
     reports that count, and the tokens are an --enforce-eager engine's."""
     from helpers import run_engine
@@ -218,7 +224,7 @@ def _decode_plan():
 
 
 @pytest.mark.parametrize("kv,use_kernel,why", [
-    (torch.float16, True, "a float32 or bfloat16 KV cache; this one is float16"),
+    (torch.float16, True, "a float32, bfloat16 or int8 KV cache; this one is float16"),
     (torch.float32, False, "without the native paged-decode kernel"),
 ])
 def test_runner_says_eager_where_the_fused_step_cannot_run(kv, use_kernel, why, caplog):

@@ -113,6 +113,30 @@ def test_tier_survives_restart_and_is_shared(tiny, work, tmp_path):
     c.close()
 
 
+def test_an_int8_cache_goes_through_the_tier_as_it_is(tiny, work, tmp_path):
+    """An int8 pool's blocks (codes and their scales) are written to the tier and loaded back as they
+    are: a restarted int8 engine loads the prefix and gives the tokens the first one gave, with no
+    tokens recomputed but the tail; a bf16 engine on the same directory sees none of them."""
+    reqs, ref = work
+    d = str(tmp_path / "tier")
+    a = engine(tiny, d, blocks=64, kv_cache_dtype="int8")
+    first = one_by_one(a, reqs[:2])
+    compare(first, ref[:2], max_ties=1)
+    a.close()
+    b = engine(tiny, d, blocks=64, kv_cache_dtype="int8")
+    prompt, n = reqs[0]
+    assert one_by_one(b, [(prompt, n)]) == first[:1]
+    loaded = b.tier.view()["hit_tokens"]
+    assert b.cache_info()["dtype"] == "int8" and loaded == (len(prompt) - 1) // BS * BS
+    assert b.stats.prefill_tokens == len(prompt) - loaded
+    assert_drained(b)
+    b.close()
+    bf = engine(tiny, d, blocks=16, kv_cache_dtype="bfloat16")
+    one_by_one(bf, reqs[:1])
+    assert bf.tier.view()["hit_tokens"] == 0
+    bf.close()
+
+
 def test_tier_faults_are_misses(tiny, work, tmp_path):
     """A truncated block, a flipped byte, a block of another model under this model's name, a tier
     of another KV dtype: each a miss (counted, the file deleted), the outputs still the reference's."""

@@ -62,7 +62,7 @@ class DecodeStack {
   }
 
   // x [M, hidden] float32 embeddings (updated in place: the residual stream); cos/sin [M, head_dim];
-  // kcache/vcache [layers, slots, kv_heads, head_dim], float32 or bfloat16; the rest as for
+  // kcache/vcache [layers, slots, kv_heads, head_dim], float32 or bfloat16 (or int8 rows: head_dim + 4); the rest as for
   // inferd::paged_decode. Returns the final norm of the last residual, as LlamaModel.forward does.
   // lora_rows [M] int64: each row's LoRA slot (-1: none); empty: no adapter in the step.
   Tensor forward(Tensor x, Tensor cos, Tensor sin, Tensor kcache, Tensor vcache, Tensor slots, Tensor block_tables,
@@ -72,8 +72,9 @@ class DecodeStack {
     rows_ = lora_rows.numel() ? lora_rows : Tensor();
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous());
     const auto kv = kcache.scalar_type();
-    TORCH_CHECK(kcache.size(0) == L_ && vcache.scalar_type() == kv && (kv == torch::kFloat32 || kv == torch::kBFloat16),
-                "DecodeStack: the KV cache must be float32 or bfloat16");
+    TORCH_CHECK(kcache.size(0) == L_ && vcache.scalar_type() == kv &&
+                    (kv == torch::kFloat32 || kv == torch::kBFloat16 || kv == torch::kChar),
+                "DecodeStack: the KV cache must be float32, bfloat16 or int8");
     const int64_t M = x.size(0);
     Tensor h = rms_norm_.call(x, norms_[0], eps_);
     for (int64_t l = 0; l < L_; ++l) {
@@ -83,12 +84,20 @@ class DecodeStack {
       rope_.call(qkv, nq_ + nk_, cos, sin);
       Tensor kc = kcache.select(0, l), vc = vcache.select(0, l);
       Tensor k = qkv.narrow(1, nq_, nk_), v = qkv.narrow(1, nq_ + nk_, nk_);
-      // a bf16 cache stores this step's K/V rounded as the eager forward's k.to(cache dtype) rounds
-      // them; attention still computes in fp32 (paged_decode reads either cache dtype)
-      if (kv != torch::kFloat32) k = k.to(kv), v = v.to(kv);
-      write_kv_.call(k, v, slots, kc, vc);
-      Tensor o = paged_decode_.call(qkv.narrow(1, 0, nq_).contiguous(), kc, vc, block_tables, ctx_lens, block_size,
-                                    scale, window);
+      Tensor o;
+      if (kv == torch::kChar) {
+        // an int8 cache: quantized as written, read by the split decode kernel, as the eager forward does
+        write_kv_q8_.call(k, v, slots, kc, vc);
+        o = paged_decode_split_.call(qkv.narrow(1, 0, nq_).contiguous(), kc, vc, block_tables, ctx_lens, block_size,
+                                     scale, window, 0.0);
+      } else {
+        // a bf16 cache stores this step's K/V rounded as the eager forward's k.to(cache dtype) rounds
+        // them; attention still computes in fp32 (paged_decode reads either cache dtype)
+        if (kv != torch::kFloat32) k = k.to(kv), v = v.to(kv);
+        write_kv_.call(k, v, slots, kc, vc);
+        o = paged_decode_.call(qkv.narrow(1, 0, nq_).contiguous(), kc, vc, block_tables, ctx_lens, block_size, scale,
+                               window);
+      }
       h = add_rms_norm_.call(x, lin(w[1], o.view({M, nq_ * D_}), li + 1), norms_[2 * l + 1], eps_);
       Tensor act = silu_mul_.call(lin(w[2], h, li + 2));
       h = add_rms_norm_.call(x, lin(w[3], act, li + 3), l + 1 < L_ ? norms_[2 * l + 2] : norms_.back(), eps_);
@@ -139,6 +148,11 @@ class DecodeStack {
       op<void(Tensor, Tensor, Tensor, Tensor, Tensor)>("inferd::write_kv");
   c10::TypedOperatorHandle<Tensor(Tensor, Tensor, Tensor, Tensor, Tensor, int64_t, double, int64_t)> paged_decode_ =
       op<Tensor(Tensor, Tensor, Tensor, Tensor, Tensor, int64_t, double, int64_t)>("inferd::paged_decode");
+  c10::TypedOperatorHandle<void(Tensor, Tensor, Tensor, Tensor, Tensor)> write_kv_q8_ =
+      op<void(Tensor, Tensor, Tensor, Tensor, Tensor)>("inferd::write_kv_q8");
+  c10::TypedOperatorHandle<Tensor(Tensor, Tensor, Tensor, Tensor, Tensor, int64_t, double, int64_t, double)>
+      paged_decode_split_ = op<Tensor(Tensor, Tensor, Tensor, Tensor, Tensor, int64_t, double, int64_t, double)>(
+          "inferd::paged_decode_split");
   c10::TypedOperatorHandle<Tensor(Tensor, Tensor, int64_t)> w4a8_ =
       op<Tensor(Tensor, Tensor, int64_t)>("inferd::w4a8_linear");
   c10::TypedOperatorHandle<Tensor(Tensor, Tensor, int64_t)> w8a8_ =

@@ -91,6 +91,23 @@ struct Kernels {
   void (*lora_bgmv)(const float* x, int64_t T, int64_t K, const float* a, const float* b, const int64_t* slots,
                     const int64_t* ranks, int64_t S, int64_t parts, const int64_t* part_n, int64_t R, float* y,
                     int64_t N);
+  // attention over the paged cache read in place, at any length (flash_attention_impl.h). `cache`: 0
+  // float32, 1 bf16, 2 int8 rows (head_dim codes, then the row's float32 scale). prefill_attention:
+  // sequence s's queries at rows qrows[s].. of q (rows q_stride floats apart) at positions starts[s]..,
+  // lens[s] of them, tiled over KV blocks with an online softmax; returns the tiles it computed.
+  // split_decode: one query a sequence, its keys cut into splits merged per head; returns the splits.
+  // softcap 0: none.
+  int64_t (*prefill_attention)(int cache, const float* q, int64_t q_stride, const void* k, const void* v,
+                               const int64_t* bt, const int64_t* starts, const int64_t* lens, const int64_t* qrows,
+                               float* out, int64_t S, int64_t H, int64_t Hkv, int64_t D, int64_t max_blocks,
+                               int64_t bs, float scale, int64_t window, float softcap);
+  int64_t (*split_decode)(int cache, const float* q, const void* k, const void* v, const int64_t* bt,
+                          const int64_t* ctx, float* out, int64_t B, int64_t H, int64_t Hkv, int64_t D,
+                          int64_t max_blocks, int64_t bs, float scale, int64_t window, float softcap);
+  // new K/V rows [T, Hkv, D] (float32, or bf16 when src_bf16; rows *_stride elements apart) -> int8
+  // cache rows at their slots
+  void (*quantize_kv)(bool src_bf16, const void* k, int64_t k_stride, const void* v, int64_t v_stride,
+                      const int64_t* slots, int64_t T, int64_t Hkv, int64_t D, int8_t* kc, int8_t* vc);
   // attention within each of S sequences laid end to end (rows starts[s]..starts[s+1]), no cache:
   // q [T, H, D], k and v [T, Hkv, D] row-strided, out [T, H * D] row-strided; causal or bidirectional
   void (*varlen_f32)(const float* q, const float* k, const float* v, int64_t qs, int64_t ks, int64_t vs,

@@ -17,6 +17,7 @@ namespace INFERD_VARIANT {
 #include "gguf_blocks_impl.h"
 #include "half_gemm_impl.h"
 #include "lora_impl.h"
+#include "flash_attention_impl.h"
 #include "varlen_attention_impl.h"
 
 #define INFERD_STR2(x) #x
@@ -29,6 +30,7 @@ static const Kernels table = {
     silu_mul_rows<float>, silu_mul_rows<bf16>,
     decode_attention<float>, decode_attention<bf16>,
     quantize_rows, w4a8_gemm, w8a8_gemm, blocks_gemm, half_gemm, lora_bgmv,
+    prefill_attention_any, split_decode_any, quantize_kv_any,
     varlen_attention<float>, varlen_attention<bf16>,
 };
 

@@ -93,7 +93,9 @@ def add_engine_args(p: argparse.ArgumentParser):
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="CUDA only: fraction of GPU memory for weights + KV cache (ignored on CPU, "
                         "where --kv-cache-memory sizes the pool)")
-    g.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype) | float32 | bfloat16")
+    g.add_argument("--kv-cache-dtype", default="auto",
+                   help="auto (the model dtype) | float32 | bfloat16 | int8 (8-bit codes and a float32 scale per "
+                        "token and kv head: 1 + 4/head_dim bytes a value, about 1.9x bf16's tokens)")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn off automatic prefix caching")
     g.add_argument("--kv-tier", default=None, metavar="DIR|shm",
@@ -273,6 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--dataset-path", default=None, help="a text file instead of WikiText-2's test split")
     ev.add_argument("--ctx", type=int, default=512, help="tokens per window")
     ev.add_argument("--windows", type=int, default=64, help="windows of --ctx tokens evaluated")
+    ev.add_argument("--kv-cache-dtype", default="auto",
+                    help="comma list of KV cache dtypes each configuration also runs with through the paged "
+                         "cache (e.g. bfloat16,int8; auto: the plain contiguous cache); rows after the first "
+                         "also report KL and top-1 against the first (the cache's cost alone)")
     ev.add_argument("--no-speed", dest="speed", action="store_false", help="skip the decode speed columns")
     ev.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
     ev.add_argument("--result-json", default=None, help="write the results as JSON")

@@ -23,6 +23,11 @@ def run(args) -> int:
                               "as +a8: int8 activations, the W4A8/W8A8 kernels)")
         if a8 and base in ("none", "auto"):
             raise InferdError(f"{c}: +a8 applies to quantized weights (auto picks its own; int4, int4-gptq, gguf, awq; int8, int8-gptq)")
+    kv_dtypes = [k.strip() for k in args.kv_cache_dtype.split(",") if k.strip()] or ["auto"]
+    from inferd.worker.kv_pool import kv_cache_dtype
+
+    for k in kv_dtypes:
+        kv_cache_dtype(k, torch.float32)  # an unknown name, or fp8: one line now, not after the reference
     if args.ctx < 2 or args.windows < 1:
         raise InferdError("--ctx must be >= 2 and --windows >= 1")
     if args.plot and not args.speed:
@@ -33,7 +38,7 @@ def run(args) -> int:
         raise InferdError("--awq-path is for the awq configuration: add awq to --quantization")
     res = run_eval(args.model, configs, args.quant_group_size, args.ctx, args.windows, args.dtype,
                    args.quantize_lm_head, args.speed, args.dataset_path, speed_dtype=args.speed_dtype,
-                   awq_path=args.awq_path,
+                   awq_path=args.awq_path, kv_dtypes=kv_dtypes,
                    progress=lambda i, n: sys.stderr.write(f"\rwindow {i}/{n}") or sys.stderr.flush())
     sys.stderr.write("\n")
     print(format_table(res))

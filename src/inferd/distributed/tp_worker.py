@@ -45,10 +45,10 @@ def serve(spec: dict) -> int:
     try:
         _, comm = connect(spec["backend"], rank, world, spec["store"], spec["shm"], device, ip=spec.get("ip"))
         from inferd.distributed.tensor_parallel import apply_tp, shard_of
-        from inferd.loading.loader import load_model, resolve_dtype
+        from inferd.loading.loader import load_model
         from inferd.model.config import attention_scale
         from inferd.worker.attention import PagedAttention
-        from inferd.worker.kv_pool import KVPool, kv_layout
+        from inferd.worker.kv_pool import KVPool, kv_cache_dtype, kv_layout
         from inferd.worker.runner import ModelRunner
         from inferd.worker.spec_attention import SpecPagedAttention
 
@@ -60,7 +60,7 @@ def serve(spec: dict) -> int:
         setup = comm.recv_obj(alive)
         if setup is None:
             return 0
-        kv_dtype = resolve_dtype(setup["kv_dtype"])
+        kv_dtype = kv_cache_dtype(setup["kv_dtype"], model.dtype)
         layout = kv_layout(setup["window"], mcfg.num_hidden_layers)  # rank 0's, from the same windows
         pool = KVPool(layout.group_size, setup["num_blocks"] + (layout.num_groups > 1), setup["block_size"],
                       model.layers[0].n_kv, mcfg.head_dim, kv_dtype, model.device)

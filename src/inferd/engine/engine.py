@@ -31,7 +31,7 @@ from inferd.faults import Faults
 from inferd.gguf_file import default_model_path
 from inferd.model.config import attention_scale, attention_windows
 from inferd.worker.attention import PagedAttention
-from inferd.worker.kv_pool import KVPool, kv_layout
+from inferd.worker.kv_pool import KVPool, kv_cache_dtype, kv_layout
 from inferd.worker.runner import ModelRunner
 from inferd.worker.spec_attention import SpecPagedAttention
 
@@ -220,12 +220,7 @@ class LLMEngine:
                 "prefix_caching": self.config.enable_prefix_caching}
 
     def _kv_dtype(self) -> torch.dtype:
-        c = self.config.kv_cache_dtype
-        if c == "auto":
-            return self.model.dtype
-        from inferd.loading.loader import resolve_dtype
-
-        return resolve_dtype(c)
+        return kv_cache_dtype(self.config.kv_cache_dtype, self.model.dtype)
 
     def _fit_context(self, cfg: EngineConfig, num_blocks: int) -> None:
         """A context the KV cache can hold: with no --max-model-len, a model's declared context
@@ -240,6 +235,9 @@ class LLMEngine:
 
     def _kv_dtype_why(self, kv_dtype) -> str:
         name = str(kv_dtype).replace("torch.", "")
+        if kv_dtype == torch.int8:
+            return (f"int8: --kv-cache-dtype; {self.model_config.head_dim} int8 codes and a float32 scale per token "
+                    f"and kv head, {1 + 4 / self.model_config.head_dim:.4g} bytes a value")
         if self.config.kv_cache_dtype != "auto":
             return f"{name}: --kv-cache-dtype"
         # the activations' dtype: bf16 where the model computes in bf16 (--dtype auto on a CPU with

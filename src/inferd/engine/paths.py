@@ -88,7 +88,18 @@ def engine_paths(engine) -> dict:
         "speculative": _spec_paths(engine),
         "draft": _draft_paths(engine),
         "lora": _lora_paths(engine),
+        "attention": attention_paths(runner.attn),
     }
+
+
+def attention_paths(attn) -> dict:
+    """Which attention ran over the paged cache: calls of each compiled path and of the torch
+    fallback (with the reason it was taken), so that a long-context row that claims the tiled
+    prefill or the split decode is held to what ran. Counts are per layer call."""
+    return {"kernel": getattr(attn, "kernel", None) is not None,
+            "decode_kernel_calls": attn.kernel_calls, "split_decode_calls": attn.split_decode_calls,
+            "tiled_prefill_calls": attn.prefill_kernel_calls, "fallback_calls": attn.fallback_calls,
+            "fallback_why": attn.fallback_why}
 
 
 def _lora_paths(engine) -> dict | None:
@@ -141,14 +152,30 @@ def _words(label: str) -> set[str]:
     return set(re.findall(r"[a-z0-9_]+", label.lower()))
 
 
+# "KV int8", "int8 KV", "KV bf16": a claim about the KV cache's dtype, not the weights' or activations'
+_KV_CLAIM = re.compile(r"\bkv[ -]?(?:cache[ -])?(int8|bf16|bfloat16|fp32|float32|fp16|float16)\b|"
+                       r"\b(int8|bf16|bfloat16|fp32|float32|fp16|float16)[ -]kv\b")
+_KV_WORDS = {**_DTYPE_WORDS, "int8": "int8"}
+
+
 def label_problems(label: str, paths: dict) -> list[str]:
     """Each claim of `label` that `paths` does not back (a claim the record cannot show is unbacked)."""
-    low, words = label.lower(), _words(label)
     bad = []
 
     def need(ok: bool, claim: str, shows: str):
         if not ok:
             bad.append(f"{claim!r} but the record shows {shows}")
+
+    for m in _KV_CLAIM.finditer(label.lower()):
+        kv = _KV_WORDS[m.group(1) or m.group(2)]
+        need(paths.get("kv_dtype") == kv, m.group(0), f"kv_dtype {paths.get('kv_dtype')}")
+    label = _KV_CLAIM.sub(" ", label.lower())  # the rest of the label claims weights and activations
+    low, words = label, _words(label)
+    attn = paths.get("attention") or {}
+    for claim, key in (("tiled prefill", "tiled_prefill_calls"), ("split decode", "split_decode_calls")):
+        if claim in low:
+            need((attn.get(key) or 0) > 0 and not attn.get("fallback_calls"), claim,
+                 f"{key}={attn.get(key)}, fallback_calls={attn.get('fallback_calls')}")
 
     if "fused" in words:
         need((paths.get("fused_steps") or 0) > 0, "fused", f"fused_steps={paths.get('fused_steps')}")

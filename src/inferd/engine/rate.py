@@ -7,13 +7,15 @@ from inferd.engine.request import SamplingParams
 
 
 def decode_rate(loaded, prompt: list[int], n: int, batch: int = 1, warmup: bool = False,
-                kv_cache_memory: str = "256MiB", temperature: float = 0.0, paths: dict | None = None) -> float:
+                kv_cache_memory: str = "256MiB", temperature: float = 0.0, paths: dict | None = None,
+                kv_cache_dtype: str = "auto") -> float:
     """Output tok/s of `batch` identical greedy requests of n tokens (ignore_eos), prefill excluded:
     at batch 1 the gaps between one request's tokens; above it, all tokens after each request's
     first over the span from the first first token to the last finish. `warmup` runs a short
     request first (kernel builds, allocator). temperature > 0 samples (seeded) instead of argmax.
     `paths`, if given, is filled with what ran (inferd.engine.paths.engine_paths), warm-up included."""
-    eng = LLMEngine(loaded=loaded, kv_cache_memory=kv_cache_memory, max_num_seqs=max(batch, 1))
+    eng = LLMEngine(loaded=loaded, kv_cache_memory=kv_cache_memory, max_num_seqs=max(batch, 1),
+                    kv_cache_dtype=kv_cache_dtype)
     if warmup:
         eng.add_request(prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
         while eng.has_unfinished():

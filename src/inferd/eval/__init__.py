@@ -7,6 +7,12 @@ with the reference's over the full vocabulary in fp32:
   perplexity       exp(mean NLL of the true next token)
   KL(P_ref||P_cfg) sum_v p_ref(v) (log p_ref(v) - log p_cfg(v)), mean and p99 over positions
   top-1 agreement  share of positions whose argmax equals the reference's
+
+With --kv-cache-dtype (e.g. bfloat16,int8), each configuration is also run with its KV cache in each
+of those dtypes through the engine's paged attention (the kernels that read the cache in place: an
+int8 cache quantized as written, exactly as served); against the reference, a row's numbers are then
+the cost of the weights and the cache together. Rows after the first KV dtype also report their KL
+and top-1 against that first one (the same weights): the cost of the cache alone.
 """
 from __future__ import annotations
 
@@ -44,6 +50,30 @@ def window_logprobs(model, window: list[int]) -> torch.Tensor:
     return torch.log_softmax(model.compute_logits(h).float(), -1)
 
 
+@torch.inference_mode()
+def paged_window_logprobs(model, window: list[int], kv_dtype: str, block_size: int = 16) -> torch.Tensor:
+    """window_logprobs through the serving attention: a paged KV cache of `kv_dtype` (an
+    --kv-cache-dtype name) read in place by the kernels, the whole window one prefill chunk."""
+    from inferd.model.config import attention_scale, attention_windows
+    from inferd.worker.attention import PagedAttention
+    from inferd.worker.kv_pool import KVPool, kv_cache_dtype, kv_layout
+
+    cfg, n = model.cfg, len(window)
+    windows = attention_windows(cfg, n)
+    layout = kv_layout(windows, cfg.num_hidden_layers)
+    nb = -(-n // block_size)
+    pool = KVPool(layout.group_size, nb * layout.num_groups, block_size, cfg.num_key_value_heads, cfg.head_dim,
+                  kv_cache_dtype(kv_dtype, model.dtype), model.device)
+    attn = PagedAttention(pool, cfg.head_dim, windows, scale=attention_scale(cfg), layout=layout,
+                          softcap=cfg.attn_logit_softcapping)
+    tables = [list(range(g * nb, (g + 1) * nb)) for g in range(layout.num_groups)]
+    pos = attn.prepare([tables[0]], [0], [n], [tables[1:]] if layout.num_groups > 1 else None).to(model.device)
+    h = model(torch.tensor(window, device=model.device), pos, attn)
+    if attn.fallback_calls:
+        raise InferdError(f"the KV cache rows ran the torch fallback ({attn.fallback_why}), not the kernels")
+    return torch.log_softmax(model.compute_logits(h).float(), -1)
+
+
 def compare(ref_lp: torch.Tensor, cfg_lp: torch.Tensor, targets: torch.Tensor) -> dict:
     """Per-position quality numbers for one window (positions 0..ctx-2 predict tokens 1..ctx-1)."""
     ref_lp, cfg_lp = ref_lp[:-1], cfg_lp[:-1]
@@ -73,11 +103,11 @@ class Accumulator:
                 "positions": int(nll.numel())}
 
 
-def decode_speed(loaded, batch: int, prompt_len: int = 64, out_len: int = 32) -> float:
+def decode_speed(loaded, batch: int, prompt_len: int = 64, out_len: int = 32, kv_cache_dtype: str = "auto") -> float:
     """Output tok/s of the engine on `batch` identical-length greedy requests (ignore_eos)."""
     from inferd.engine.rate import decode_rate
 
-    return decode_rate(loaded, list(range(100, 100 + prompt_len)), out_len, batch)
+    return decode_rate(loaded, list(range(100, 100 + prompt_len)), out_len, batch, kv_cache_dtype=kv_cache_dtype)
 
 
 FIXED_PROMPTS = [
@@ -97,7 +127,10 @@ def split_config(c: str) -> tuple[str, bool]:
 def run_eval(model: str | None, configs: list[str], group_size: int = 32, ctx: int = 512, windows: int = 64,
              dtype: str = "auto", quantize_lm_head: bool = False, speed: bool = True,
              text_path: str | None = None, continuation_tokens: int = 16, progress=None,
-             speed_dtype: str = "auto", awq_path: str | None = None) -> dict:
+             speed_dtype: str = "auto", awq_path: str | None = None, kv_dtypes: list[str] | None = None) -> dict:
+    """`kv_dtypes`: --kv-cache-dtype's list; "auto" (the default) is the plain row of each configuration
+    (attention over a contiguous cache in the activations' dtype), any other a row through the paged
+    cache in that dtype."""
     from inferd.engine.reference import reference_generate
     from inferd.loading.loader import load_model, resolve_dtype
     from inferd.quant import weight_bytes
@@ -142,14 +175,25 @@ def run_eval(model: str | None, configs: list[str], group_size: int = 32, ctx: i
                                    quantize_lm_head=quantize_lm_head, dense_quant=fp32)
         if a8:
             labels[c] += " W8A8" if base.startswith("int8") else " W4A8"
-    acc = {c: Accumulator() for c in configs}
+    kv_dtypes = list(kv_dtypes or ["auto"])
+    rows_of = [(c, kv) for c in configs for kv in kv_dtypes]
+    acc = {r: Accumulator() for r in rows_of}
+    vs_first = {r: Accumulator() for r in rows_of if r[1] != kv_dtypes[0]}  # the cache alone
     ref_acc = Accumulator()
     for wi, w in enumerate(wins):
         targets = torch.tensor(w[1:])
         ref_lp = window_logprobs(ref.model, w)
         ref_acc.add(compare(ref_lp, ref_lp, targets))
         for c in configs:
-            acc[c].add(compare(ref_lp, window_logprobs(loaded[c].model, w), targets))
+            first = None
+            for kv in kv_dtypes:
+                lp = (window_logprobs(loaded[c].model, w) if kv == "auto"
+                      else paged_window_logprobs(loaded[c].model, w, kv))
+                acc[(c, kv)].add(compare(ref_lp, lp, targets))
+                if first is None:
+                    first = lp
+                else:
+                    vs_first[(c, kv)].add(compare(first, lp, targets))
         if progress:
             progress(wi + 1, len(wins))
     prompts = [tok.encode(p) for p in FIXED_PROMPTS]
@@ -167,17 +211,26 @@ def run_eval(model: str | None, configs: list[str], group_size: int = 32, ctx: i
             packed = load_model(model, dtype=speed_dtype, quantization=c, quant_group_size=group_size,
                                 quantize_lm_head=quantize_lm_head, with_tokenizer=c.endswith("-gptq"))
         label = labels[c] + (" +lm_head" if quantize_lm_head and base not in ("none", "awq", "auto") else "")
-        row = {"config": f"{label} {str(lm.model.dtype)[6:]} act",
-               **acc[c].summary(), "weight_mib": weight_bytes(packed.model) / 2**20,
-               "activation_dtype": str(lm.model.dtype)[6:], "speed_dtype": str(packed.model.dtype)[6:]}
-        if speed:
-            row["decode_tok_s_batch1"] = decode_speed(packed, 1)
-            row["throughput_tok_s_batch32"] = decode_speed(packed, 32)
+        conts = None
+        for kv in kv_dtypes:
+            row = {"config": f"{label} {str(lm.model.dtype)[6:]} act" + (f", KV {kv}" if kv != "auto" else ""),
+                   **acc[(c, kv)].summary(), "weight_mib": weight_bytes(packed.model) / 2**20,
+                   "activation_dtype": str(lm.model.dtype)[6:], "speed_dtype": str(packed.model.dtype)[6:],
+                   "kv_cache_dtype": kv}
+            if (c, kv) in vs_first:
+                s = vs_first[(c, kv)].summary()
+                row["vs_first_kv"] = {"kv_cache_dtype": kv_dtypes[0], "mean_kl": s["mean_kl"], "p99_kl": s["p99_kl"],
+                                      "top1_agreement": s["top1_agreement"]}
+            if speed:
+                row["decode_tok_s_batch1"] = decode_speed(packed, 1, kv_cache_dtype=kv)
+                row["throughput_tok_s_batch32"] = decode_speed(packed, 32, kv_cache_dtype=kv)
+            if conts is None:  # greedy continuations of the weights (the reference loop's contiguous cache)
+                conts = [tok.decode(reference_generate(lm.model, p, continuation_tokens, eos_ids=eos).token_ids,
+                                    skip_special_tokens=True) for p in prompts]
+                row["continuations"] = conts
+            rows.append(row)
         if packed is not lm:
             del packed
-        row["continuations"] = [tok.decode(reference_generate(lm.model, p, continuation_tokens, eos_ids=eos).token_ids,
-                                           skip_special_tokens=True) for p in prompts]
-        rows.append(row)
     return {"model": model or "smollm2-135m", "ctx": ctx, "windows": len(wins), "group_size": group_size,
             "reference": ref_row, "configs": rows, "prompts": FIXED_PROMPTS, "reference_continuations": cont_ref,
             "note": "the reference is the model as its file holds it, in fp32 (a GGUF's quantized weights "
@@ -229,13 +282,21 @@ def format_table(res: dict) -> str:
             line += (f" {r.get('decode_tok_s_batch1', float('nan')):>9.1f}"
                      f" {r.get('throughput_tok_s_batch32', float('nan')):>10.1f}")
         lines.append(line)
+    cache = [r for r in res["configs"] if "vs_first_kv" in r]
+    if cache:  # the cache alone: each KV row against the same weights with the first KV dtype
+        lines += ["", f"{'KV cache alone (same weights)':<{w}} {'vs KV':>9} {'mean KL':>9} {'p99 KL':>8} {'top-1':>7}"]
+        for r in cache:
+            v = r["vs_first_kv"]
+            lines.append(f"{r['config']:<{w}} {v['kv_cache_dtype']:>9} {v['mean_kl']:>9.4f} {v['p99_kl']:>8.4f} "
+                         f"{100 * v['top1_agreement']:>6.1f}%")
     lines.append("")
     lines.append("greedy continuations:")
     for i, p in enumerate(res["prompts"]):
         lines.append(f"  {p!r}")
         lines.append(f"    reference: {res['reference_continuations'][i]!r}")
         for r in res["configs"]:
-            lines.append(f"    {r['config']}: {r['continuations'][i]!r}")
+            if "continuations" in r:  # the weights' (the reference loop's contiguous cache), whatever KV row holds them
+                lines.append(f"    {r['config'].split(', KV ')[0]}: {r['continuations'][i]!r}")
     return "\n".join(lines)
 
 

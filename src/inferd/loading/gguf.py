@@ -41,9 +41,18 @@ def config_from_metadata(meta: dict[str, Any], rope_tensors: dict[str, np.ndarra
     if vocab is None:
         vocab = len(meta.get("tokenizer.ggml.tokens", []))
     rope_scaling = None
-    if g("rope.scaling.type") in ("linear",) and g("rope.scaling.factor"):
-        rope_scaling = {"rope_type": "linear", "factor": float(g("rope.scaling.factor"))}
+    kind = g("rope.scaling.type")
+    context = int(g("context_length", 2048))
     rope = rope_tensors or {}
+    if kind not in (None, "none", "linear", "yarn", "longrope"):
+        raise InferdError(f"RoPE scaling {kind!r} (this GGUF's {arch}.rope.scaling.type) is not supported "
+                          "(supported: none, linear, yarn, longrope)")
+    if kind == "longrope" and "rope_factors_long.weight" not in rope:
+        raise InferdError("this GGUF asks for LongRoPE scaling but has no rope_factors_long tensor")
+    if kind == "linear" and g("rope.scaling.factor"):
+        rope_scaling = {"rope_type": "linear", "factor": float(g("rope.scaling.factor"))}
+    if kind == "yarn":
+        rope_scaling, context = _yarn_from_metadata(g, context)
     if "rope_freqs.weight" in rope:
         rope_scaling = {"rope_type": "freq_factors", "factors": [float(f) for f in rope["rope_freqs.weight"]]}
     if "rope_factors_long.weight" in rope:  # Phi-3's LongRoPE, as llama.cpp's converter writes it
@@ -85,7 +94,7 @@ def config_from_metadata(meta: dict[str, Any], rope_tensors: dict[str, np.ndarra
         rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(g("rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling,
-        max_position_embeddings=int(g("context_length", 2048)),
+        max_position_embeddings=context,
         tie_word_embeddings=True,  # corrected by the loader when output.weight exists
         attention_bias=fam.attention_bias,
         sliding_window=int(window) if window and fam.sliding_window else None,
@@ -93,6 +102,28 @@ def config_from_metadata(meta: dict[str, Any], rope_tensors: dict[str, np.ndarra
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         **extra,
     )
+
+
+def _yarn_from_metadata(g, context: int) -> tuple[dict, int]:
+    """YaRN as llama.cpp reads a GGUF: `rope.scaling.factor`, `rope.scaling.original_context_length`
+    (default: context_length), the ramp's `rope.scaling.yarn_beta_fast` / `yarn_beta_slow` (32 / 1),
+    and cos and sin multiplied by 1 + 0.1 ln(factor) (over 1 + 0.1 yarn_log_multiplier ln(factor)
+    where the file gives that multiplier: DeepSeek's form) times `rope.scaling.attn_factor` (1)."""
+    from inferd.model.config import yarn_scaling
+    from inferd.model.layers import yarn_mscale
+
+    factor = g("rope.scaling.factor")
+    if not factor:
+        raise InferdError("this GGUF asks for YaRN RoPE scaling without rope.scaling.factor")
+    factor = float(factor)
+    orig = int(g("rope.scaling.original_context_length") or context)
+    log_mul = float(g("rope.scaling.yarn_log_multiplier") or 0.0)
+    mscale = yarn_mscale(factor) / yarn_mscale(factor, log_mul) if log_mul else yarn_mscale(factor)
+    rs = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": orig,
+          "beta_fast": float(g("rope.scaling.yarn_beta_fast") or 32.0),
+          "beta_slow": float(g("rope.scaling.yarn_beta_slow") or 1.0),
+          "attention_factor": mscale * float(g("rope.scaling.attn_factor") or 1.0)}
+    return yarn_scaling(rs, context, orig)
 
 
 def dequantize_raw(raw: np.ndarray, type_name: str, rows: torch.Tensor | None = None,

@@ -7,7 +7,7 @@ from typing import Any
 from inferd.errors import InferdError
 
 # what model.layers.rope_inv_freq computes (freq_factors: a GGUF's rope_freqs tensor)
-ROPE_TYPES = (None, "default", "linear", "llama3", "longrope")
+ROPE_TYPES = (None, "default", "linear", "llama3", "longrope", "yarn")
 
 
 @dataclass
@@ -79,6 +79,9 @@ def config_from_hf(d: dict) -> ModelConfig:
         kind = "longrope"
     if kind not in ROPE_TYPES:
         raise InferdError(f"RoPE scaling {kind!r} is not supported (supported: {', '.join(ROPE_TYPES[2:])})")
+    max_pos = d.get("max_position_embeddings", 2048)
+    if kind == "yarn":
+        rope_scaling, max_pos = yarn_scaling(rope_scaling, max_pos, d.get("original_max_position_embeddings"))
     if float(rp.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))) != 1.0:
         raise InferdError("a partial rotary embedding (partial_rotary_factor < 1) is not supported")
     return ModelConfig(
@@ -93,7 +96,7 @@ def config_from_hf(d: dict) -> ModelConfig:
         rms_norm_eps=d.get("rms_norm_eps", 1e-6),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        max_position_embeddings=d.get("max_position_embeddings", 2048),
+        max_position_embeddings=max_pos,
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         attention_bias=bool(d.get("attention_bias", fam.attention_bias)),
         sliding_window=d.get("sliding_window") if d.get("use_sliding_window", fam.sliding_window) else None,
@@ -110,6 +113,21 @@ def config_from_hf(d: dict) -> ModelConfig:
         bos_token_id=d.get("bos_token_id"),
         eos_token_id=d.get("eos_token_id"),
     )
+
+
+def yarn_scaling(rs: dict, max_pos: int, orig: int | None = None) -> tuple[dict, int]:
+    """A YaRN rope_scaling dict in the form model.layers reads (its original context and factor made
+    explicit, transformers' defaults: the original context is max_position_embeddings, the factor
+    their ratio) and the context the model declares: original context x factor where that is more
+    than max_position_embeddings (Qwen2.5's YaRN configs keep 32,768 there and mean 131,072, as vLLM
+    reads them)."""
+    orig = int(rs.get("original_max_position_embeddings") or orig or max_pos)
+    factor = rs.get("factor")
+    factor = float(factor) if factor is not None else max_pos / orig
+    if factor < 1:
+        raise InferdError(f"YaRN scaling factor {factor} is below 1")
+    out = {**rs, "rope_type": "yarn", "factor": factor, "original_max_position_embeddings": orig}
+    return out, max(int(max_pos), int(orig * factor))
 
 
 # what an encoder's config.json may name its MLP activation (transformers' ACT2FN names)

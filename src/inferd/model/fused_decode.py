@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 
 # what DecodeStack reads and writes (csrc/cpu/fused_decode.cpp); attention computes in fp32 either way
-KV_DTYPES = (torch.float32, torch.bfloat16)
+# (int8: rows quantized as written and read by the split decode kernel, as the eager forward does)
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 
 
 class FusedDecode:
@@ -42,7 +43,7 @@ class FusedDecode:
         dtype = attn.pool.k.dtype
         if dtype not in KV_DTYPES:
             name = str(dtype).replace("torch.", "")
-            return f"the fused step needs a float32 or bfloat16 KV cache; this one is {name}"
+            return f"the fused step needs a float32, bfloat16 or int8 KV cache; this one is {name}"
         if getattr(attn, "kernel", None) is None:
             return "the attention runs without the native paged-decode kernel"
         return None
@@ -63,6 +64,8 @@ class FusedDecode:
         if rows.numel():
             lora.applies += self.lora_products
         attn.kernel_calls += self.n_layers
+        if getattr(attn, "split_decode", False):  # an int8 cache: its layers decoded by the split kernel
+            attn.split_decode_calls += self.n_layers
         self.steps += 1
         self.max_rows = max(self.max_rows, x.shape[0])
         return h

@@ -47,15 +47,51 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         # sequence's length, so the two agree past the original context and differ before it)
         long = cfg.max_position_embeddings > int(rs["original_max_position_embeddings"])
         inv = inv / torch.tensor(rs["long_factor" if long else "short_factor"], dtype=torch.float64, device="cpu")
+    elif kind == "yarn":
+        inv = _yarn_inv_freq(inv, rs, dim, cfg.rope_theta)
     elif kind not in (None, "default"):
         raise ValueError(f"unsupported rope scaling {kind!r}")
     return inv.float()
 
 
+def _yarn_inv_freq(inv: torch.Tensor, rs: dict, dim: int, base: float) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071): frequencies that turn fewer than beta_slow times over the original
+    context are interpolated (divided by the factor), those that turn more than beta_fast times are
+    kept, and a linear ramp over the rotary dimensions between the two blends them. The ramp's ends
+    are where a frequency turns beta times, floored and ceiled to whole dimensions unless the config
+    says truncate: false."""
+    factor = float(rs["factor"])
+    orig = float(rs["original_max_position_embeddings"])
+
+    def dim_turning(turns: float) -> float:  # the dimension whose frequency turns `turns` times in orig
+        return dim * math.log(orig / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    lo, hi = dim_turning(float(rs.get("beta_fast") or 32)), dim_turning(float(rs.get("beta_slow") or 1))
+    if rs.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64, device="cpu") - lo) / max(hi - lo, 0.001)).clamp(0, 1)
+    return inv / factor * ramp + inv * (1 - ramp)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature: 1 + 0.1 * mscale * ln(factor), 1 for no extension."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 def rope_attention_factor(cfg: ModelConfig) -> float:
-    """What LongRoPE multiplies cos and sin by (1 elsewhere): its `attention_factor`, or by default
-    sqrt(1 + ln(s) / ln(original context)) for the extension s = context / original context."""
+    """What LongRoPE and YaRN multiply cos and sin by (1 elsewhere). LongRoPE: its `attention_factor`,
+    or by default sqrt(1 + ln(s) / ln(original context)) for the extension s = context / original
+    context. YaRN: its `attention_factor`, or yarn_mscale(factor) (over yarn_mscale(factor,
+    mscale_all_dim) where both mscales are given, DeepSeek's form)."""
     rs = cfg.rope_scaling or {}
+    if rs.get("rope_type") == "yarn":
+        if rs.get("attention_factor") is not None:
+            return float(rs["attention_factor"])
+        f = float(rs["factor"])
+        if rs.get("mscale") and rs.get("mscale_all_dim"):
+            return yarn_mscale(f, float(rs["mscale"])) / yarn_mscale(f, float(rs["mscale_all_dim"]))
+        return yarn_mscale(f)
     if rs.get("rope_type") != "longrope":
         return 1.0
     if rs.get("attention_factor") is not None:

@@ -1,15 +1,24 @@
 """Attention over the paged KV cache, for one flat batch of sequences.
 
 `PagedAttention.prepare` turns the step's block tables into index tensors once; the per-layer
-call then writes the new keys/values into their slots with one `index_copy_` and attends per
-group: decodes (one query each) through the compiled kernel (csrc/cpu/paged_attention_impl.h) (reads K/V in
-place), prefill chunks through one batched SDPA over gathered K/V (queries padded to the longest
-chunk). Mixing the two groups would pad every decode to the longest prompt chunk. Without a
-compiler the decode group takes the SDPA path too.
+call then writes the new keys/values into their slots (one native call; quantized to int8 rows
+for an int8 cache) and attends per group, reading the cache in place:
+
+- decodes (one query each) through a compiled decode kernel: csrc/cpu/paged_attention_impl.h for
+  float32 / bf16 caches; csrc/cpu/flash_attention_impl.h's split decode for int8 caches and
+  soft-capped models (each sequence's keys cut into splits run on every core, merged);
+- prefill chunks (and chunks of mixed steps) through the tiled prefill kernel
+  (flash_attention_impl.h): the chunk's queries walk the sequence's own blocks tile by tile with an
+  online softmax; causality, windows and soft-capping per tile. No gathered copy of the context, no
+  [queries x keys] mask: memory grows with the KV cache only.
+
+Without the native kernels (INFERD_NO_NATIVE, no compiler, a head_dim not a multiple of 16, a
+non-CPU device) every group takes the torch path: K/V gathered into a padded copy and SDPA with an
+explicit mask. That fallback is said once in the log and counted per call (`fallback_calls`).
 
 At large batch, decode attention is bound by reading the KV cache, so the cache follows the model
-dtype (bf16 halves the bytes); attention maths run in fp32. A CUDA/Triton kernel would replace
-`__call__` and keep `prepare`'s metadata.
+dtype (bf16 halves the bytes) or is int8 (--kv-cache-dtype int8: a little over half again);
+attention maths run in fp32.
 """
 from __future__ import annotations
 
@@ -17,8 +26,15 @@ from dataclasses import dataclass
 
 import torch
 
+import logging
+
 from inferd.model.layers import attend
-from inferd.worker.kv_pool import KVLayout, KVPool
+from inferd.worker.kv_pool import INT8, KVLayout, KVPool, dequantize_rows, quantize_rows
+
+log = logging.getLogger("inferd")
+
+# caches the compiled kernels read (float16 takes the torch path)
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, INT8)
 
 
 @dataclass
@@ -34,6 +50,10 @@ class _Group:
     # one fresh prompt (its queries are keys 0..Q-1; a layer without a window): SDPA's is_causal, which skips
     # the blocks above the diagonal that an explicit mask makes it compute (2x a 512-token prefill)
     causal: bool = False
+    # the tiled prefill kernel's: per sequence its first position, new tokens and first row of the batch
+    starts: torch.Tensor | None = None
+    lens: torch.Tensor | None = None
+    qrows: torch.Tensor | None = None
 
 
 class PagedAttention:
@@ -45,26 +65,49 @@ class PagedAttention:
         `scale`: the softmax scale (default head_dim ** -0.5; Gemma's query_pre_attn_scalar).
         `layout`: KV groups (inferd.worker.kv_pool): each group's layers live in the pool rows and
         blocks of that group's own tables (prepare's kv_tables); None: every layer in one table.
-        `softcap`: Gemma 2's attention-logit soft-capping (model.layers.attend's explicit maths; the
-        compiled kernel has none, so such a model decodes through it too)."""
+        `softcap`: Gemma 2's attention-logit soft-capping (the tiled and split kernels compute it per
+        tile; the float32/bf16 decode kernel has none, so such a model decodes through the split one).
+        `use_kernel=False`: the torch path on purpose (tests hold the kernels to it)."""
         self.pool = pool
+        self.head_dim = head_dim
         self.softcap = softcap
+        self.quantized = pool.k.dtype == INT8
         self.layout = layout if layout is not None and layout.num_groups > 1 else None
         self._states: list[tuple] = []  # per KV group: (slot_mapping, groups), made by prepare
         self.kernel = None
-        # the compiled decode kernel reads fp32 or bf16 caches; any other (fp16) takes the SDPA path
-        if (use_kernel and softcap is None and pool.k.device.type == "cpu"
-                and pool.k.dtype in (torch.float32, torch.bfloat16)):
+        self.fallback_why = self._kernel_refusal(use_kernel)
+        if self.fallback_why is None:
             from inferd.kernels import native
 
             self.kernel = native.ops()
-        self.kernel_calls = 0  # decode groups served by the compiled kernel (tests check it ran)
+            if self.kernel is None:
+                self.fallback_why = f"native kernels unavailable ({native.build_error() or 'INFERD_NO_NATIVE'})"
+        if self.fallback_why is not None and use_kernel:
+            log.warning("paged attention: the torch fallback (K/V gathered, an explicit mask): %s", self.fallback_why)
+        # decodes of a float32/bf16 cache without soft-capping take the older kernel; the rest the split one
+        self.split_decode = self.quantized or softcap is not None
+        self.kernel_calls = 0  # decode groups served by a compiled decode kernel (tests check it ran)
+        self.split_decode_calls = 0  # of them, through the split decode kernel
+        self.prefill_kernel_calls = 0  # prefill groups through the tiled kernel
+        self.fallback_calls = 0  # layer calls the torch path served (0 wherever the kernels run)
         self.scale = scale if scale is not None else head_dim ** -0.5
         self.window = sliding_window  # as given, to hand on (a draft model's attention)
         self.windows = sliding_window if isinstance(sliding_window, list) else None
         self._all_windows = set(self.windows) if self.windows is not None else {sliding_window}
         self.slot_mapping: torch.Tensor | None = None
         self.groups: list[_Group] = []
+
+    def _kernel_refusal(self, use_kernel: bool) -> str | None:
+        """Why this attention cannot run the compiled kernels, or None where it can."""
+        if not use_kernel:
+            return "use_kernel=False"
+        if self.pool.k.device.type != "cpu":
+            return f"the KV cache is on {self.pool.k.device.type}"
+        if self.pool.k.dtype not in KERNEL_DTYPES:
+            return f"a {str(self.pool.k.dtype).replace('torch.', '')} KV cache"
+        if self.head_dim % 16:
+            return f"head_dim {self.head_dim} is not a multiple of 16"
+        return None
 
     def prepare(self, block_tables: list[list[int]], starts: list[int], lengths: list[int],
                 kv_tables: list[list[list[int]]] | None = None):
@@ -101,10 +144,27 @@ class PagedAttention:
         is_dec = lens_t == 1
         for sel in (is_dec, ~is_dec):
             idx = torch.nonzero(sel).flatten()
-            if idx.numel():
-                self.groups.append(self._group(bt[idx], starts_t[idx], lens_t[idx], ctx[idx],
-                                               tok_start[idx], dev, windows))
+            if not idx.numel():
+                continue
+            if self.kernel is not None:
+                self.groups.append(self._kernel_group(bt[idx], starts_t[idx], lens_t[idx], ctx[idx], tok_start[idx],
+                                                      dev))
+            else:
+                self.groups.append(self._group(bt[idx], starts_t[idx], lens_t[idx], ctx[idx], tok_start[idx], dev,
+                                               windows))
         return pos
+
+    def _kernel_group(self, bt, starts, lens, ctx, tok_start, dev) -> _Group:
+        """What the kernels need of a group: block tables and lengths, never gather indices or masks."""
+        Q = int(lens.max())
+        if Q == 1:  # decodes: their rows, each one query
+            return _Group(q_index=tok_start[:, None].to(dev), q_valid=None, kv_slots=None, masks=None,
+                          out_rows=tok_start.to(dev), out_sel=None, block_tables=bt.contiguous().to(dev),
+                          ctx_lens=ctx.contiguous().to(dev))
+        rows = torch.cat([torch.arange(int(a), int(a) + int(n)) for a, n in zip(tok_start, lens)])
+        return _Group(q_index=rows[:, None].to(dev), q_valid=None, kv_slots=None, masks=None, out_rows=rows.to(dev),
+                      out_sel=rows.to(dev), block_tables=bt.contiguous().to(dev), starts=starts.contiguous().to(dev),
+                      lens=lens.contiguous().to(dev), qrows=tok_start.contiguous().to(dev))
 
     def _prepare_decode(self, block_tables, starts, max_blocks, dev):
         """A decode-only step for the kernel: it needs the slots, block tables and context lengths, not
@@ -129,7 +189,7 @@ class PagedAttention:
         ctx_lens, block_size, scale, window); else None."""
         if self.kernel is None or len(self.groups) != 1 or self.groups[0].out_sel is not None:
             return None
-        if self.windows is not None:  # the C++ layer loop takes one window for every layer
+        if self.windows is not None or self.softcap is not None:  # the C++ layer loop: one window, no cap
             return None
         g = self.groups[0]
         return (self.pool.k, self.pool.v, self.slot_mapping, g.block_tables, g.ctx_lens, self.pool.block_size,
@@ -138,27 +198,46 @@ class PagedAttention:
     def _window(self, layer: int) -> int | None:
         return self.windows[layer] if self.windows is not None else self.window
 
-    def _with_kernel(self, layer, q, kc, vc, window) -> torch.Tensor:
-        """Decodes through the compiled kernel; a prefill group (if any) through SDPA."""
-        T, H, D = q.shape
-        dec = self.groups[0]
+    def _decode(self, g: _Group, q, kc, vc, window) -> torch.Tensor:
+        """[rows, H, D] float32 of a decode group through a compiled kernel."""
         self.kernel_calls += 1
-        qd = q[dec.out_rows] if len(self.groups) > 1 else q
-        od = self.kernel.paged_decode(qd.float().contiguous(), kc, vc, dec.block_tables, dec.ctx_lens,
-                                      self.pool.block_size, self.scale, window or 0)
-        if len(self.groups) == 1:
-            return od.view(T, H * D).to(q.dtype)
-        out = torch.empty(T, H * D, dtype=q.dtype, device=q.device)
-        out[dec.out_rows] = od.view(-1, H * D).to(q.dtype)
-        self._sdpa_group(self.groups[1], q.to(kc.dtype), kc, vc, out, window)
-        return out
+        qd = q if g.out_sel is None and q.shape[0] == g.out_rows.shape[0] else q[g.out_rows]
+        qd = qd.float().contiguous()
+        if self.split_decode:
+            self.split_decode_calls += 1
+            return self.kernel.paged_decode_split(qd, kc, vc, g.block_tables, g.ctx_lens, self.pool.block_size,
+                                                  self.scale, window or 0, self.softcap or 0.0)
+        return self.kernel.paged_decode(qd, kc, vc, g.block_tables, g.ctx_lens, self.pool.block_size, self.scale,
+                                        window or 0)
+
+    def _with_kernel(self, layer, q, kc, vc, window) -> torch.Tensor:
+        """Every group through the compiled kernels, each reading the cache in place."""
+        T, H, D = q.shape
+        if len(self.groups) == 1 and self.groups[0].starts is None:  # decodes only, rows in order
+            return self._decode(self.groups[0], q, kc, vc, window).view(T, H * D).to(q.dtype)
+        out = torch.empty(T, H, D, dtype=torch.float32, device=q.device)
+        qf = q if q.dtype == torch.float32 and q.stride(2) == 1 and q.stride(1) == D else q.float().contiguous()
+        for g in self.groups:
+            if g.starts is None:
+                out[g.out_rows] = self._decode(g, q, kc, vc, window)
+            else:
+                self.prefill_kernel_calls += 1
+                self.kernel.paged_prefill(qf, kc, vc, g.block_tables, g.starts, g.lens, g.qrows,
+                                          self.pool.block_size, self.scale, window or 0, self.softcap or 0.0, out)
+        out = out.view(T, H * D)
+        return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+    def _gather(self, c: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """The torch path's K or V rows at `slots`, in a dtype SDPA takes (an int8 cache dequantized)."""
+        rows = c[slots]
+        return dequantize_rows(rows, self.head_dim) if self.quantized else rows
 
     def _sdpa_group(self, g: _Group, qc, kc, vc, out, window):
         B, Q = g.q_index.shape
         H, D = qc.shape[1], qc.shape[2]
         qg = qc[g.q_index].permute(0, 2, 1, 3)  # [B, H, Q, D]
-        kg = kc[g.kv_slots].permute(0, 2, 1, 3)  # [B, Hkv, K, D]
-        vg = vc[g.kv_slots].permute(0, 2, 1, 3)
+        kg = self._gather(kc, g.kv_slots).permute(0, 2, 1, 3)  # [B, Hkv, K, D]
+        vg = self._gather(vc, g.kv_slots).permute(0, 2, 1, 3)
         if g.causal and window is None:
             o = attend(qg, kg, vg, causal=True, scale=self.scale, softcap=self.softcap)
         else:
@@ -210,20 +289,27 @@ class PagedAttention:
             self.slot_mapping, self.groups = self._states[self.layout.group_of[layer]]
         kc, vc = self.pool.k[row], self.pool.v[row]
         cdt = kc.dtype
-        if self.kernel is not None and k.dtype == cdt and v.dtype == cdt:
+        if self.kernel is not None and self.quantized:
+            self.kernel.write_kv_q8(k, v, self.slot_mapping, kc, vc)
+        elif self.kernel is not None and k.dtype == cdt and v.dtype == cdt:
             self.kernel.write_kv(k, v, self.slot_mapping, kc, vc)
+        elif self.quantized:
+            kc.index_copy_(0, self.slot_mapping, quantize_rows(k))
+            vc.index_copy_(0, self.slot_mapping, quantize_rows(v))
         else:
             kc.index_copy_(0, self.slot_mapping, k.to(cdt))
             vc.index_copy_(0, self.slot_mapping, v.to(cdt))
+        if self.kernel is not None and self.groups:
+            return self._with_kernel(layer, q, kc, vc, self._window(layer))
+        self.fallback_calls += 1
         T, H, D = q.shape
-        qc = q.to(cdt)
+        qc = q.float() if self.quantized else q.to(cdt)
         window = self._window(layer)
-        if self.kernel is not None and self.groups and self.groups[0].out_sel is None:
-            return self._with_kernel(layer, q, kc, vc, window)
         if len(self.groups) == 1 and self.groups[0].out_sel is None:  # all decodes: rows in order
             g = self.groups[0]
-            o = attend(qc.unsqueeze(2), kc[g.kv_slots].transpose(1, 2), vc[g.kv_slots].transpose(1, 2),
-                       mask=g.masks[window], scale=self.scale, softcap=self.softcap)
+            o = attend(qc.unsqueeze(2), self._gather(kc, g.kv_slots).transpose(1, 2),
+                       self._gather(vc, g.kv_slots).transpose(1, 2), mask=g.masks[window], scale=self.scale,
+                       softcap=self.softcap)
             return o.view(T, H * D).to(q.dtype)
         out = torch.empty(T, H * D, dtype=q.dtype, device=q.device)
         for g in self.groups:

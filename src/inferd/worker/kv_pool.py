@@ -56,13 +56,69 @@ def kv_layout(window, num_layers: int) -> KVLayout:
     return KVLayout(tuple(group_of), tuple(slot_of), tuple(windows), size)
 
 
+# The 8-bit KV cache: a row (one slot's one kv head) is head_dim int8 codes followed by the row's
+# float32 scale, stored in the pool's int8 tensor as 4 more bytes: value = code * scale, scale = the
+# row's largest magnitude / 127. 1 + 4 / head_dim bytes a value (1.0625 at head_dim 64: 1.88x the
+# tokens of bf16 in the same memory). Quantized once, when written; read in place by the kernels.
+INT8 = torch.int8
+SCALE_BYTES = 4
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, INT8)
+
+
+# --kv-cache-dtype: the names a KV cache may be asked for (auto: the model's dtype)
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
+_KV_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16, "half": torch.float16, "int8": INT8}
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """--kv-cache-dtype -> the pool's dtype. fp8 is refused in one line: on these CPUs nothing converts
+    e4m3 in hardware (AVX-512 before AVX10.2), so it would cost int8's bytes with 3 mantissa bits
+    where int8 with a per-row scale keeps 7, and decode slower."""
+    from inferd.errors import InferdError
+
+    if name == "auto":
+        return model_dtype
+    if name in ("fp8", "fp8_e4m3", "fp8_e5m2", "float8"):
+        raise InferdError(f"--kv-cache-dtype {name}: not on CPUs; int8 (same bytes, a scale per token and head, "
+                          "7 bits where e4m3 keeps 3) is the 8-bit KV cache here")
+    if name not in _KV_NAMES:
+        raise InferdError(f"unknown --kv-cache-dtype {name!r} (choose {', '.join(KV_CACHE_DTYPES)})")
+    return _KV_NAMES[name]
+
+
+def row_width(dtype: torch.dtype, head_dim: int) -> int:
+    """Elements of the pool's last axis: head_dim, or head_dim + the scale's bytes for int8."""
+    return head_dim + SCALE_BYTES if dtype == INT8 else head_dim
+
+
+def quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """[..., D] float -> int8 cache rows [..., D + 4], as the native write_kv_q8 makes them (the same
+    operations: round half to even of x * (127 / amax))."""
+    x = x.float()
+    amax = x.abs().amax(-1, keepdim=True)
+    # a tensor over amax: `127.0 / amax` is reciprocal-then-multiply in torch, one rounding more than C++'s
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    codes = torch.round(x * inv).clamp_(-127, 127).to(torch.int8)
+    scale = (amax / 127.0).contiguous().view(torch.int8)  # the float32's 4 bytes
+    return torch.cat([codes, scale], -1)
+
+
+def dequantize_rows(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """int8 cache rows [..., D + 4] -> float32 [..., D]."""
+    scale = rows[..., head_dim:].contiguous().view(torch.float32)
+    return rows[..., :head_dim].float() * scale
+
+
 class KVPool:
-    """K and V for every layer as [layers, num_blocks * block_size, n_kv, head_dim] (slot-major)."""
+    """K and V for every layer as [layers, num_blocks * block_size, n_kv, row] (slot-major), row =
+    head_dim values, or head_dim int8 codes and their scale's 4 bytes for an int8 cache."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, n_kv: int, head_dim: int,
                  dtype: torch.dtype, device, shared: bool = False):
         self.num_blocks, self.block_size = num_blocks, block_size
-        shape = (num_layers, num_blocks * block_size, n_kv, head_dim)
+        self.dtype, self.head_dim = dtype, head_dim
+        shape = (num_layers, num_blocks * block_size, n_kv, row_width(dtype, head_dim))
         self.shm: dict | None = None  # {"path", "size"} of the shared mapping, when shared
         if shared:
             self.k, self.v = self._shared(shape, dtype)
@@ -70,6 +126,10 @@ class KVPool:
         # zeros, not empty: padded gathers read unused slots, and 0 * NaN garbage would poison them
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def quantized(self) -> bool:
+        return self.dtype == INT8
 
     def _shared(self, shape, dtype):
         """K and V in one shared-memory file, so that a consumer engine on this host copies KV
@@ -92,4 +152,5 @@ class KVPool:
 
     @staticmethod
     def bytes_per_block(num_layers, block_size, n_kv, head_dim, dtype) -> int:
-        return 2 * num_layers * block_size * n_kv * head_dim * torch.empty((), dtype=dtype).element_size()
+        return (2 * num_layers * block_size * n_kv * row_width(dtype, head_dim)
+                * torch.empty((), dtype=dtype).element_size())

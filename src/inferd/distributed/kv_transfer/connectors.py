@@ -270,6 +270,7 @@ class SharedMemoryConnector(ZmqConnector):
         return k.index_select(1, slots), v.index_select(1, slots)
 
 
-def make_connector(name: str, timeout_s: float, dtype, layers: int, n_kv: int, head_dim: int):
+def make_connector(name: str, timeout_s: float, dtype, layers: int, n_kv: int, row: int):
+    """`row`: the pool's last axis, head_dim (or head_dim + 4 for an int8 cache's codes and scale)."""
     cls = SharedMemoryConnector if name == "SharedMemoryConnector" else ZmqConnector
-    return cls(_Control(timeout_s), dtype, layers, n_kv, head_dim)
+    return cls(_Control(timeout_s), dtype, layers, n_kv, row)

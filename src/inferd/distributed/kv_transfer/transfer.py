@@ -57,8 +57,10 @@ class KVTransfer:
         self.bm, self.pool = engine.block_manager, engine.pool
         mc = engine.model_config
         self.fingerprint = model_fingerprint(engine)
-        esize = self.pool.k.element_size()
-        self.per_token = bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, esize)
+        # a pool row is head_dim values, or an int8 cache's head_dim codes and its scale's 4 bytes: KV
+        # travels as the pool holds it, scales and all
+        esize, self.row = self.pool.k.element_size(), self.pool.k.shape[-1]
+        self.per_token = bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, self.row, esize)
         self.counters = {"leases": 0, "lease_confirmed": 0, "lease_expired": 0, "transfers": 0, "failures": 0,
                          "recomputes": 0, "bytes": 0, "tokens": 0, "bytes_sent": 0}
         self.seconds: list[float] = []  # transfer durations not yet reported in a snapshot
@@ -75,7 +77,7 @@ class KVTransfer:
         self.connector = None
         if cfg.consumer:
             self.connector = make_connector(cfg.kv_connector, cfg.transfer_timeout_s, self.pool.k.dtype,
-                                            mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim)
+                                            mc.num_hidden_layers, mc.num_key_value_heads, self.row)
             self.jobs: queue.Queue = queue.Queue()
             self.done: queue.Queue = queue.Queue()
             self.wake = threading.Event()
