@@ -535,7 +535,12 @@ CLIENT = textwrap.dedent('''
 
     ray.init(address=address, logging_level="ERROR")  # Ray's own record of where each bundle went
     nodes = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
-    groups = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
+    import time
+    for _ in range(60):  # the GCS's table may trail the server's readiness on a loaded machine
+        groups = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
+        if groups:
+            break
+        time.sleep(0.5)
     placed = [[nodes[g["bundles_to_node_id"][i]] for i in sorted(g["bundles_to_node_id"])] for g in groups]
     ray.shutdown()
     client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
