@@ -652,7 +652,7 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(srv, tmp_pat
     cfg = tmp_path / "schemathesis.toml"
     cfg.write_text(CONFIG)
     junit = tmp_path / "junit.xml"
-    cmd = [st, "--config-file", str(cfg), "run", srv.base + "/openapi.json", "--max-examples", "200",
+    cmd = [st, "--config-file", str(cfg), "run", srv.base + "/openapi.json", "--max-examples", "100",
            "--request-timeout", "20", "--workers", "1", "--seed", "1", "--generation-deterministic",
            "--phases", "examples,coverage,fuzzing", "--no-color", "--report", "junit",
            # an open-ended event stream (the dashboard's): every case would wait out the request timeout
@@ -664,7 +664,7 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(srv, tmp_pat
     out = r.stdout[-6000:] + r.stderr[-3000:]
     assert r.returncode == 0, out
     m = re.search(r"(\d+) generated, (\d+) passed", r.stdout)
-    assert m and int(m.group(1)) == int(m.group(2)) >= 1000, out  # 8 operations; the bodies get ~200 each
+    assert m and int(m.group(1)) == int(m.group(2)) >= 1000, out  # every operation (the three dialects' included); the bodies get ~100 each
     assert "Traceback" not in srv.log_text(), srv.log_text()
     # nothing left behind: no sequence running or waiting, no KV block held
     metrics = httpx.get(srv.base + "/metrics", timeout=10).text
