@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 VENV_BIN = os.path.dirname(sys.executable)
 TINY = {"--num-prompts": "4", "--max-concurrency": "2", "--windows": "3"}  # values the test shrinks
-SHORT = {"bench": ["--input-len", "32", "--output-len", "16"], "eval": ["--ctx", "64"]}  # flags it adds
+SHORT = {"bench": ["--input-len", "32", "--output-len", "16"], "eval": ["--ctx", "64", "--windows", "8"]}  # flags it adds
 
 
 def blocks(lang: str) -> list[str]:
