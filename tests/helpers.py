@@ -422,6 +422,21 @@ def wait_until(predicate, timeout: float = 20, what: str = "condition"):
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
+def wait_for_log(read, text: str, timeout: float = 60) -> str:
+    """Until the log `read()` returns holds `text`; returns that log. A line another process writes
+    (the engine core, a rank, a Ray worker) may land after the server already answers: read the log
+    for a line only through this, never once. Fails naming the line and showing the log's tail."""
+    deadline = time.monotonic() + timeout
+    while True:
+        log = read()
+        if text in log:
+            return log
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for the log line {text!r}; "
+                                 f"the log ends:\n{log[-3000:]}")
+        time.sleep(0.1)
+
+
 def engine_socket_dirs(pid: int, where: str | None = None) -> list[str]:
     """The directories holding the engine sockets of server process `pid` under `where` (the
     temporary directory): inferd-core-PID-... (inferd.distributed.tmpdirs)."""

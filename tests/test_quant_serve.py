@@ -15,6 +15,8 @@ import sys
 import httpx
 import pytest
 
+from helpers import wait_for_log
+
 
 @pytest.fixture(scope="module")
 def qserver(tmp_path_factory):
@@ -40,7 +42,7 @@ def test_default_serve_runs_the_files_blocks_and_matches_offline(qserver):
     assert paths["weight_formats"] == {"W4A8Linear": 120, "W8A8Linear": 1}, paths
     assert paths["lm_head"] == "W8A8Linear" and paths["activations"] == "int8" and paths["dtype"] == "float32"
     assert paths["fused_built"] and paths["fused_steps"] > 0 and paths["eager_decode_steps"] == 0, paths
-    assert "gguf-native" in log.read_text()
+    wait_for_log(log.read_text, "gguf-native")
     # the Python API's default is the server's: `LLM()` on the same file, no quantization named
     from inferd.engine.paths import engine_paths
 

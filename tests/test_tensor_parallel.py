@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from conftest import make_tiny_model
 from helpers import (assert_no_leaks, compare, compare_texts, make_requests, reference_outputs, run_recording,
-                     stream_then_kill)
+                     stream_then_kill, wait_for_log)
 
 from inferd.engine.engine import LLMEngine
 from inferd.distributed.comm import CollectiveError
@@ -473,7 +473,7 @@ def test_served_with_the_openai_client_then_a_rank_killed_under_a_stream(one_ran
         tok = one_rank["tok"]
         ref = [(ids[:16], logits[:16]) for ids, logits in one_rank["batch"]]
         srv.wait_ready()
-        assert "tensor parallel: 2 ranks over shm" in srv.log_text(100_000)
+        wait_for_log(lambda: srv.log_text(100_000), "tensor parallel: 2 ranks over shm")
         client = openai.OpenAI(base_url=srv.base + "/v1", api_key="none", max_retries=0)
         model = client.models.list().data[0].id
         texts: dict = {}

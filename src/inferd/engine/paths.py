@@ -84,6 +84,7 @@ def engine_paths(engine) -> dict:
         "prefill_tokens": stats.prefill_tokens,
         "decode_tokens": stats.decode_tokens,
         "tensor_parallel_size": cfg.tensor_parallel_size,
+        "tensor_parallel": _tp_paths(engine),
         "speculative_method": cfg.speculative_method,
         "speculative": _spec_paths(engine),
         "draft": _draft_paths(engine),
@@ -100,6 +101,17 @@ def attention_paths(attn) -> dict:
             "decode_kernel_calls": attn.kernel_calls, "split_decode_calls": attn.split_decode_calls,
             "tiled_prefill_calls": attn.prefill_kernel_calls, "fallback_calls": attn.fallback_calls,
             "fallback_why": attn.fallback_why}
+
+
+def _tp_paths(engine) -> dict | None:
+    """Where the tensor-parallel ranks run, as the executor placed them (rank 0 first): a test or an
+    operator reads the nodes from the engine itself, not from a cluster table that may trail it."""
+    tp = getattr(engine, "tp", None)
+    if tp is None:
+        return None
+    places = tp.placements or []
+    return {"backend": tp.backend, "executor": engine.config.distributed_executor_backend,
+            "nodes": len({p.node for p in places}), "rank_ips": [p.ip for p in places]}
 
 
 def _lora_paths(engine) -> dict | None:
