@@ -422,6 +422,58 @@ def wait_until(predicate, timeout: float = 20, what: str = "condition"):
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
+_GGUF_READERS: dict = {}
+
+
+def _read_gguf_once() -> None:
+    """transformers builds a new `gguf.GGUFReader` for each object it makes from a GGUF (the config
+    and the tokenizer's twice, the model again): five parses of the header for a tokenizer and a
+    model, ~7 s each for Gemma 3's 262k-token vocabulary. A reader maps the file read-only and is
+    never written through, so one per file (and size and mtime) serves the whole session; the
+    oracle still reads the file with the `gguf` package's own code."""
+    import gguf
+
+    if getattr(gguf.GGUFReader, "inferd_tests_once", False):
+        return
+    real = gguf.GGUFReader
+
+    def reader(path, mode="r"):
+        st = os.stat(path)
+        key = (os.path.realpath(path), st.st_size, st.st_mtime_ns, mode)
+        if key not in _GGUF_READERS:
+            _GGUF_READERS[key] = real(path, mode)
+        return _GGUF_READERS[key]
+
+    reader.inferd_tests_once = True
+    gguf.GGUFReader = reader  # transformers imports it from the package at each load
+
+
+_HF_TOKENIZERS: dict = {}
+
+
+def hf_gguf_tokenizer(path: str):
+    """transformers' tokenizer of a GGUF file, built once a session (a tokenizer keeps no state
+    between calls: the modules that check against it share it)."""
+    import transformers
+
+    _read_gguf_once()
+    if path not in _HF_TOKENIZERS:
+        d, f = os.path.split(path)
+        _HF_TOKENIZERS[path] = transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
+    return _HF_TOKENIZERS[path]
+
+
+def hf_gguf_model(path: str):
+    """transformers' float32 model of a GGUF file, a new one each call (peft merges into it), read
+    through the session's one parse of the file."""
+    import torch
+    import transformers
+
+    _read_gguf_once()
+    d, f = os.path.split(path)
+    return transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+
+
 def wait_for_log(read, text: str, timeout: float = 60) -> str:
     """Until the log `read()` returns holds `text`; returns that log. A line another process writes
     (the engine core, a rank, a Ray worker) may land after the server already answers: read the log

@@ -475,8 +475,9 @@ def test_served_decoder_with_runner_pooling_equals_transformers(tiny_chat_gguf, 
     """`inferd serve --runner pooling` on a chat GGUF (its dequantized weights, fp32): /v1/embeddings'
     vectors are transformers' normalised hidden states of the same file (transformers reads the GGUF),
     for text and token-id inputs; the server then refuses chat."""
-    d, name = os.path.split(tiny_chat_gguf)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
+    from helpers import hf_gguf_model
+
+    hf = hf_gguf_model(tiny_chat_gguf)
     s = ServerProc(["--model", tiny_chat_gguf, "--runner", "pooling", "--pooling", mode, "--quantization", "none",
                     "--dtype", "float32", "--threads", "1"])
     try:

@@ -40,11 +40,9 @@ TOKENIZER_TEXTS = PROMPTS + ["  leading spaces", "naïve café — ünïcödé �
 @pytest.fixture(scope="session")
 def hf_gemma(gemma_path):
     """transformers' tokenizer, and its greedy tokens and step logits for every prompt."""
-    import os
+    from helpers import hf_gguf_model, hf_gguf_tokenizer
 
-    d, f = os.path.split(gemma_path)
-    tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
-    model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+    tok, model = hf_gguf_tokenizer(gemma_path), hf_gguf_model(gemma_path)
     refs = []
     with torch.no_grad():
         for p in PROMPTS:

@@ -34,9 +34,9 @@ NAMES = [f"ad{i}" for i in range(len(SPECS))]
 def adapters(tmp_path_factory, default_gguf_path):
     """The four adapters' folders, and transformers' greedy tokens and logits for each prompt with
     each adapter merged by peft (None: the base model alone)."""
-    d, f = os.path.split(default_gguf_path)
-    tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
-    base = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+    from helpers import hf_gguf_model, hf_gguf_tokenizer
+
+    tok, base = hf_gguf_tokenizer(default_gguf_path), hf_gguf_model(default_gguf_path)
     root = tmp_path_factory.mktemp("lora")
     paths, refs = {}, {}
 

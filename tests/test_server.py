@@ -306,8 +306,9 @@ def test_offline_chat_and_prompt_dicts_take_the_plain_path(server, llm, tok, def
     transformers = pytest.importorskip("transformers")
     from inferd.errors import InferdError
 
-    hf = transformers.AutoTokenizer.from_pretrained(os.path.dirname(default_gguf_path),
-                                                    gguf_file=os.path.basename(default_gguf_path))
+    from helpers import hf_gguf_tokenizer
+
+    hf = hf_gguf_tokenizer(default_gguf_path)
 
     def hf_ids(messages, **kw):
         return hf.encode(hf.apply_chat_template(messages, tokenize=False, **kw), add_special_tokens=False)

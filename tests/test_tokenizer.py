@@ -74,10 +74,10 @@ def tok(gguf_meta):
 
 @pytest.fixture(scope="module")
 def hf(default_gguf_path):
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(
-        os.path.dirname(default_gguf_path), gguf_file=os.path.basename(default_gguf_path)
-    )
+    pytest.importorskip("transformers")
+    from helpers import hf_gguf_tokenizer
+
+    return hf_gguf_tokenizer(default_gguf_path)
 
 
 # ---------------------------------------------------------------------------- ids vs transformers
