@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from inferd.errors import InferdError
+from inferd.model.planned import rows_by_part
 
 GROUP = 32
 INT4_TYPES = ("Q4_0", "Q4_1")
@@ -187,13 +188,7 @@ class GGUFLinear(torch.nn.Module):
         raise InferdError("a GGUF layer runs once the model is final (inferd.quant.gguf_native.finalize)")
 
     def take_rows(self, rows: torch.Tensor, take=None) -> "GGUFLinear":
-        out, a = [], 0
-        for p in self.parts:
-            n = p.shape[0]
-            mine = rows[(rows >= a) & (rows < a + n)] - a
-            if mine.numel():
-                out.append(p.take_rows(mine))
-            a += n
+        out = [self.parts[i].take_rows(mine) for i, mine in rows_by_part(rows, [p.shape[0] for p in self.parts])]
         bias = None if self.bias is None else self.bias.index_select(0, rows)
         return GGUFLinear(out, self.target, bias, self.dtype)
 
@@ -238,12 +233,7 @@ class FusedParts(torch.nn.Module):
 
     def take_rows(self, rows: torch.Tensor, take) -> "FusedParts":
         """Tensor parallelism's column cut: each part keeps its own rows among `rows`."""
-        out, a = [], 0
-        for p in self.parts:
-            mine = rows[(rows >= a) & (rows < a + p.out_features)] - a
-            if mine.numel():
-                out.append(take(p, mine))
-            a += p.out_features
+        out = [take(self.parts[i], mine) for i, mine in rows_by_part(rows, [p.out_features for p in self.parts])]
         return FusedParts(out, None if self.bias is None else self.bias.index_select(0, rows))
 
     def take_cols(self, a: int, b: int, take) -> "FusedParts":
