@@ -25,61 +25,40 @@ import torch
 
 from inferd.errors import InferdError
 from inferd.model.planned import rows_by_part
+from inferd.quant import gguf_blocks
 
 GROUP = 32
 INT4_TYPES = ("Q4_0", "Q4_1")
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
-def q4k_blocks(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Q4_K bytes [N, K / 256 * 144] -> (q int32 [N, K], scale, min fp32 [N, K / 32])."""
-    N = raw.shape[0]
-    blk = raw.reshape(N, -1, 144)
-    d = blk[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)[..., None]  # [N, S, 1]
-    dmin = blk[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)[..., None]
-    sm = blk[..., 4:16].astype(np.uint8)  # eight 6-bit scales and eight 6-bit mins in 12 bytes
-    sc = np.concatenate([sm[..., 0:4] & 63, (sm[..., 8:12] & 0xF) | ((sm[..., 0:4] >> 6) << 4)], axis=-1)
-    mn = np.concatenate([sm[..., 4:8] & 63, (sm[..., 8:12] >> 4) | ((sm[..., 4:8] >> 6) << 4)], axis=-1)
-    qs = blk[..., 16:].reshape(N, -1, 4, 32)  # four runs of 32 bytes: low nibbles one group, high the next
-    q = np.stack([qs & 0xF, qs >> 4], axis=-2).reshape(N, -1).astype(np.int32)
-    scale = (d * sc.astype(np.float32)).reshape(N, -1)
-    minus = -(dmin * mn.astype(np.float32)).reshape(N, -1)
-    return q, scale, minus
-
-
-def _raw(part) -> tuple[np.ndarray, str]:
-    """(raw rows [N, bytes] in the part's row order, type name) of a plan part or a tensor."""
-    if hasattr(part, "raw"):
-        raw = np.asarray(part.raw())
-        rows = getattr(part, "rows", None)
-        return (raw if rows is None else raw[rows.numpy()]), part.type
-    return np.asarray(part.data), part.tensor_type.name
-
-
 def int4_blocks(part) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A Q4_0/Q4_1/Q4_K part -> (q int32 [N, K] in 0..15, scale [N, K/32], min [N, K/32]) fp32."""
-    raw, name = _raw(part)
+    raw, name = gguf_blocks.part_rows(part)
     N = raw.shape[0]
     if name == "Q4_K":
-        return tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in q4k_blocks(raw))
+        c = gguf_blocks.decode(name, raw)
+        scale = c.d.float().repeat_interleave(8, 1) * c.sc.float()
+        minus = -(c.dm.float().repeat_interleave(8, 1) * c.mn.float())
+        return c.q.to(torch.int32), scale, minus
     size = {"Q4_0": 18, "Q4_1": 20}[name]
     blk = raw.reshape(N, -1, size)
-    d = blk[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    d = gguf_blocks.f16(blk[..., 0:2]).astype(np.float32)
     if name == "Q4_1":
-        m = blk[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        m = gguf_blocks.f16(blk[..., 2:4]).astype(np.float32)
         qs = blk[..., 4:]
     else:
         qs = blk[..., 2:]
         m = -8 * d  # exact: a power-of-two multiple
-    q = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(N, -1).astype(np.int32)
+    q = gguf_blocks.nibbles32(qs).reshape(N, -1).astype(np.int32)
     return torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m)
 
 
 def q8_blocks(part) -> tuple[torch.Tensor, torch.Tensor]:
     """A Q8_0 part (blocks of fp16 d and 32 int8 codes) -> (q int8 [N, K], scale fp32 [N, K/32])."""
-    raw, _ = _raw(part)
+    raw, _ = gguf_blocks.part_rows(part)
     blk = raw.reshape(raw.shape[0], -1, 34)
-    d = blk[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    d = gguf_blocks.f16(blk[..., 0:2]).astype(np.float32)
     q = blk[..., 2:].copy().view(np.int8).reshape(raw.shape[0], -1)
     return torch.from_numpy(q), torch.from_numpy(d)
 
@@ -93,17 +72,15 @@ def repack_w4a8(type_name: str, parts, rows=None) -> torch.Tensor:
     from gguf import GGMLQuantizationType as Q
 
     from inferd.kernels.native import ops
-    from inferd.quant.gguf_blocks import _check_parts_type, _stacked
     from inferd.quant.w4a8 import pack4
 
     if type_name not in ("Q4_0", "Q4_1", "Q4_K"):
         raise InferdError(f"W4A8 records come from Q4_0, Q4_1 or Q4_K tensors, not {type_name}")
-    _check_parts_type(type_name, parts)
-    raws, orders = _stacked(parts, rows)
+    raws, orders = gguf_blocks.stacked(type_name, parts, rows)
     kernels = ops()
     if kernels is not None:
         return kernels.repack_w4a8(raws, orders, int(Q[type_name]))
-    t = SimpleNamespace(data=_rows_np(raws, orders), tensor_type=Q[type_name])
+    t = SimpleNamespace(data=gguf_blocks.stacked_rows(raws, orders), tensor_type=Q[type_name])
     return pack4(*int4_blocks(t))
 
 
@@ -113,19 +90,13 @@ def repack_w8a8(parts, rows=None) -> torch.Tensor:
     from gguf import GGMLQuantizationType as Q
 
     from inferd.kernels.native import ops
-    from inferd.quant.gguf_blocks import _check_parts_type, _stacked
     from inferd.quant.w4a8 import pack8
 
-    _check_parts_type("Q8_0", parts)
-    raws, orders = _stacked(parts, rows)
+    raws, orders = gguf_blocks.stacked("Q8_0", parts, rows)
     kernels = ops()
     if kernels is not None:
         return kernels.repack_w8a8(raws, orders)
-    return pack8(*q8_blocks(SimpleNamespace(data=_rows_np(raws, orders), tensor_type=Q.Q8_0)))
-
-
-def _rows_np(raws: list[torch.Tensor], orders: list) -> np.ndarray:
-    return np.concatenate([r.numpy() if o is None else r.numpy()[o.numpy()] for r, o in zip(raws, orders)])
+    return pack8(*q8_blocks(SimpleNamespace(data=gguf_blocks.stacked_rows(raws, orders), tensor_type=Q.Q8_0)))
 
 
 def kind_of(type_name: str, shape) -> str | None:
