@@ -121,7 +121,7 @@ def _put(d: dict, name: str, old, new: torch.Tensor):
 def take_rows(m: nn.Module, rows: torch.Tensor) -> nn.Module:
     """The layer computing only output features `rows` (column parallelism): every tensor indexed by
     output feature keeps those rows; the codes' layout within a row is untouched."""
-    if hasattr(m, "take_rows"):  # a layer of parts (quant.gguf_native.FusedParts) cuts each part
+    if hasattr(m, "take_rows"):  # a layer of parts (quant.gguf_layer.FusedParts) cuts each part
         return m.take_rows(rows, take_rows)
     n = m.out_features
     out = copy.copy(m)

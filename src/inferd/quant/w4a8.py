@@ -178,7 +178,7 @@ class W4A8Linear(nn.Module):
     @classmethod
     def from_packed(cls, packed: torch.Tensor, out_features: int, in_features: int, bias: torch.Tensor | None,
                     dtype: torch.dtype) -> "W4A8Linear":
-        """A layer from `pack4`'s records (gguf_native.repack_w4a8 makes them from a file's bytes)."""
+        """A layer from `pack4`'s records (gguf_layer.repack makes them from a file's bytes)."""
         return _from_packed(cls, packed, out_features, in_features, bias, dtype, (640, 768))
 
     def codes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -211,7 +211,7 @@ class W8A8Linear(nn.Module):
     @classmethod
     def from_packed(cls, packed: torch.Tensor, out_features: int, in_features: int, bias: torch.Tensor | None,
                     dtype: torch.dtype) -> "W8A8Linear":
-        """A layer from `pack8`'s records (gguf_native.repack_w8a8 makes them from a file's bytes)."""
+        """A layer from `pack8`'s records (gguf_layer.repack makes them from a file's bytes)."""
         return _from_packed(cls, packed, out_features, in_features, bias, dtype, (1088, 1152))
 
     def codes(self) -> tuple[torch.Tensor, torch.Tensor]:
