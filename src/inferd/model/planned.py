@@ -92,12 +92,19 @@ def rows_by_part(rows: torch.Tensor, counts: list[int]) -> list[tuple[int, torch
     return out
 
 
-def planned(model: nn.Module):
-    """(parent, attribute name, PlannedLinear) for every placeholder left in the model."""
+def children_of(model: nn.Module, kind: type | tuple[type, ...]):
+    """(parent, attribute name, child) for every submodule of type `kind`: the walk of every pass that
+    swaps a model's layers in place (the placeholders here, the GGUF layers' finalize, the rewrite to
+    int8 activations)."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, PlannedLinear):
+            if isinstance(child, kind):
                 yield parent, name, child
+
+
+def planned(model: nn.Module):
+    """(parent, attribute name, PlannedLinear) for every placeholder left in the model."""
+    return children_of(model, PlannedLinear)
 
 
 def role(path: str) -> str:

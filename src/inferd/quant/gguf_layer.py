@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from inferd.errors import InferdError
-from inferd.model.planned import rows_by_part
+from inferd.model.planned import children_of, rows_by_part
 from inferd.quant import gguf_blocks
 
 GROUP = 32
@@ -189,11 +189,9 @@ def finalize(model, release=None) -> int:
     parallelism's cut); `release(parts)` is told after each, so the loader can drop the mapped pages
     it read. Returns how many."""
     n = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, GGUFLinear):
-                setattr(parent, name, child.build())
-                if release is not None:
-                    release(child.parts)
-                n += 1
+    for parent, name, child in children_of(model, GGUFLinear):
+        setattr(parent, name, child.build())
+        if release is not None:
+            release(child.parts)
+        n += 1
     return n
