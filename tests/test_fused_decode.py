@@ -32,7 +32,7 @@ def _tiny_blocks(**over):
     from test_gguf_blocks import random_blocks
 
     from inferd.quant.gguf_blocks import BlocksLinear, decode, pack_all
-    from inferd.quant.gguf_native import FusedParts
+    from inferd.quant.gguf_layer import FusedParts
 
     lm = make_tiny_model(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
                          head_dim=64, **over)

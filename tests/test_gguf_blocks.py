@@ -106,9 +106,9 @@ def test_a_k_quant_file_serves_from_its_blocks_in_its_own_bytes(gemma_path, gemm
     the file's tensor bytes; its greedy step equals the dequantized model's."""
     from inferd.engine.paths import weight_formats
     from inferd.model.layers import ContiguousKV
-    from inferd.quant.gguf_native import FusedParts
+    from inferd.quant.gguf_layer import FusedParts
     from inferd.quant.linear import weight_bytes
-    from inferd.quant.gguf_rows import GGUFEmbedding
+    from inferd.model.gguf_embedding import GGUFEmbedding
     from inferd.quant.w4a8 import W8A8Linear
 
     g = gemma_blocks

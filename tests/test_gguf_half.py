@@ -54,7 +54,7 @@ def test_a_16_bit_file_serves_from_its_own_bits(tmp_path, qtype):
     from inferd.engine.reference import reference_generate
     from inferd.gguf_file import open_gguf
     from inferd.loading.loader import load_model
-    from inferd.quant.gguf_rows import GGUFEmbedding
+    from inferd.model.gguf_embedding import GGUFEmbedding
     from inferd.quant.linear import weight_bytes
 
     path = tmp_path / f"tiny-{qtype}.gguf"

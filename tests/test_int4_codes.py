@@ -123,7 +123,7 @@ def test_gguf_blocks_survive_to_w4a8_as_gguf_dequantizes_them(gguf_files, qt, no
     from gguf import GGUFReader
 
     from inferd.gguf_file import unpermute_qk
-    from inferd.quant.gguf_native import int4_blocks
+    from inferd.quant.gguf_layer import int4_blocks
 
     path = gguf_files[qt]
     want = dense_weights(load_model(path, dtype="float32", with_tokenizer=False).model)

@@ -152,7 +152,7 @@ def test_gguf_blocks_roundtrip_bit_exact(tmp_path, qt_name):
     import numpy as np
     from gguf import GGMLQuantizationType as Q, GGUFReader, GGUFWriter, quants
 
-    from inferd.quant.gguf_native import GROUP, int4_blocks
+    from inferd.quant.gguf_layer import GROUP, int4_blocks
 
     qt = getattr(Q, qt_name)
     cols = 512
@@ -211,7 +211,7 @@ def test_q8_0_blocks_serve_as_int8_and_w8a8(tmp_path):
 
     from inferd.loading.loader import load_model
     from inferd.model.layers import ContiguousKV
-    from inferd.quant.gguf_native import q8_blocks
+    from inferd.quant.gguf_layer import q8_blocks
     from inferd.quant.linear import Int8Linear, dequantize_int8
     from inferd.quant.w4a8 import W8A8Linear
 

@@ -20,7 +20,7 @@ from inferd.gguf_file import unpermute_qk
 from inferd.kernels import native
 from inferd.kernels.repack import NATIVE_TYPES, dequantize_rows, raw_bytes
 from inferd.quant import gguf_blocks as GB
-from inferd.quant import gguf_native as GN
+from inferd.quant import gguf_layer as GL
 from inferd.quant import w4a8
 
 needs_native = pytest.mark.skipif(native.ops() is None, reason="no native kernels")
@@ -99,7 +99,7 @@ def test_packed_block_layers_compute_what_their_codes_do():
 def int4_records(type_name: str, raw: np.ndarray, half=None) -> torch.Tensor:
     from types import SimpleNamespace
 
-    return w4a8.pack4(*GN.int4_blocks(SimpleNamespace(data=raw, tensor_type=Q[type_name])), half=half)
+    return w4a8.pack4(*GL.int4_blocks(SimpleNamespace(data=raw, tensor_type=Q[type_name])), half=half)
 
 
 @needs_native
@@ -108,7 +108,7 @@ def test_repack_w4a8_equals_int4_blocks_then_pack4(type_name):
     K = 512
     parts = [blocks(type_name, n, K, seed=n) for n in (40, 8, 9)]
     orders = [unpermute_qk(torch.arange(40), 5), None, torch.tensor([8, 0, 1])]
-    got = GN.repack_w4a8(type_name, parts, orders)
+    got = GL.repack_w4a8(type_name, parts, orders)
     want = int4_records(type_name, stacked(parts, orders))
     assert torch.equal(got, want)
     cells = (40 + 8 + 3 + 31) // 32 * (K // 32)
@@ -122,15 +122,15 @@ def test_w4a8_records_fall_back_to_fp32_exactly_when_pack4_would():
     subnormal fp16 d (-8 d exact): fp16; Q4_K with d * sc and dmin * m all fp16 values: fp16."""
     tiny = blocks("Q4_0", 40, 256).copy()
     tiny.reshape(40, -1, 18)[:, :, 0:2] = (np.arange(40 * 8, dtype=np.uint16).reshape(40, 8, 1) % 1024 + 1).view(np.uint8)
-    got = GN.repack_w4a8("Q4_0", [tiny])
+    got = GL.repack_w4a8("Q4_0", [tiny])
     assert got.numel() == 2 * 8 * 640 and torch.equal(got, int4_records("Q4_0", tiny))
     raw = blocks("Q4_0", 33, 256).copy()
     raw.reshape(33, -1, 18)[20, 3, 0:2] = np.array([10000.0], np.float16).view(np.uint8)
-    got = GN.repack_w4a8("Q4_0", [raw])
+    got = GL.repack_w4a8("Q4_0", [raw])
     assert got.numel() == 2 * 8 * 768 and torch.equal(got, int4_records("Q4_0", raw, half=False))
     k = blocks("Q4_K", 40, 512).copy()
     k.reshape(40, -1, 144)[..., 0:4] = np.array([2.0 ** -10, 2.0 ** -12], np.float16).view(np.uint8)
-    got = GN.repack_w4a8("Q4_K", [k])
+    got = GL.repack_w4a8("Q4_K", [k])
     assert got.numel() == 2 * 16 * 640 and torch.equal(got, int4_records("Q4_K", k, half=True))
 
 
@@ -140,8 +140,8 @@ def test_repack_w8a8_equals_q8_blocks_then_pack8():
 
     parts = [blocks("Q8_0", n, 288, seed=n) for n in (50, 7)]
     orders = [torch.randperm(50, generator=torch.Generator().manual_seed(1)), None]
-    got = GN.repack_w8a8(parts, orders)
-    want = w4a8.pack8(*GN.q8_blocks(SimpleNamespace(data=stacked(parts, orders), tensor_type=Q.Q8_0)))
+    got = GL.repack_w8a8(parts, orders)
+    want = w4a8.pack8(*GL.q8_blocks(SimpleNamespace(data=stacked(parts, orders), tensor_type=Q.Q8_0)))
     assert torch.equal(got, want) and got.numel() == 2 * 9 * 1088
 
 
@@ -150,13 +150,13 @@ def test_packed_w4a8_and_w8a8_layers_compute_what_their_codes_do():
     from types import SimpleNamespace
 
     raw = blocks("Q4_1", 70, 256, seed=5)
-    q, s, m = GN.int4_blocks(SimpleNamespace(data=raw, tensor_type=Q.Q4_1))
+    q, s, m = GL.int4_blocks(SimpleNamespace(data=raw, tensor_type=Q.Q4_1))
     x = torch.randn(4, 256, generator=torch.Generator().manual_seed(0))
     ref = w4a8.W4A8Linear(q, s, m, 32, None, torch.float32)
-    assert torch.equal(w4a8.W4A8Linear.from_packed(GN.repack_w4a8("Q4_1", [raw]), 70, 256, None, torch.float32)(x), ref(x))
+    assert torch.equal(w4a8.W4A8Linear.from_packed(GL.repack_w4a8("Q4_1", [raw]), 70, 256, None, torch.float32)(x), ref(x))
     raw8 = blocks("Q8_0", 70, 256, seed=6)
-    ref8 = w4a8.W8A8Linear(*GN.q8_blocks(SimpleNamespace(data=raw8, tensor_type=Q.Q8_0)), None, torch.float32)
-    assert torch.equal(w4a8.W8A8Linear.from_packed(GN.repack_w8a8([raw8]), 70, 256, None, torch.float32)(x), ref8(x))
+    ref8 = w4a8.W8A8Linear(*GL.q8_blocks(SimpleNamespace(data=raw8, tensor_type=Q.Q8_0)), None, torch.float32)
+    assert torch.equal(w4a8.W8A8Linear.from_packed(GL.repack_w8a8([raw8]), 70, 256, None, torch.float32)(x), ref8(x))
     with pytest.raises(InferdError, match="do not match"):
         w4a8.W8A8Linear.from_packed(ref8.packed, 70, 512, None, torch.float32)
 
@@ -195,7 +195,7 @@ def test_the_files_tensors(default_gguf_path):
     q, k = ts["blk.0.attn_q.weight"], ts["blk.0.attn_k.weight"]
     orders = [unpermute_qk(torch.arange(q.data.shape[0]), 9), unpermute_qk(torch.arange(k.data.shape[0]), 3)]
     want = int4_records("Q4_1", stacked([np.asarray(q.data), np.asarray(k.data)], orders))
-    assert torch.equal(GN.repack_w4a8("Q4_1", [q, k], orders), want)
+    assert torch.equal(GL.repack_w4a8("Q4_1", [q, k], orders), want)
     emb = ts["token_embd.weight"]
     ids = torch.tensor([0, 1, 49151, 17, 17, 30000])
     assert same_bits(dequantize_rows(emb, ids), gguf_rows(np.asarray(emb.data)[ids.numpy()], "Q8_0"))
@@ -230,7 +230,7 @@ def test_strided_views_are_read_in_place():
     assert raw_bytes(view).data_ptr() == view.ctypes.data
     assert torch.equal(GB.repack("Q4_K", [view, view[::2]]), GB.repack("Q4_K", [raw, raw[::2].copy()]))
     assert same_bits(dequantize_rows(view[::3], None, "Q4_K"), gguf_rows(raw[::3].copy(), "Q4_K"))
-    assert torch.equal(GN.repack_w4a8("Q4_K", [view]), GN.repack_w4a8("Q4_K", [raw]))
+    assert torch.equal(GL.repack_w4a8("Q4_K", [view]), GL.repack_w4a8("Q4_K", [raw]))
 
 
 def test_a_read_only_memmap_is_neither_copied_nor_written(tmp_path):
@@ -245,11 +245,11 @@ def test_a_read_only_memmap_is_neither_copied_nor_written(tmp_path):
         t = raw_bytes(mm)
         rows = dequantize_rows(mm, torch.tensor([3, 63]), "Q8_0")
         if native.ops() is not None:
-            records = GN.repack_w8a8([mm, mm[:32]])
+            records = GL.repack_w8a8([mm, mm[:32]])
     assert t.data_ptr() == mm.ctypes.data
     assert same_bits(rows, gguf_rows(raw[[3, 63]], "Q8_0"))
     if native.ops() is not None:
-        assert torch.equal(records, GN.repack_w8a8([raw, raw[:32]]))
+        assert torch.equal(records, GL.repack_w8a8([raw, raw[:32]]))
     assert np.array_equal(np.fromfile(path, dtype=np.uint8).reshape(raw.shape), raw)
 
 
@@ -312,7 +312,7 @@ def test_the_fallbacks_give_the_same_bytes(monkeypatch):
 
     def run():
         out = [GB.repack(name, parts[name], orders) for name, _ in cases]
-        out += [GN.repack_w4a8("Q4_0", [raw4]), GN.repack_w8a8([raw8], [ids])]
+        out += [GL.repack_w4a8("Q4_0", [raw4]), GL.repack_w8a8([raw8], [ids])]
         return out + [dequantize_rows(raw4, ids, "Q4_0"), dequantize_rows(parts["Q3_K"][0], ids, "Q3_K")]
 
     native_out = run() if native.ops() is not None else None

@@ -176,7 +176,7 @@ def test_the_tied_embedding_is_read_in_place_from_the_file(default_gguf_path):
 
     from inferd.loading.loader import load_model
     from inferd.quant import weight_bytes
-    from inferd.quant.gguf_rows import GGUFEmbedding
+    from inferd.model.gguf_embedding import GGUFEmbedding
 
     lm = load_model(default_gguf_path, quantization="gguf", quantize_lm_head=True, quantize_activations=True,
                     with_tokenizer=False)

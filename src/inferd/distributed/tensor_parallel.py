@@ -121,7 +121,7 @@ def _put(d: dict, name: str, old, new: torch.Tensor):
 def take_rows(m: nn.Module, rows: torch.Tensor) -> nn.Module:
     """The layer computing only output features `rows` (column parallelism): every tensor indexed by
     output feature keeps those rows; the codes' layout within a row is untouched."""
-    if hasattr(m, "take_rows"):  # a layer of parts (quant.gguf_native.FusedParts) cuts each part
+    if hasattr(m, "take_rows"):  # a layer of parts (quant.gguf_layer.FusedParts) cuts each part
         return m.take_rows(rows, take_rows)
     n = m.out_features
     out = copy.copy(m)
@@ -183,7 +183,7 @@ class RowParallel(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """Rows [start, end) of the embedding; ids outside them give zeros, and the all-reduce fills
     each row from the one rank that owns it (a sum with zeros: exact). The rows are a float table's
-    slice, or read from a table kept in the file (quant.gguf_rows.GGUFEmbedding: `table`), which
+    slice, or read from a table kept in the file (model.gguf_embedding.GGUFEmbedding: `table`), which
     costs a rank no memory at all."""
 
     def __init__(self, weight: torch.Tensor | None, start: int, comm, dtype: torch.dtype | None = None,
@@ -244,7 +244,7 @@ def apply_tp(model: nn.Module, shard: Shard, comm) -> nn.Module:
     v0, v1 = shard.vocab
     tied = model.lm_head.weight is getattr(model.embed_tokens, "weight", None) if hasattr(model.lm_head, "weight") else False
     emb = model.embed_tokens
-    if getattr(emb, "in_place", False):  # a table kept in the file's type, read in place (quant.gguf_rows)
+    if getattr(emb, "in_place", False):  # a table kept in the file's type, read in place (model.gguf_embedding)
         model.embed_tokens = VocabParallelEmbedding(None, v0, comm, emb.dtype, table=emb, end=v1)
     elif isinstance(emb, nn.Embedding) or getattr(emb, "float16_weights", False):
         model.embed_tokens = VocabParallelEmbedding(emb.weight[v0:v1].contiguous(), v0, comm,

@@ -5,8 +5,8 @@ code).
 A GGUF tensor's data is a view of the file's read-only mapping (inferd.gguf_file). torch.from_numpy
 accepts such a view without copying but warns that torch cannot mark a tensor read-only; nothing
 here writes to it, so that warning is silenced at the one place a view is made. The op wrappers of
-the layers above (quant.gguf_blocks.repack, quant.gguf_native.repack_w4a8 / repack_w8a8) take their
-parts through `raw_bytes` too.
+the layers above (quant.gguf_layer.repack, through quant.gguf_blocks.stacked) take their parts
+through `raw_bytes` too.
 
 This lives with the kernels, below the model, the quantization and the loading code, so that any of
 them (the loader's whole tensors, an embedding read from the file's rows at each step) can call it.

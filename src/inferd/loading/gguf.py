@@ -130,14 +130,15 @@ def dequantize_raw(raw: np.ndarray, type_name: str, rows: torch.Tensor | None = 
                    shape: tuple[int, ...] | None = None) -> torch.Tensor:
     """The one dequantizer of GGUF data: the rows `rows` (every row when None) of a tensor's raw data
     (a view of the mapping: [rows, bytes a row], or the values of an F32/F16 tensor) -> float32
-    [len(rows), K], freshly allocated. The native kernel where it built (inferd.quant.gguf_rows),
-    else the `gguf` package's own block maths; the two agree bit for bit (tests/test_repack.py)."""
-    from inferd.quant import gguf_rows
+    [len(rows), K], freshly allocated; a 1-D tensor (a norm, a bias) comes back 1-D. The native kernel
+    where it built (inferd.kernels.repack), else the `gguf` package's own block maths; the two agree
+    bit for bit (tests/test_repack.py)."""
+    from inferd.kernels import repack
 
-    out = gguf_rows.dequantize_rows(raw, type_name, rows)
+    out = repack.dequantize_rows(raw, rows, type_name)
     if shape is not None:
-        out = out.reshape(shape)
-    return out
+        return out.reshape(shape)
+    return out.reshape(-1) if np.ndim(raw) == 1 else out
 
 
 def dequantize_tensor(t) -> np.ndarray:

@@ -152,7 +152,7 @@ def _finish(model: nn.Module, device) -> nn.Module:
 def build_skeleton(cfg: ModelConfig, plan, dtype, device) -> LlamaModel:
     """The model with no weights read yet: built on the meta device, every linear a placeholder
     holding its parts of the file (inferd.model.planned), the small tensors (norms) read now, the token
-    table kept in the file's own type where it has one (quant.gguf_rows.GGUFEmbedding: read in place)."""
+    table kept in the file's own type where it has one (model.gguf_embedding.GGUFEmbedding: read in place)."""
     from inferd.model.planned import PlannedLinear
 
     if device.type != "cpu":
@@ -210,7 +210,7 @@ def _embedding(part, cfg: ModelConfig, dtype) -> nn.Module:
         raise InferdError(f"weight embed_tokens.weight has shape {tuple(part.shape)}, config expects "
                           f"{(cfg.vocab_size, cfg.hidden_size)}")
     if hasattr(part, "raw"):
-        from inferd.quant.gguf_rows import GGUFEmbedding
+        from inferd.model.gguf_embedding import GGUFEmbedding
 
         return GGUFEmbedding(part, dtype)
     with torch.device("meta"), _no_default_init():

@@ -63,14 +63,7 @@ class PlannedLinear(nn.Module):
     def take_rows(self, rows: torch.Tensor, take=None) -> "PlannedLinear":
         """Tensor parallelism's column cut, before anything is read: each part keeps its rows."""
         def cut(parts):
-            out, a = [], 0
-            for p in parts:
-                n = p.shape[0]
-                mine = rows[(rows >= a) & (rows < a + n)] - a
-                if mine.numel():
-                    out.append(p.take_rows(mine))
-                a += n
-            return out
+            return [parts[i].take_rows(mine) for i, mine in rows_by_part(rows, [p.shape[0] for p in parts])]
 
         return PlannedLinear(cut(self.parts), cut(self.bias_parts) if self.bias_parts else None,
                              self.in_features, int(rows.numel()))
@@ -86,12 +79,32 @@ class PlannedLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, parts={self.types}"
 
 
-def planned(model: nn.Module):
-    """(parent, attribute name, PlannedLinear) for every placeholder left in the model."""
+def rows_by_part(rows: torch.Tensor, counts: list[int]) -> list[tuple[int, torch.Tensor]]:
+    """Output rows `rows` of a layer stacked from parts of `counts` rows each -> (part index, its own
+    rows among them) for every part that keeps any: how each layer of parts (this placeholder, the
+    GGUF layers of inferd.quant.gguf_layer) takes tensor parallelism's column cut."""
+    out, a = [], 0
+    for i, n in enumerate(counts):
+        mine = rows[(rows >= a) & (rows < a + n)] - a
+        if mine.numel():
+            out.append((i, mine))
+        a += n
+    return out
+
+
+def children_of(model: nn.Module, kind: type | tuple[type, ...]):
+    """(parent, attribute name, child) for every submodule of type `kind`: the walk of every pass that
+    swaps a model's layers in place (the placeholders here, the GGUF layers' finalize, the rewrite to
+    int8 activations)."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, PlannedLinear):
+            if isinstance(child, kind):
                 yield parent, name, child
+
+
+def planned(model: nn.Module):
+    """(parent, attribute name, PlannedLinear) for every placeholder left in the model."""
+    return children_of(model, PlannedLinear)
 
 
 def role(path: str) -> str:

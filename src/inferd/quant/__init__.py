@@ -176,7 +176,7 @@ def _apply(model, ctx: QuantContext, m: Method | None, shard) -> list[str]:
     if shard is not None and not first:
         shard(model)
     from inferd.quant.gguf_blocks import pack_all
-    from inferd.quant.gguf_native import finalize
+    from inferd.quant.gguf_layer import finalize
 
     finalize(model, ctx.release)
     pack_all(model)  # GGUF block layers given as codes: final now, into the kernel's records

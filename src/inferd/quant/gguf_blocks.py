@@ -89,7 +89,8 @@ class Codes:
 
 # -- decoding the file's blocks (numpy, exact) ------------------------------------------------
 
-def _f16(b: np.ndarray) -> np.ndarray:
+def f16(b: np.ndarray) -> np.ndarray:
+    """Bytes [..., 2] -> the fp16 values they store [...]."""
     return np.ascontiguousarray(b).view(np.float16)[..., 0]
 
 
@@ -105,7 +106,7 @@ def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
-def _nibbles32(qs: np.ndarray) -> np.ndarray:
+def nibbles32(qs: np.ndarray) -> np.ndarray:
     """[..., 16] bytes of a 32-block -> 32 codes: low nibbles the first 16, high the last."""
     return np.concatenate([qs & 0xF, qs >> 4], axis=-1)
 
@@ -118,7 +119,7 @@ def decode(type_name: str, raw: np.ndarray) -> Codes:
     S = blk.shape[1]
     t = lambda a, dt: torch.from_numpy(np.ascontiguousarray(a.reshape(N, -1)).astype(dt))  # noqa: E731
     if type_name in ("Q4_K", "Q5_K"):
-        d, dmin = _f16(blk[..., 0:2]), _f16(blk[..., 2:4])
+        d, dmin = f16(blk[..., 0:2]), f16(blk[..., 2:4])
         sc, mn = _k_scales(blk[..., 4:16])
         if type_name == "Q4_K":
             qs = blk[..., 16:].reshape(N, S, 4, 32)
@@ -130,16 +131,16 @@ def decode(type_name: str, raw: np.ndarray) -> Codes:
         return Codes(type_name, t(q, np.uint8), t(d, np.float16), t(sc, np.int8), t(dmin, np.float16), t(mn, np.int8))
     if type_name == "Q6_K":
         ql, qh = blk[..., 0:128].reshape(N, S, 2, 64), blk[..., 128:192].reshape(N, S, 2, 32)
-        sc, d = blk[..., 192:208].view(np.int8), _f16(blk[..., 208:210])
+        sc, d = blk[..., 192:208].view(np.int8), f16(blk[..., 208:210])
         low = np.stack([ql & 0xF, ql >> 4], axis=-2).reshape(N, S, 2, 4, 32)  # k = 128 h + 32 j + i
         high = (qh[..., None, :] >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3  # [N, S, 2, 4, 32]
         return Codes(type_name, t(low | (high << 4), np.uint8), t(d, np.float16), t(sc, np.int8))
     if type_name in ("Q2_K", "Q3_K"):
         if type_name == "Q2_K":
             scales, qs = blk[..., 0:16], blk[..., 16:80]
-            d, dmin = _f16(blk[..., 80:82]), _f16(blk[..., 82:84])
+            d, dmin = f16(blk[..., 80:82]), f16(blk[..., 82:84])
         else:
-            hmask, qs, s12, d = blk[..., 0:32], blk[..., 32:96], blk[..., 96:108], _f16(blk[..., 108:110])
+            hmask, qs, s12, d = blk[..., 0:32], blk[..., 32:96], blk[..., 96:108], f16(blk[..., 108:110])
         low = (qs.reshape(N, S, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3  # k = 128 h + 32 s + i
         if type_name == "Q2_K":
             return Codes(type_name, t(low, np.uint8), t(d, np.float16), t(scales & 0xF, np.int8),
@@ -152,22 +153,22 @@ def decode(type_name: str, raw: np.ndarray) -> Codes:
         sc = (ls | (hs << 4)).astype(np.int16) - 32
         return Codes(type_name, t(q, np.uint8), t(d, np.float16), t(sc, np.int8))
     if type_name in ("Q5_0", "Q5_1"):
-        d = _f16(blk[..., 0:2])
+        d = f16(blk[..., 0:2])
         head = 2 if type_name == "Q5_0" else 4
         qh, qs = blk[..., head:head + 4], blk[..., head + 4:]
-        q = _nibbles32(qs) | (_bits(qh, 32) << 4)
-        m = t(_f16(blk[..., 2:4]), np.float16) if type_name == "Q5_1" else None
+        q = nibbles32(qs) | (_bits(qh, 32) << 4)
+        m = t(f16(blk[..., 2:4]), np.float16) if type_name == "Q5_1" else None
         return Codes(type_name, t(q, np.uint8), t(d, np.float16), dm=m)
     if type_name == "IQ4_NL":
-        return Codes(type_name, t(_nibbles32(blk[..., 2:]), np.uint8), t(_f16(blk[..., 0:2]), np.float16))
+        return Codes(type_name, t(nibbles32(blk[..., 2:]), np.uint8), t(f16(blk[..., 0:2]), np.float16))
     if type_name == "IQ4_XS":
-        d = _f16(blk[..., 0:2])
+        d = f16(blk[..., 0:2])
         sh = blk[..., 2:4].copy().view(np.uint16)[..., 0]  # [N, S]
         sl = blk[..., 4:8]
         lo = np.stack([sl & 0xF, sl >> 4], axis=-1).reshape(N, S, 8)
         hi = (sh[..., None] >> (2 * np.arange(8, dtype=np.uint16))) & 3
         sc = (lo.astype(np.int16) | (hi.astype(np.int16) << 4)) - 32
-        q = _nibbles32(blk[..., 8:].reshape(N, S, 8, 16))
+        q = nibbles32(blk[..., 8:].reshape(N, S, 8, 16))
         return Codes(type_name, t(q, np.uint8), t(d, np.float16), t(sc, np.int8))
     raise InferdError(f"no block kernel for GGUF type {type_name}")
 
@@ -258,10 +259,28 @@ def record_bytes(type_name: str, N: int, K: int) -> int:
     return (N + PAIR - 1) // PAIR * (K // (32 * f.super_blocks)) * f.record
 
 
-def _stacked(parts, rows) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-    """The parts' raw bytes [N_i, row bytes] (no copies) and each one's row order (None: as stored)."""
+# -- a layer's parts as bytes ------------------------------------------------------------------
+# here, the lowest of the GGUF modules, so that every route from a part reads it one way: this
+# module's `repack`, quant.gguf_layer's W4A8/W8A8 records and int4/int8 codes, quant.half's weights
+
+def part_rows(part) -> tuple[np.ndarray, str]:
+    """(raw rows [N, bytes] in the part's row order, type name) of a plan part or a GGUF tensor."""
+    if hasattr(part, "raw"):
+        raw = np.asarray(part.raw())
+        rows = getattr(part, "rows", None)
+        return (raw if rows is None else raw[rows.numpy()]), part.type
+    return np.asarray(part.data), part.tensor_type.name
+
+
+def stacked(type_name: str, parts, rows) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """Parts of GGUF type `type_name` (tensor objects or their raw bytes, as `repack` takes them) ->
+    their raw bytes [N_i, row bytes] (no copies) and each one's row order (None: as stored)."""
     from inferd.kernels.repack import raw_bytes, row_order
 
+    for p in parts:
+        t = getattr(p, "tensor_type", None)
+        if t is not None and t.name != type_name:
+            raise InferdError(f"a {t.name} part among {type_name} ones: one call repacks one type")
     raws = [raw_bytes(p) for p in parts]
     if not raws:
         raise InferdError("nothing to repack: no parts")
@@ -273,11 +292,9 @@ def _stacked(parts, rows) -> tuple[list[torch.Tensor], list[torch.Tensor | None]
     return raws, [row_order(r, raw.shape[0]) for r, raw in zip(rows, raws)]
 
 
-def _check_parts_type(type_name: str, parts) -> None:
-    for p in parts:
-        t = getattr(p, "tensor_type", None)
-        if t is not None and t.name != type_name:
-            raise InferdError(f"a {t.name} part among {type_name} ones: one call repacks one type")
+def stacked_rows(raws: list[torch.Tensor], orders: list) -> np.ndarray:
+    """`stacked`'s parts as one array of rows in their orders: what the Python routes decode."""
+    return np.concatenate([r.numpy() if o is None else r.numpy()[o.numpy()] for r, o in zip(raws, orders)])
 
 
 def repack(type_name: str, parts, rows=None) -> torch.Tensor:
@@ -292,16 +309,14 @@ def repack(type_name: str, parts, rows=None) -> torch.Tensor:
 
     if type_name not in FORMATS:
         raise InferdError(f"no block kernel for GGUF type {type_name}")
-    _check_parts_type(type_name, parts)
-    raws, orders = _stacked(parts, rows)
+    raws, orders = stacked(type_name, parts, rows)
     kernels = ops()
     if kernels is not None:
         return kernels.repack_blocks(raws, orders, FORMATS[type_name].id)
     f = FORMATS[type_name]
     if raws[0].shape[1] % f.block_bytes:
         raise InferdError(f"{raws[0].shape[1]} bytes a row is not whole {type_name} blocks")
-    rows_np = [r.numpy() if o is None else r.numpy()[o.numpy()] for r, o in zip(raws, orders)]
-    return pack(decode(type_name, np.concatenate(rows_np)))
+    return pack(decode(type_name, stacked_rows(raws, orders)))
 
 
 # -- the layer --------------------------------------------------------------------------------

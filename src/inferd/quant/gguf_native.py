@@ -2,129 +2,23 @@
 Q8_0 through the int8 one (their codes and fp16 block scales are Int8Linear's form); the K-quants,
 Q5_0/Q5_1 and IQ4 through quant.gguf_blocks' kernel, in their own bits; F16/BF16 through quant.half.
 
-No re-rounding: a block of 32 weights (scale d, plus min m for Q4_1, and 4-bit codes q) becomes one
-group of inferd's int4 form w = q * scale + min with scale = d and min = m (Q4_1) or -8 d (Q4_0):
-the same products and sum gguf's own dequantization computes. A Q4_K super-block (256 weights: fp16
-d and dmin, eight 6-bit scales and mins, 4-bit codes) is eight such groups of 32, with
-scale = d * sc and min = -(dmin * m): exact in fp32 (an 11-bit mantissa times a 6-bit integer), and
-again the very products gguf computes.
-
-Each layer is built from its parts in the loader's plan (inferd.loading.plan): the raw blocks of the
-file's tensors, which the layer keeps as views of the file's mapping (`GGUFLinear`) until the model
-is final (tensor parallelism cuts them by rows and columns first), then repacks once into its
-kernel's records (`finalize`). A layer whose parts differ in type (Q4_K_M's Q6_K attn_v beside Q4_K
-q and k) runs each run of one type through its own kernel (`FusedParts`). A part of a type without a
-kernel leaves its layer to the dense fallback, which the loader logs and counts.
+This module is the method: which layers are served, by which kernel (`kind_of`), and what stays for
+the dense fallback. Each layer is built from its parts in the loader's plan (inferd.loading.plan);
+the blocks themselves, held as views of the file's mapping until the model is final and then
+repacked once into their kernel's records, are quant.gguf_layer's. A layer whose parts differ in
+type (Q4_K_M's Q6_K attn_v beside Q4_K q and k) runs each run of one type through its own kernel
+(`FusedParts`). A part of a type without a kernel leaves its layer to the dense fallback, which the
+loader logs and counts.
 """
 from __future__ import annotations
 
-from types import SimpleNamespace
-
-import numpy as np
 import torch
 
 from inferd.errors import InferdError
+from inferd.quant.gguf_layer import GROUP, FusedParts, GGUFLinear, int4_blocks, q8_blocks
 
-GROUP = 32
 INT4_TYPES = ("Q4_0", "Q4_1")
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-
-
-def q4k_blocks(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Q4_K bytes [N, K / 256 * 144] -> (q int32 [N, K], scale, min fp32 [N, K / 32])."""
-    N = raw.shape[0]
-    blk = raw.reshape(N, -1, 144)
-    d = blk[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)[..., None]  # [N, S, 1]
-    dmin = blk[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)[..., None]
-    sm = blk[..., 4:16].astype(np.uint8)  # eight 6-bit scales and eight 6-bit mins in 12 bytes
-    sc = np.concatenate([sm[..., 0:4] & 63, (sm[..., 8:12] & 0xF) | ((sm[..., 0:4] >> 6) << 4)], axis=-1)
-    mn = np.concatenate([sm[..., 4:8] & 63, (sm[..., 8:12] >> 4) | ((sm[..., 4:8] >> 6) << 4)], axis=-1)
-    qs = blk[..., 16:].reshape(N, -1, 4, 32)  # four runs of 32 bytes: low nibbles one group, high the next
-    q = np.stack([qs & 0xF, qs >> 4], axis=-2).reshape(N, -1).astype(np.int32)
-    scale = (d * sc.astype(np.float32)).reshape(N, -1)
-    minus = -(dmin * mn.astype(np.float32)).reshape(N, -1)
-    return q, scale, minus
-
-
-def _raw(part) -> tuple[np.ndarray, str]:
-    """(raw rows [N, bytes] in the part's row order, type name) of a plan part or a tensor."""
-    if hasattr(part, "raw"):
-        raw = np.asarray(part.raw())
-        rows = getattr(part, "rows", None)
-        return (raw if rows is None else raw[rows.numpy()]), part.type
-    return np.asarray(part.data), part.tensor_type.name
-
-
-def int4_blocks(part) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A Q4_0/Q4_1/Q4_K part -> (q int32 [N, K] in 0..15, scale [N, K/32], min [N, K/32]) fp32."""
-    raw, name = _raw(part)
-    N = raw.shape[0]
-    if name == "Q4_K":
-        return tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in q4k_blocks(raw))
-    size = {"Q4_0": 18, "Q4_1": 20}[name]
-    blk = raw.reshape(N, -1, size)
-    d = blk[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if name == "Q4_1":
-        m = blk[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        qs = blk[..., 4:]
-    else:
-        qs = blk[..., 2:]
-        m = -8 * d  # exact: a power-of-two multiple
-    q = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(N, -1).astype(np.int32)
-    return torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m)
-
-
-def q8_blocks(part) -> tuple[torch.Tensor, torch.Tensor]:
-    """A Q8_0 part (blocks of fp16 d and 32 int8 codes) -> (q int8 [N, K], scale fp32 [N, K/32])."""
-    raw, _ = _raw(part)
-    blk = raw.reshape(raw.shape[0], -1, 34)
-    d = blk[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    q = blk[..., 2:].copy().view(np.int8).reshape(raw.shape[0], -1)
-    return torch.from_numpy(q), torch.from_numpy(d)
-
-
-def repack_w4a8(type_name: str, parts, rows=None) -> torch.Tensor:
-    """Q4_0, Q4_1 or Q4_K tensors stacked along the output rows -> W4A8Linear's records: exactly
-    `w4a8.pack4(*int4_blocks(stacked rows))` (half=None: fp16 scales and mins when every one is an
-    fp16 value, as GGUF's Q4_0/Q4_1 ones are unless a Q4_0 |d| > 8188 puts -8 d past fp16; Q4_K's
-    d * sc seldom are, so its records are mostly fp32's), in C++ from the file's bytes where the
-    native kernels are built. `parts` and `rows` as gguf_blocks.repack takes them."""
-    from gguf import GGMLQuantizationType as Q
-
-    from inferd.kernels.native import ops
-    from inferd.quant.gguf_blocks import _check_parts_type, _stacked
-    from inferd.quant.w4a8 import pack4
-
-    if type_name not in ("Q4_0", "Q4_1", "Q4_K"):
-        raise InferdError(f"W4A8 records come from Q4_0, Q4_1 or Q4_K tensors, not {type_name}")
-    _check_parts_type(type_name, parts)
-    raws, orders = _stacked(parts, rows)
-    kernels = ops()
-    if kernels is not None:
-        return kernels.repack_w4a8(raws, orders, int(Q[type_name]))
-    t = SimpleNamespace(data=_rows_np(raws, orders), tensor_type=Q[type_name])
-    return pack4(*int4_blocks(t))
-
-
-def repack_w8a8(parts, rows=None) -> torch.Tensor:
-    """Q8_0 tensors stacked along the output rows -> W8A8Linear's records: exactly
-    `w4a8.pack8(*q8_blocks(stacked rows))` (fp16 scales: GGUF's own), in C++ where built."""
-    from gguf import GGMLQuantizationType as Q
-
-    from inferd.kernels.native import ops
-    from inferd.quant.gguf_blocks import _check_parts_type, _stacked
-    from inferd.quant.w4a8 import pack8
-
-    _check_parts_type("Q8_0", parts)
-    raws, orders = _stacked(parts, rows)
-    kernels = ops()
-    if kernels is not None:
-        return kernels.repack_w8a8(raws, orders)
-    return pack8(*q8_blocks(SimpleNamespace(data=_rows_np(raws, orders), tensor_type=Q.Q8_0)))
-
-
-def _rows_np(raws: list[torch.Tensor], orders: list) -> np.ndarray:
-    return np.concatenate([r.numpy() if o is None else r.numpy()[o.numpy()] for r, o in zip(raws, orders)])
 
 
 def kind_of(type_name: str, shape) -> str | None:
@@ -164,90 +58,6 @@ def head_has_kernel(plan) -> bool:
     head is re-rounded to int8 instead (--quantize-lm-head)."""
     (part,), _ = plan.linears["lm_head"]
     return _kind(part) in ("int8", "blocks", "half")
-
-
-# -- the layers ------------------------------------------------------------------------------------
-
-
-class GGUFLinear(torch.nn.Module):
-    """One run of parts of one GGUF type, still the file's raw blocks (views of its mapping): what a
-    layer is between the method and `finalize`. Tensor parallelism cuts it by rows (a row order of
-    its parts) and columns (whole blocks of each row); `build()` repacks the blocks once into the
-    final layer's records, straight from the mapped bytes."""
-
-    def __init__(self, parts: list, target: str, bias: torch.Tensor | None, dtype: torch.dtype):
-        super().__init__()
-        self.parts, self.target, self.dtype = list(parts), target, dtype
-        self.type = parts[0].type
-        self.in_features = parts[0].shape[1]
-        self.out_features = sum(p.shape[0] for p in parts)
-        self.register_buffer("bias", bias)
-
-    def forward(self, x):
-        raise InferdError("a GGUF layer runs once the model is final (inferd.quant.gguf_native.finalize)")
-
-    def take_rows(self, rows: torch.Tensor, take=None) -> "GGUFLinear":
-        out, a = [], 0
-        for p in self.parts:
-            n = p.shape[0]
-            mine = rows[(rows >= a) & (rows < a + n)] - a
-            if mine.numel():
-                out.append(p.take_rows(mine))
-            a += n
-        bias = None if self.bias is None else self.bias.index_select(0, rows)
-        return GGUFLinear(out, self.target, bias, self.dtype)
-
-    def take_cols(self, a: int, b: int, take=None) -> "GGUFLinear":
-        return GGUFLinear([p.take_cols(a, b) for p in self.parts], self.target, self.bias, self.dtype)
-
-    def build(self) -> torch.nn.Module:
-        from inferd.quant import gguf_blocks, w4a8
-
-        raws, rows = [p.raw() for p in self.parts], [p.rows for p in self.parts]
-        if self.target == "blocks":
-            packed = gguf_blocks.repack(self.type, raws, rows)
-            return gguf_blocks.BlocksLinear.from_packed(self.type, packed, self.out_features, self.in_features,
-                                                        self.bias, self.dtype)
-        if self.target == "w4a8":
-            return w4a8.W4A8Linear.from_packed(repack_w4a8(self.type, raws, rows), self.out_features,
-                                               self.in_features, self.bias, self.dtype)
-        if self.target == "w8a8":
-            return w4a8.W8A8Linear.from_packed(repack_w8a8(raws, rows), self.out_features, self.in_features,
-                                               self.bias, self.dtype)
-        raise InferdError(f"unknown GGUF layer target {self.target!r}")
-
-    def extra_repr(self) -> str:
-        return f"{self.type} -> {self.target}, in={self.in_features}, out={self.out_features}"
-
-
-class FusedParts(torch.nn.Module):
-    """A fused layer whose GGUF parts are of different types (Q4_K_M's attn_v is often Q6_K beside
-    Q4_K attn_q and attn_k): each part through its own kernel, outputs side by side, then the fused
-    layer's bias (Qwen2's q/k/v biases) once."""
-
-    def __init__(self, parts: list[torch.nn.Module], bias: torch.Tensor | None = None):
-        super().__init__()
-        self.parts = torch.nn.ModuleList(parts)
-        self.in_features = parts[0].in_features
-        self.out_features = sum(p.out_features for p in parts)
-        self.register_buffer("bias", bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.cat([p(x) for p in self.parts], dim=-1)
-        return y if self.bias is None else y + self.bias
-
-    def take_rows(self, rows: torch.Tensor, take) -> "FusedParts":
-        """Tensor parallelism's column cut: each part keeps its own rows among `rows`."""
-        out, a = [], 0
-        for p in self.parts:
-            mine = rows[(rows >= a) & (rows < a + p.out_features)] - a
-            if mine.numel():
-                out.append(take(p, mine))
-            a += p.out_features
-        return FusedParts(out, None if self.bias is None else self.bias.index_select(0, rows))
-
-    def take_cols(self, a: int, b: int, take) -> "FusedParts":
-        return FusedParts([take(p, a, b) for p in self.parts], self.bias)
 
 
 def _runs(parts: list) -> list[tuple[str, list]]:
@@ -337,18 +147,3 @@ def apply(model, ctx) -> str:
                           "Q8_0, Q4_K, Q5_K, Q6_K, Q3_K, Q2_K, Q5_0, Q5_1, IQ4_NL, IQ4_XS, F16 or BF16)")
     kinds = " + ".join(f"{v} {k}" if not k.startswith("lm_head") else k for k, v in n.items())
     return f"gguf-native: {kinds} from the file's own blocks"
-
-
-def finalize(model, release=None) -> int:
-    """Every GGUFLinear -> its final layer, repacked once from the mapped blocks (after tensor
-    parallelism's cut); `release(parts)` is told after each, so the loader can drop the mapped pages
-    it read. Returns how many."""
-    n = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, GGUFLinear):
-                setattr(parent, name, child.build())
-                if release is not None:
-                    release(child.parts)
-                n += 1
-    return n

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from inferd.errors import InferdError
+from inferd.quant.gguf_blocks import part_rows
 
 TYPES = ("F16", "BF16")
 K_MULTIPLE = 16  # the kernel's lanes
@@ -20,17 +21,13 @@ K_MULTIPLE = 16  # the kernel's lanes
 def weights(t) -> torch.Tensor:
     """A GGUF F16/BF16 tensor or plan part -> float16 / bfloat16 [N, K], the file's bits (in the
     part's row order)."""
-    part = hasattr(t, "raw")
-    raw = np.ascontiguousarray(np.asarray(t.raw() if part else t.data))
-    name = t.type if part else t.tensor_type.name
+    raw, name = part_rows(t)
+    raw = np.ascontiguousarray(raw)
     if name == "F16":
-        w = torch.from_numpy(raw.view(np.float16).reshape(raw.shape[0], -1).copy())
-    elif name == "BF16":
-        w = torch.from_numpy(raw.view(np.int16).reshape(raw.shape[0], -1).copy()).view(torch.bfloat16)
-    else:
-        raise InferdError(f"{name} is not a 16-bit float type")
-    rows = getattr(t, "rows", None) if part else None
-    return w if rows is None else w.index_select(0, rows)
+        return torch.from_numpy(raw.view(np.float16).reshape(raw.shape[0], -1).copy())
+    if name == "BF16":
+        return torch.from_numpy(raw.view(np.int16).reshape(raw.shape[0], -1).copy()).view(torch.bfloat16)
+    raise InferdError(f"{name} is not a 16-bit float type")
 
 
 class HalfLinear(nn.Module):

@@ -178,7 +178,7 @@ class W4A8Linear(nn.Module):
     @classmethod
     def from_packed(cls, packed: torch.Tensor, out_features: int, in_features: int, bias: torch.Tensor | None,
                     dtype: torch.dtype) -> "W4A8Linear":
-        """A layer from `pack4`'s records (gguf_native.repack_w4a8 makes them from a file's bytes)."""
+        """A layer from `pack4`'s records (gguf_layer.repack makes them from a file's bytes)."""
         return _from_packed(cls, packed, out_features, in_features, bias, dtype, (640, 768))
 
     def codes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -211,7 +211,7 @@ class W8A8Linear(nn.Module):
     @classmethod
     def from_packed(cls, packed: torch.Tensor, out_features: int, in_features: int, bias: torch.Tensor | None,
                     dtype: torch.dtype) -> "W8A8Linear":
-        """A layer from `pack8`'s records (gguf_native.repack_w8a8 makes them from a file's bytes)."""
+        """A layer from `pack8`'s records (gguf_layer.repack makes them from a file's bytes)."""
         return _from_packed(cls, packed, out_features, in_features, bias, dtype, (1088, 1152))
 
     def codes(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -316,23 +316,22 @@ def quantize_activations(model: nn.Module, already: int = 0, float_layers: int =
     Returns how many linears take int8 activations (`already`: those built so from a GGUF's blocks);
     a model without any (nor `float_layers`: a GGUF's F16/BF16 ones, kept in 16 bits with float
     activations) is a clear error."""
+    from inferd.model.planned import children_of
     from inferd.quant.linear import Int4Linear, Int8Linear
 
     if load() is None:
         raise InferdError("--quantize-activations needs the W4A8 C++ kernel, which did not build (no compiler?)")
     n = already
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, Int4Linear):
-                if child.dense:
-                    raise InferdError("--quantize-activations needs packed int4 layers, not dense ones")
-                setattr(parent, name, W4A8Linear(*child.codes(), child.group_size, child.bias, model.dtype))
-                n += 1
-            elif isinstance(child, Int8Linear):
-                if child.dense:
-                    raise InferdError("--quantize-activations needs packed int8 layers, not dense ones")
-                setattr(parent, name, W8A8Linear(*child.codes(), child.bias, model.dtype))
-                n += 1
+    for parent, name, child in children_of(model, (Int4Linear, Int8Linear)):
+        if isinstance(child, Int4Linear):
+            if child.dense:
+                raise InferdError("--quantize-activations needs packed int4 layers, not dense ones")
+            setattr(parent, name, W4A8Linear(*child.codes(), child.group_size, child.bias, model.dtype))
+        else:
+            if child.dense:
+                raise InferdError("--quantize-activations needs packed int8 layers, not dense ones")
+            setattr(parent, name, W8A8Linear(*child.codes(), child.bias, model.dtype))
+        n += 1
     if n == 0 and not float_layers:
         raise InferdError("--quantize-activations applies to packed int4/int8 weights: this model has none")
     tie_embedding(model)

@@ -1,22 +1,15 @@
-"""A GGUF's token table kept in the file's own type, read in place (`GGUFEmbedding`), and the one
-dequantizer of GGUF data every dense read goes through (`dequantize_rows`: the loader's `none` route,
-each layer dequantized straight into its rows; the dense fallback of a type without a kernel; an
-embedding row lookup). It is inferd.kernels.repack's: the native kernel where it built, the `gguf`
-package's own block maths otherwise, the two equal bit for bit (tests/test_repack.py)."""
+"""A GGUF's token table kept in the file's own type and read in place (`GGUFEmbedding`).
+
+It sits with the model's other layers, below quantization and loading: all it needs is the file's
+mapped rows and kernels.repack's dequantizer (the native kernel where it built, the `gguf` package's
+own block maths otherwise, the two equal bit for bit: tests/test_repack.py).
+"""
 from __future__ import annotations
 
-import numpy as np
 import torch
 from torch import nn
 
 from inferd.kernels import repack
-
-
-def dequantize_rows(raw: np.ndarray, type_name: str, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """Rows `rows` (all when None) of raw GGUF data [N, bytes a row] (F32/F16: values) -> float32
-    torch [len(rows), K], freshly allocated. A 1-D tensor (a norm, a bias) comes back 1-D."""
-    out = repack.dequantize_rows(raw, rows, type_name)
-    return out.reshape(-1) if np.ndim(raw) == 1 else out
 
 
 class GGUFEmbedding(nn.Module):
@@ -24,7 +17,7 @@ class GGUFEmbedding(nn.Module):
     dequantizes just the rows it asks for. An 8B model's Q4_K table is 0.3 GB of the file instead of
     2.1 GB of float32, and only the rows ever looked up are read."""
 
-    in_place = True  # read by name where quant is not imported (tensor parallelism's vocabulary split)
+    in_place = True  # read by name where this class is not imported (tensor parallelism's vocabulary split)
 
     def __init__(self, part, dtype: torch.dtype):
         super().__init__()
