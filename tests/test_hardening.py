@@ -660,7 +660,8 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(srv, tmp_pat
            "--report-junit-path", str(junit)]
     env = {**os.environ, "SCHEMATHESIS_HOOKS": "schemathesis_hooks",
            "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    # run where its cache (.schemathesis/) lands in the test's own directory, not the repository
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
     out = r.stdout[-6000:] + r.stderr[-3000:]
     assert r.returncode == 0, out
     m = re.search(r"(\d+) generated, (\d+) passed", r.stdout)
