@@ -19,11 +19,13 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inferd.errors import InferdError
-from inferd.server import anthropic, embeddings, ollama, openai, web
+from inferd.server import anthropic, ollama, openai, web
 from inferd.server.dialects import dialect_of, error_body
 from inferd.server.limits import Front, Limits
 from inferd.server.metrics import Metrics
 from inferd.server.models import Models
+from inferd.server.ollama import embed as ollama_embed
+from inferd.server.openai import embeddings as openai_embeddings
 from inferd.server.openai.store import ResponseStore
 from inferd.server.protocol import (COMMON_ERRORS, ApiError, DetokenizeRequest, DetokenizeResponse, HealthResponse,
                                     LoadLoRARequest, LoRAActionResponse, ModelAction, ModelActionResponse, ModelList,
@@ -161,7 +163,8 @@ def create_app(models: Models, api_key: str | None = None, metrics: Metrics | No
     app.include_router(openai.router(models, store))
     app.include_router(anthropic.router(models))
     app.include_router(ollama.router(models))
-    app.include_router(embeddings.router(models))  # /v1/embeddings, /pooling, /api/embed, /api/embeddings
+    app.include_router(openai_embeddings.router(models))  # /v1/embeddings, /pooling
+    app.include_router(ollama_embed.router(models))  # /api/embed, /api/embeddings
     app.include_router(web.router(models, app.state))  # the chat page, the dashboard and its state JSON
     app.openapi = lambda: openapi_document(app)
     return app
