@@ -18,7 +18,7 @@ from typing_extensions import Annotated
 
 from inferd.server.embeddings import MAX_INPUTS, check_input
 from inferd.server.protocol import (INT32_MAX, MAX_MESSAGES, MAX_STOP, MAX_TOOLS, ApiError, Seed, StopString, Strict,
-                                    Tool, _Open, kind, shown)
+                                    Tool, _Open, each_message, kind, shown)
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -137,15 +137,7 @@ def served_name(name: str, served) -> str:
 
 
 def check_messages(msgs):
-    if not isinstance(msgs, list):
-        raise ApiError(f"messages is {kind(msgs)}: give a list of messages", param="messages")
-    if len(msgs) > MAX_MESSAGES:
-        raise ApiError(f"messages holds {len(msgs)} messages: at most {MAX_MESSAGES} in one request",
-                       param="messages")
-    for i, m in enumerate(msgs):
-        at = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise ApiError(f"{at} is {kind(m)}: a message is an object with a role and content", param=at)
+    for at, m in each_message(msgs, None):  # no messages at all: a request that only loads the model
         if not isinstance(m.get("role"), str) or m["role"] not in ROLES:
             raise ApiError(f"{at}.role is {shown(m.get('role')) if 'role' in m else 'missing'}: a role is one of "
                            f"{', '.join(ROLES)}", param=f"{at}.role")
