@@ -1,12 +1,13 @@
 """The HTTP API over an engine client (FastAPI on uvicorn), in three dialects.
 
-Routes: OpenAI's /v1/completions, /v1/chat/completions and /v1/responses (openai/); Anthropic's
-/v1/messages and /v1/messages/count_tokens (anthropic/); Ollama's /api/* (ollama/); the chat page,
-the dashboard and /v1/engine/state (web.py); here /v1/models (readable by OpenAI's and Anthropic's
-clients), /health, /metrics, /tokenize, /detokenize, and /models/load and /models/unload
-(llama-server's operator routes; the served models and when they load: models.py). Every failure a
-client can cause is a 4xx in the error shape of the dialect its path speaks (dialects.py); past
---max-waiting queued requests the answer is 503 with Retry-After.
+Routes: OpenAI's /v1/completions, /v1/chat/completions, /v1/responses and /v1/embeddings (with
+vLLM's /pooling) (openai/); Anthropic's /v1/messages and /v1/messages/count_tokens (anthropic/);
+Ollama's /api/* (ollama/); the chat page, the dashboard and /v1/engine/state (web.py); here
+/v1/models (readable by OpenAI's and Anthropic's clients), /health, /metrics, /tokenize,
+/detokenize, and /models/load and /models/unload (llama-server's operator routes; the served models
+and when they load: models.py). Every failure a client can cause is a 4xx in the error shape of the
+dialect its path speaks (dialects.py); past --max-waiting queued requests the answer is 503 with
+Retry-After.
 """
 from __future__ import annotations
 
