@@ -168,7 +168,7 @@ def test_engine_refuses_what_a_pooling_model_cannot_do(minilm):
 
 def test_encoder_refuses_the_generate_runner(minilm):
     from inferd.config import EngineConfig
-    from inferd.engine.pooling import make_engine
+    from inferd.engine.factory import make_engine
     from inferd.errors import InferdError
 
     with pytest.raises(InferdError, match="--runner pooling"):

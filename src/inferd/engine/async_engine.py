@@ -19,13 +19,13 @@ from inferd.engine.request import RequestOutput, SamplingParams
 from inferd.engine.state import STEP_HISTORY, read_state
 
 if TYPE_CHECKING:
-    from inferd.engine.engine import LLMEngine
+    from inferd.engine.interface import Engine
 
 log = logging.getLogger("inferd")
 
 
 class AsyncLLM:
-    def __init__(self, engine: LLMEngine, max_waiting: int = 512, on_step=None, on_finish=None):
+    def __init__(self, engine: Engine, max_waiting: int = 512, on_step=None, on_finish=None):
         self.engine = engine
         self.info: EngineInfo = engine.info()
         self.max_waiting = max_waiting
@@ -42,7 +42,7 @@ class AsyncLLM:
     @classmethod
     def from_config(cls, cfg, **kw) -> AsyncLLM:
         """Load the model of `cfg` in this process and run its engine on a thread."""
-        from inferd.engine.pooling import make_engine
+        from inferd.engine.factory import make_engine
 
         return cls(make_engine(cfg), **kw)
 
@@ -93,7 +93,7 @@ class AsyncLLM:
         return [{"engine": 0, "pid": self.info.pid, **await asyncio.wait_for(fut, STATE_TIMEOUT_S)}]
 
     async def control(self, op: str, **args):
-        """LLMEngine.control on the engine thread, between two steps."""
+        """Engine.control on the engine thread, between two steps."""
         if self.dead:
             raise EngineDead(f"engine stopped: {self.dead}")
         loop = asyncio.get_running_loop()

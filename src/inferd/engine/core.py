@@ -15,10 +15,14 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+from typing import TYPE_CHECKING
 
 from inferd.engine.messages import (Abort, AddFailed, AddRequest, Control, ControlReply, Fault, Ready, Shutdown,
                                     StateQuery, StateReply, StepOutputs)
 from inferd.errors import InferdError
+
+if TYPE_CHECKING:
+    from inferd.engine.interface import Engine
 
 log = logging.getLogger("inferd")
 
@@ -57,7 +61,7 @@ def run_core(cfg, to_core: str, from_core: str, threads: int | None, log_level: 
     try:
         from dataclasses import replace
 
-        from inferd.engine.pooling import make_engine
+        from inferd.engine.factory import make_engine
 
         engine = make_engine(cfg)
         # the tokenizer crosses as the file it came from: the API process loads its own
@@ -83,7 +87,7 @@ def run_core(cfg, to_core: str, from_core: str, threads: int | None, log_level: 
         ctx.term()
 
 
-def _serve(engine, pull, send, parent: int):
+def _serve(engine: Engine, pull, send, parent: int):
     import zmq
 
     poller = zmq.Poller()

@@ -17,6 +17,7 @@ import torch
 from inferd.config import EngineConfig, available_memory_bytes, lora_module
 from inferd.distributed.comm import CollectiveError
 from inferd.engine.client import EngineInfo
+from inferd.engine.interface import Engine
 from inferd.engine.kv_cache import BlockManager
 from inferd.engine.output import detokenize, record_token
 from inferd.engine.processor import check_request
@@ -41,7 +42,7 @@ CPU_KV_DEFAULT_FRACTION = 0.2
 CPU_KV_DEFAULT_CAP = 2 * 1024**3
 
 
-class LLMEngine:
+class LLMEngine(Engine):
     def __init__(self, config: EngineConfig | None = None, loaded=None, draft_loaded=None, **overrides):
         cfg = config or EngineConfig()
         for k, v in overrides.items():

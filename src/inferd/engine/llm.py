@@ -5,8 +5,8 @@ import copy
 from dataclasses import dataclass, field
 
 from inferd.config import EngineConfig
-from inferd.engine.engine import LLMEngine
-from inferd.engine.pooling import make_engine
+from inferd.engine.factory import make_engine
+from inferd.engine.interface import Engine
 from inferd.engine.request import PoolingParams, SamplingParams
 from inferd.errors import InferdError
 
@@ -50,7 +50,7 @@ class LLM:
             if not hasattr(cfg, k):
                 raise InferdError(f"unknown engine option {k!r}")
             setattr(cfg, k, v)
-        self.engine = make_engine(cfg, loaded=loaded)
+        self.engine: Engine = make_engine(cfg, loaded=loaded)
         self.tokenizer = self.engine.tokenizer
 
     def close(self):

@@ -1,14 +1,14 @@
 """The pooling runner (`--runner pooling`, vLLM's name): embeddings from an encoder (BERT) or from
 any decoder family, one forward pass a request and no KV cache.
 
-`PoolingEngine` answers the calls the engine's clients make of `LLMEngine` (add_request, step,
-abort, snapshot, state, ...), so the engine thread, the core process and data parallelism serve it
-unchanged; a pooling request is a `PoolingParams` where a generation request has `SamplingParams`,
-and its one `RequestOutput` carries the vector.
+`PoolingEngine` is an `Engine` (inferd.engine.interface) as `LLMEngine` is, so the engine thread,
+the core process and data parallelism serve it unchanged; a pooling request is a `PoolingParams`
+where a generation request has `SamplingParams`, and its one `RequestOutput` carries the vector.
 
 Scheduling: waiting requests in arrival order, as many as fit `max_num_seqs` and the token budget
 (at least one whole request: a sequence is never split, attention needs all of it at once), in one
-flat batch; every request of a step finishes in that step. `make_engine` picks the runner.
+flat batch; every request of a step finishes in that step. `make_engine` (inferd.engine.factory)
+picks the runner.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import torch
 
 from inferd.config import EngineConfig
 from inferd.engine.client import EngineInfo
+from inferd.engine.interface import Engine
 from inferd.engine.request import PoolingParams, Request, RequestOutput, Status
 from inferd.engine.state import STEP_HISTORY, History
 from inferd.engine.stats import EngineSnapshot, EngineStats
@@ -43,21 +44,6 @@ _NOT_WITH = (("tensor_parallel_size", lambda v: v > 1, "--tensor-parallel-size")
              ("kv_tier", lambda v: v is not None, "--kv-tier"),
              ("kv_events_config", lambda v: v is not None, "--kv-events-config"),
              ("enable_lora", bool, "--enable-lora"))
-
-
-def make_engine(cfg: EngineConfig, loaded=None, **kw):
-    """The engine `cfg.runner` asks for: auto pools with an encoder and generates with a decoder."""
-    from inferd.engine.engine import LLMEngine
-
-    if cfg.runner == "generate" or (cfg.runner == "auto" and cfg.tensor_parallel_size > 1):
-        return LLMEngine(cfg, loaded=loaded, **kw)
-    if loaded is None:
-        from inferd.loading.loader import load_model
-
-        loaded = load_model(cfg.load_config())
-    if cfg.runner == "pooling" or registry.by_name(loaded.config.architecture).encoder:
-        return PoolingEngine(cfg, loaded)
-    return LLMEngine(cfg, loaded=loaded, **kw)
 
 
 def pooling_paths(engine: "PoolingEngine") -> dict:
@@ -91,7 +77,7 @@ def model_pooling(cfg: EngineConfig, loaded) -> PoolingConfig:
     return PoolingConfig(cfg.pooling or ("cls" if encoder else "last"), True, None)
 
 
-class PoolingEngine:
+class PoolingEngine(Engine):
     kind = "pooling"  # the runner it is (LLMEngine generates)
 
     def __init__(self, config: EngineConfig, loaded=None):

@@ -1,12 +1,13 @@
 """The HTTP API over an engine client (FastAPI on uvicorn), in three dialects.
 
-Routes: OpenAI's /v1/completions, /v1/chat/completions and /v1/responses (openai/); Anthropic's
-/v1/messages and /v1/messages/count_tokens (anthropic/); Ollama's /api/* (ollama/); the chat page,
-the dashboard and /v1/engine/state (web.py); here /v1/models (readable by OpenAI's and Anthropic's
-clients), /health, /metrics, /tokenize, /detokenize, and /models/load and /models/unload
-(llama-server's operator routes; the served models and when they load: models.py). Every failure a
-client can cause is a 4xx in the error shape of the dialect its path speaks (dialects.py); past
---max-waiting queued requests the answer is 503 with Retry-After.
+Routes: OpenAI's /v1/completions, /v1/chat/completions, /v1/responses and /v1/embeddings (with
+vLLM's /pooling) (openai/); Anthropic's /v1/messages and /v1/messages/count_tokens (anthropic/);
+Ollama's /api/* (ollama/); the chat page, the dashboard and /v1/engine/state (web.py); here
+/v1/models (readable by OpenAI's and Anthropic's clients), /health, /metrics, /tokenize,
+/detokenize, and /models/load and /models/unload (llama-server's operator routes; the served models
+and when they load: models.py). Every failure a client can cause is a 4xx in the error shape of the
+dialect its path speaks (dialects.py); past --max-waiting queued requests the answer is 503 with
+Retry-After.
 """
 from __future__ import annotations
 
@@ -19,11 +20,13 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inferd.errors import InferdError
-from inferd.server import anthropic, embeddings, ollama, openai, web
+from inferd.server import anthropic, ollama, openai, web
 from inferd.server.dialects import dialect_of, error_body
 from inferd.server.limits import Front, Limits
 from inferd.server.metrics import Metrics
 from inferd.server.models import Models
+from inferd.server.ollama import embed as ollama_embed
+from inferd.server.openai import embeddings as openai_embeddings
 from inferd.server.openai.store import ResponseStore
 from inferd.server.protocol import (COMMON_ERRORS, ApiError, DetokenizeRequest, DetokenizeResponse, HealthResponse,
                                     LoadLoRARequest, LoRAActionResponse, ModelAction, ModelActionResponse, ModelList,
@@ -161,7 +164,8 @@ def create_app(models: Models, api_key: str | None = None, metrics: Metrics | No
     app.include_router(openai.router(models, store))
     app.include_router(anthropic.router(models))
     app.include_router(ollama.router(models))
-    app.include_router(embeddings.router(models))  # /v1/embeddings, /pooling, /api/embed, /api/embeddings
+    app.include_router(openai_embeddings.router(models))  # /v1/embeddings, /pooling
+    app.include_router(ollama_embed.router(models))  # /api/embed, /api/embeddings
     app.include_router(web.router(models, app.state))  # the chat page, the dashboard and its state JSON
     app.openapi = lambda: openapi_document(app)
     return app

@@ -30,11 +30,15 @@ def anthropic_error(message: str, status: int) -> dict:
     return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
 
 
+def ollama_error(message: str) -> dict:
+    return {"error": message}
+
+
 def error_body(err: ApiError, dialect: str) -> dict:
     if dialect == ANTHROPIC:
         return anthropic_error(err.message, err.status)
     if dialect == OLLAMA:
-        return {"error": err.message}
+        return ollama_error(err.message)
     return err.body()
 
 

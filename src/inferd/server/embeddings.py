@@ -1,29 +1,24 @@
-"""Embeddings over HTTP, in the three dialects clients speak: OpenAI's `/v1/embeddings`, vLLM's
-`/pooling`, Ollama's `/api/embed` and its legacy `/api/embeddings`. One module, one router: every
-route tokenizes here, sends `PoolingParams` requests through the engine client (inferd.engine.pooling
-batches them) and shapes the vectors as its dialect does.
+"""The one request path of every dialect's embedding route (OpenAI's `/v1/embeddings` and vLLM's
+`/pooling` in openai/embeddings.py, Ollama's `/api/embed` and `/api/embeddings` in
+ollama/embed.py): the inputs' shapes, tokenizing and its limits, and the `PoolingParams` requests
+sent through the engine client (inferd.engine.pooling batches them). Each dialect's route shapes
+the vectors as its clients read them.
 
 Limits, the same on every route: an input longer than the model's `max_seq_length` is a 400 unless
 the request asks for truncation (`truncate_prompt_tokens`, vLLM's name; Ollama's `truncate`, true by
 default there as in Ollama); text is cut as sentence-transformers cuts it (the start kept, the
-special tokens kept). Errors on the Ollama routes are Ollama's shape, `{"error": "..."}`.
+special tokens kept).
 """
 from __future__ import annotations
 
 import asyncio
-import base64
-import struct
-import time
-import uuid
-from typing import Any, Literal, Union
+from typing import Any, Union
 
-from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic import Field
 from typing_extensions import Annotated
 
 from inferd.engine.request import PoolingParams
-from inferd.server.protocol import INT32_MAX, ApiError, Strict, TokenId, error_responses, validation_error
+from inferd.server.protocol import ApiError, TokenId
 
 MAX_INPUTS = 2048  # inputs in one request (OpenAI's limit for /v1/embeddings)
 IN_FLIGHT = 256  # a request's inputs in the engine at once: a 2048-input request must not fill --max-waiting
@@ -35,7 +30,7 @@ Input = Union[str, Annotated[list[str], Field(min_length=1, max_length=MAX_INPUT
               Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_INPUTS)]]
 
 
-def _check_input(v: Any, name: str = "input") -> Any:
+def check_input(v: Any, name: str = "input") -> Any:
     """One string, or a list of one kind, each part non-empty: each wrong shape one line naming its place."""
     if isinstance(v, str):
         if not v:
@@ -59,57 +54,6 @@ def _check_input(v: Any, name: str = "input") -> Any:
     return v
 
 
-class EmbeddingRequest(Strict):
-    """OpenAI's /v1/embeddings body, with vLLM's extensions (truncate_prompt_tokens, normalize,
-    add_special_tokens)."""
-    model: str | None = Field(None, max_length=256)
-    input: Input
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, ge=1, le=INT32_MAX)
-    user: str | None = Field(None, max_length=256)
-    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32_MAX)
-    normalize: bool | None = None
-    add_special_tokens: bool = True
-
-    @field_validator("input", mode="before")
-    @classmethod
-    def _shape(cls, v):
-        return _check_input(v)
-
-
-class OllamaEmbedRequest(Strict):
-    """Ollama's /api/embed body (`options` and `keep_alive` are taken and ignored: the server's own
-    flags rule)."""
-    model: str = Field(max_length=256)
-    input: Union[str, Annotated[list[str], Field(min_length=1, max_length=MAX_INPUTS)]]
-    truncate: bool = True
-    dimensions: int | None = Field(None, ge=1, le=INT32_MAX)
-    options: dict | None = None
-    keep_alive: Union[str, int, float, None] = None
-
-    @field_validator("input", mode="before")
-    @classmethod
-    def _shape(cls, v):
-        return _check_input(v)
-
-
-class OllamaEmbeddingsRequest(Strict):
-    """Ollama's legacy /api/embeddings body: one prompt."""
-    model: str = Field(max_length=256)
-    prompt: str = Field(min_length=1)
-    options: dict | None = None
-    keep_alive: Union[str, int, float, None] = None
-
-
-class OllamaError(BaseModel):
-    error: str
-
-
-_OLLAMA_ERRORS = {s: {"model": OllamaError, "description": d} for s, d in
-                  ((400, "invalid request"), (404, "unknown model"), (500, "the model failed to load or run"),
-                   (503, "overloaded or engine stopped"))}
-
-
 def truncate_ids(tok, text: str, limit: int, add_special_tokens: bool = True) -> list[int]:
     """`text`'s ids, at most `limit` of them as sentence-transformers cuts: the text's tokens cut at
     the end, the special tokens around them kept."""
@@ -127,11 +71,6 @@ def truncate_ids(tok, text: str, limit: int, add_special_tokens: bool = True) ->
                 return ids[:head] + body[:keep] + tail
             break
     return ids[:limit]
-
-
-def encode_b64(vec: list[float]) -> str:
-    """OpenAI's base64 form: the float32 values, little-endian."""
-    return base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
 
 
 async def tokenize_inputs(srv, inputs, truncate: int | None, add_special_tokens: bool = True) -> list[list[int]]:
@@ -204,90 +143,9 @@ def pooling_params(srv, dimensions: int | None, normalize: bool | None) -> Pooli
     return PoolingParams(normalize=normalize)
 
 
-def _usage(prompts: list[list[int]]) -> dict:
-    n = sum(len(p) for p in prompts)
-    return {"prompt_tokens": n, "total_tokens": n}
-
-
-def _ollama_error(e: ApiError) -> JSONResponse:
-    return JSONResponse({"error": e.message}, status_code=e.status, headers=e.headers)
-
-
-async def _ollama_body(request: Request, model):
-    """The body as `model`, or an Ollama-shaped 400 (raised as ApiError, caught by the route)."""
-    raw = await request.body()
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as e:
-        raise validation_error(e.errors(include_url=False)) from None
-
-
-def _ollama_name(name: str) -> str:
-    """Ollama's `name:tag`: the default tag means the model itself."""
-    return name[:-len(":latest")] if name.endswith(":latest") else name
-
-
-def _schema(model) -> dict:
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
-
-
-def router(models) -> APIRouter:
-    r = APIRouter()
-
-    @r.post("/v1/embeddings", responses=error_responses(400, 401, 404, 408, 413, 431, 503))
-    async def embeddings(req: EmbeddingRequest):
-        """OpenAI's embeddings: string, list of strings, token ids or lists of them; float or base64."""
-        async with models.use(req.model) as srv:
-            params = pooling_params(srv, req.dimensions, req.normalize)
-            prompts = await tokenize_inputs(srv, req.input, req.truncate_prompt_tokens, req.add_special_tokens)
-            rid = f"embd-{uuid.uuid4().hex}"
-            vecs = await embed(srv, prompts, params, rid)
-            data = [{"object": "embedding", "index": i,
-                     "embedding": encode_b64(v) if req.encoding_format == "base64" else v} for i, v in enumerate(vecs)]
-            return {"id": rid, "object": "list", "created": int(time.time()), "model": srv.name, "data": data,
-                    "usage": _usage(prompts)}
-
-    @r.post("/pooling", responses=error_responses(400, 401, 404, 408, 413, 431, 503))
-    async def pooling(req: EmbeddingRequest):
-        """vLLM's pooling route: the pooled vector of each input, as `data`."""
-        async with models.use(req.model) as srv:
-            params = pooling_params(srv, req.dimensions, req.normalize)
-            prompts = await tokenize_inputs(srv, req.input, req.truncate_prompt_tokens, req.add_special_tokens)
-            rid = f"pool-{uuid.uuid4().hex}"
-            vecs = await embed(srv, prompts, params, rid)
-            data = [{"object": "pooling", "index": i, "data": encode_b64(v) if req.encoding_format == "base64" else v}
-                    for i, v in enumerate(vecs)]
-            return {"id": rid, "object": "list", "created": int(time.time()), "model": srv.name, "data": data,
-                    "usage": _usage(prompts)}
-
-    @r.post("/api/embed", openapi_extra=_schema(OllamaEmbedRequest), responses=_OLLAMA_ERRORS)
-    async def ollama_embed(request: Request):
-        """Ollama's embed: normalised vectors (as Ollama's are), inputs past the limit cut unless
-        `truncate` is false."""
-        t0 = time.monotonic()
-        try:
-            req = await _ollama_body(request, OllamaEmbedRequest)
-            async with models.use(_ollama_name(req.model)) as srv:
-                params = pooling_params(srv, req.dimensions, True)
-                prompts = await tokenize_inputs(srv, req.input, -1 if req.truncate else None)
-                vecs = await embed(srv, prompts, params, f"ollama-{uuid.uuid4().hex}")
-        except ApiError as e:
-            return _ollama_error(e)
-        return {"model": req.model, "embeddings": vecs, "total_duration": int((time.monotonic() - t0) * 1e9),
-                "load_duration": 0, "prompt_eval_count": sum(len(p) for p in prompts)}
-
-    @r.post("/api/embeddings", openapi_extra=_schema(OllamaEmbeddingsRequest), responses=_OLLAMA_ERRORS)
-    async def ollama_embeddings(request: Request):
-        """Ollama's legacy route: one prompt, the vector as the model pools it, unnormalised (as
-        Ollama's legacy route answers), cut at the model's limit."""
-        try:
-            req = await _ollama_body(request, OllamaEmbeddingsRequest)
-            async with models.use(_ollama_name(req.model)) as srv:
-                params = pooling_params(srv, None, False)
-                prompts = await tokenize_inputs(srv, req.prompt, -1)
-                vecs = await embed(srv, prompts, params, f"ollama-{uuid.uuid4().hex}")
-        except ApiError as e:
-            return _ollama_error(e)
-        return {"embedding": vecs[0]}
-
-    return r
+async def embed_inputs(srv, inputs, request_id: str, *, dimensions: int | None, normalize: bool | None,
+                       truncate: int | None, add_special_tokens: bool = True) -> tuple[list[list[int]], list]:
+    """The inputs' token ids and their vectors, in order: what every embedding route answers from."""
+    params = pooling_params(srv, dimensions, normalize)
+    prompts = await tokenize_inputs(srv, inputs, truncate, add_special_tokens)
+    return prompts, await embed(srv, prompts, params, request_id)

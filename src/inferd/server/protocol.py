@@ -322,13 +322,15 @@ def check_prompt(p):
                 _check_token(t, f"prompt[{i}][{j}]")
 
 
-def check_messages(msgs):
-    """A chat's messages: a non-empty list of objects, each with a role from ROLES and content that
-    is a string, null, or a non-empty list of parts that each name their type."""
+def each_message(msgs, empty: str | None):
+    """(its place, the message) for each of a chat's messages, in every dialect: first the list (a
+    list, at most MAX_MESSAGES, and not empty unless `empty`, the dialect's words for why, is None),
+    then each message an object as the loop reaches it, so the first fault in reading order is the
+    one told. Roles and content are each dialect's own rules, checked in its loop."""
     if not isinstance(msgs, list):
         raise ApiError(f"messages is {kind(msgs)}: give a list of messages", param="messages")
-    if not msgs:
-        raise ApiError("messages is an empty list: a chat needs at least one message", param="messages")
+    if not msgs and empty is not None:
+        raise ApiError(f"messages is an empty list: {empty}", param="messages")
     if len(msgs) > MAX_MESSAGES:
         raise ApiError(f"messages holds {len(msgs)} messages: at most {MAX_MESSAGES} in one request",
                        param="messages")
@@ -336,6 +338,13 @@ def check_messages(msgs):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise ApiError(f"{where} is {kind(m)}: a message is an object with a role and content", param=where)
+        yield where, m
+
+
+def check_messages(msgs):
+    """A chat's messages: a non-empty list of objects, each with a role from ROLES and content that
+    is a string, null, or a non-empty list of parts that each name their type."""
+    for where, m in each_message(msgs, "a chat needs at least one message"):
         _check_role(m.get("role"), "role" in m, f"{where}.role")
         _check_content(m.get("content"), f"{where}.content")
 

@@ -8,7 +8,7 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from inferd.server.protocol import (INT32_MAX, MAX_MESSAGES, MAX_STOP, MAX_TOOLS, ApiError, Count, StopString, Strict,
-                                    _Open, kind, shown)
+                                    _Open, each_message, kind, shown)
 
 ROLES = ("user", "assistant")
 # block type -> the modality a model must read it in (None: text the server renders itself)
@@ -129,17 +129,7 @@ class CountTokensRequest(_Conversation):
 def check_messages(msgs):
     """Messages: a non-empty list of user / assistant turns, each a string or a list of blocks
     that name a known type."""
-    if not isinstance(msgs, list):
-        raise ApiError(f"messages is {kind(msgs)}: give a list of messages", param="messages")
-    if not msgs:
-        raise ApiError("messages is an empty list: give at least one message", param="messages")
-    if len(msgs) > MAX_MESSAGES:
-        raise ApiError(f"messages holds {len(msgs)} messages: at most {MAX_MESSAGES} in one request",
-                       param="messages")
-    for i, m in enumerate(msgs):
-        at = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise ApiError(f"{at} is {kind(m)}: a message is an object with a role and content", param=at)
+    for at, m in each_message(msgs, "give at least one message"):
         if not isinstance(m.get("role"), str) or m["role"] not in ROLES:
             raise ApiError(f"{at}.role is {shown(m.get('role')) if 'role' in m else 'missing'}: a role is user or "
                            "assistant (the system prompt is the top-level system field)", param=f"{at}.role")

@@ -6,8 +6,8 @@
 structured output) and `/api/generate` the same with one user turn, or with `raw` the prompt's own
 tokens; `OllamaBuilder` turns the chat stream into Ollama's lines, and its last line is the
 non-streaming body. `keep_alive` sets the model's idle time in the models table (models.py), as
-Ollama's does: 0 unloads it once its requests finish, a negative value keeps it loaded. (Ollama's
-`/api/embed` comes with the embeddings routes: `router` is where they would be included.)
+Ollama's does: 0 unloads it once its requests finish, a negative value keeps it loaded. Ollama's
+`/api/embed` and `/api/embeddings` are in embed.py.
 """
 from __future__ import annotations
 
@@ -22,10 +22,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 
+from inferd.server.dialects import ollama_error
 from inferd.server.generation import ARRIVAL, SSEResponse, Served, framed, primed, translated
 from inferd.server.models import Entry, Models, path_bytes, rfc3339
 from inferd.server.ollama.protocol import (ChatRequest, ChatResponse, GenerateRequest, GenerateResponse, ModelTags,
-                                           ShowRequest, ShowResponse, Version, ollama_error_responses)
+                                           ShowRequest, ShowResponse, Version, ollama_error_responses, served_name)
 from inferd.server.openai.chat import ChatTurn, chat_chunks, chat_request, prepare, render
 from inferd.server.protocol import COMMON_ERRORS, ApiError, check_part
 
@@ -148,9 +149,8 @@ def refused(path: str):
 
 def find(models: Models, name: str) -> Entry:
     """A model by name; Ollama's clients may add the default tag `:latest`."""
-    base = name.removesuffix(":latest")
     try:
-        return models.find(base if base in models.by_name else name)
+        return models.find(served_name(name, models.by_name))
     except ApiError:
         raise ApiError(f"model '{name[:256]}' not found (served: {', '.join(models.names())})", status=404,
                        param="model", type_="not_found_error") from None
@@ -264,7 +264,7 @@ async def answer(srv: Served, req, chat, kind: str, ids: list[int] | None = None
     lines = translated(chunks, list, builder.feed, builder.finish)  # Ollama's stream has no opening line
     if req.stream:
         return SSEResponse(framed(lines, lambda d: json.dumps(d, ensure_ascii=False) + "\n",
-                                  lambda e: json.dumps({"error": e.message}) + "\n"), srv.stall_timeout, NDJSON)
+                                  lambda e: json.dumps(ollama_error(e.message)) + "\n"), srv.stall_timeout, NDJSON)
     async for _ in lines:
         pass
     return JSONResponse(builder.body)

@@ -5,15 +5,20 @@
 presence_penalty, frequency_penalty); those about how Ollama runs a model (num_gpu, num_thread,
 use_mmap, ...) mean nothing to this engine and are ignored, as Ollama ignores the ones a runner
 does not know.
+
+Ollama's own conventions live here too, one place each: a model's `name:tag` (`served_name`) and
+the error body's schema (`OllamaError`; the body itself is `inferd.server.dialects.ollama_error`).
 """
 from __future__ import annotations
 
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from typing_extensions import Annotated
 
+from inferd.server.embeddings import MAX_INPUTS, check_input
 from inferd.server.protocol import (INT32_MAX, MAX_MESSAGES, MAX_STOP, MAX_TOOLS, ApiError, Seed, StopString, Strict,
-                                    Tool, _Open, kind, shown)
+                                    Tool, _Open, each_message, kind, shown)
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -100,16 +105,39 @@ class ShowRequest(Strict):
     verbose: bool = False
 
 
+class OllamaEmbedRequest(Strict):
+    """Ollama's /api/embed body (`options` and `keep_alive` are taken and ignored: the server's own
+    flags rule)."""
+    model: str = Field(max_length=256)
+    input: Union[str, Annotated[list[str], Field(min_length=1, max_length=MAX_INPUTS)]]
+    truncate: bool = True
+    dimensions: int | None = Field(None, ge=1, le=INT32_MAX)
+    options: dict | None = None
+    keep_alive: Union[str, int, float, None] = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _shape(cls, v):
+        return check_input(v)
+
+
+class OllamaEmbeddingsRequest(Strict):
+    """Ollama's legacy /api/embeddings body: one prompt."""
+    model: str = Field(max_length=256)
+    prompt: str = Field(min_length=1)
+    options: dict | None = None
+    keep_alive: Union[str, int, float, None] = None
+
+
+def served_name(name: str, served) -> str:
+    """The served model an Ollama client names: its default tag `:latest` means the model itself,
+    unless only the tagged name is served."""
+    base = name.removesuffix(":latest")
+    return name if name in served and base not in served else base
+
+
 def check_messages(msgs):
-    if not isinstance(msgs, list):
-        raise ApiError(f"messages is {kind(msgs)}: give a list of messages", param="messages")
-    if len(msgs) > MAX_MESSAGES:
-        raise ApiError(f"messages holds {len(msgs)} messages: at most {MAX_MESSAGES} in one request",
-                       param="messages")
-    for i, m in enumerate(msgs):
-        at = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise ApiError(f"{at} is {kind(m)}: a message is an object with a role and content", param=at)
+    for at, m in each_message(msgs, None):  # no messages at all: a request that only loads the model
         if not isinstance(m.get("role"), str) or m["role"] not in ROLES:
             raise ApiError(f"{at}.role is {shown(m.get('role')) if 'role' in m else 'missing'}: a role is one of "
                            f"{', '.join(ROLES)}", param=f"{at}.role")
@@ -153,5 +181,7 @@ class OllamaError(BaseModel):
     error: str
 
 
-def ollama_error_responses(*statuses: int) -> dict:
-    return {s: {"model": OllamaError, "description": "error"} for s in statuses}
+def ollama_error_responses(*statuses: int, reasons: dict[int, str] | None = None) -> dict:
+    """OpenAPI `responses` entries: an Ollama error body for each status, described by its reason
+    where one is given."""
+    return {s: {"model": OllamaError, "description": (reasons or {}).get(s, "error")} for s in statuses}
