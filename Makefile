@@ -49,15 +49,19 @@ iproute2:
 	  (apt-get update -q && apt-get install -y -q iproute2) || \
 	  echo "iproute2 not installed: the network-namespace test will skip"
 
-# the layers of pyproject.toml's [tool.importlinter] first (seconds), then every test
+# the layers of pyproject.toml's [tool.importlinter] first (seconds), then every test, whole modules
+# on JOBS pytest-xdist workers (much of a test's time is a server starting or a subprocess waited
+# for: two workers keep both cores busy). JOBS=0 runs them in one process, in file order.
+JOBS ?= 2
+XDIST = $(if $(filter 0,$(JOBS)),-p no:xdist,-n $(JOBS) --dist loadfile)
 test: $(STAMP) chromium iproute2
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q --durations=15 $(ARGS)
+	$(PY) -m pytest -q --durations=15 $(XDIST) $(ARGS)
 
 # the inner loop: the same minus the tests marked slow (a few minutes)
 test-fast: $(STAMP)
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q -m "not slow and not integration" $(ARGS)
+	$(PY) -m pytest -q -m "not slow and not integration" $(XDIST) $(ARGS)
 
 # the multi-process modules (Ray, disaggregation, data and tensor parallelism) ROUNDS times in a row
 # beside 2 busy processes (stress-ng), stopping at the first red round: how flaky waits are found
