@@ -6,8 +6,8 @@
 // place from the fused projection's output (row-strided views) and writes each output row once.
 // One task per (sequence, head, block of queries): the block's keys and values (one head of one
 // sequence, at most a few tens of KB) stay in cache across its queries.
-// Included once per ISA variant, inside its namespace (variant_*.cpp), after paged_attention_impl.h
-// (dot_lanes) and elementwise_impl.h (exp_shifted).
+// Included once per ISA variant, inside its namespace (variant_*.cpp), after elementwise_impl.h
+// (exp_shifted).
 
 static constexpr int64_t VARLEN_QBLOCK = 16;
 
