@@ -9,17 +9,6 @@
 
 template <typename T> static inline T rnd(float x) { return static_cast<T>(x); }
 
-// x[i] = exp(x[i] - m) for i < n. In vectors on AVX2 only: there GCC leaves the scalar loop
-// unvectorised (the clamps stay branches; AVX-512 has masks for them), and the decode softmax ran
-// one exp at a time.
-static inline void exp_shifted(float* x, int64_t n, float m) {
-  int64_t i = 0;
-#if INFERD_ISA_LEVEL == 1
-  for (; i + LANES <= n; i += LANES) fstore(x + i, fexp(fsub(fload(x + i), fset1(m))));
-#endif
-  for (; i < n; ++i) x[i] = fexp(x[i] - m);
-}
-
 template <typename T>
 static void norm_rows(T* x, const T* d, T* out, const T* w, int64_t rows, int64_t n, float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
@@ -70,7 +59,7 @@ static void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t F) {
       const T* u = g + F;
       T* o = out + r * F;
       int64_t i = 0;
-#if INFERD_ISA_LEVEL == 1  // as exp_shifted: AVX-512 vectorises the scalar loop itself
+#if INFERD_ISA_LEVEL == 1  // as exp_shifted (softmax_impl.h): AVX-512 vectorises the scalar loop itself
       if constexpr (std::is_same_v<T, float>)
         for (; i + LANES <= F; i += LANES) {
           const VF x = fload(g + i);

@@ -25,7 +25,7 @@
 // value tile is ever needed.
 //
 // Written once over simd.h's VF (one float on the generic variant). Included once per ISA variant,
-// inside its namespace (variant.h).
+// inside its namespace (variant.h), after softmax_impl.h (the split merge).
 
 // lanes still at -inf (a query that has seen no key yet) shift by 0, so exp never meets -inf - -inf
 // (-inf is the one float below the lowest finite one)
@@ -431,28 +431,7 @@ static int64_t split_decode(const float* q, const E* k, const E* v, const int64_
       decode_split(b, t0, t1, hk, q, k, v, bt + b * max_blocks, H, Hkv, D, bs, scale, softcap, part + task * stride, w);
     }
   });
-  // merge each (sequence, kv head)'s splits in order: rescaled to the largest maximum, over the total
-  at::parallel_for(0, B * Hkv, grain == 1 ? 1 : B * Hkv, [&](int64_t begin, int64_t end) {
-    for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t b = bh / Hkv, hk = bh % Hkv;
-      auto at = [&](int64_t c) { return part + (c * Hkv + hk) * stride; };
-      for (int64_t g = 0; g < G; ++g) {
-        float m = -INFINITY;
-        for (int64_t c = first[b]; c < first[b + 1]; ++c) m = std::max(m, at(c)[g]);
-        float* o = out + (b * H + hk * G + g) * D;
-        std::fill(o, o + D, 0.f);
-        float total = 0.f;
-        for (int64_t c = first[b]; c < first[b + 1]; ++c) {
-          const float wgt = fexp(at(c)[g] - m);
-          total += wgt * at(c)[G + g];
-          const float* a = at(c) + 2 * G + g * D;
-          for (int64_t d = 0; d < D; ++d) o[d] += wgt * a[d];
-        }
-        const float inv = 1.f / total;
-        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
-      }
-    }
-  });
+  merge_splits(part, first, B, H, Hkv, D, grain == 1, out);
   return splits;
 }
 

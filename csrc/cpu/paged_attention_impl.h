@@ -167,39 +167,13 @@ static void decode_attention(const float* q, const T* k, const T* v, const int64
         float* sm = mx + G;
         float* acc = sm + G;
         for (int64_t g = 0; g < G; ++g) {
-          float* sg = scores.data() + g * len;
-          float m = sg[0];  // len >= 1
-          for (int64_t i = 1; i < len; ++i) m = sg[i] > m ? sg[i] : m;
-          float sum = 0.f;
-          exp_shifted(sg, len, m);
-          for (int64_t i = 0; i < len; ++i) sum += sg[i];
-          mx[g] = m;
-          sm[g] = sum;
+          const SoftmaxPart sp = softmax_part(scores.data() + g * len, len);
+          mx[g] = sp.max;
+          sm[g] = sp.sum;
         }
         weigh_values(v, slot, len, Hkv, hk, G, D, scores.data(), acc);
       }
     }
   });
-  // merge each (sequence, head)'s chunks in order: rescale to the largest max, divide by the total
-  at::parallel_for(0, B * Hkv, grain == 1 ? 1 : B * Hkv, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / Hkv, hk = task % Hkv;
-      auto at = [&](int64_t c) { return part + (c * Hkv + hk) * G * (D + 2); };
-      for (int64_t g = 0; g < G; ++g) {
-        float m = -INFINITY;
-        for (int64_t c = first[b]; c < first[b + 1]; ++c) m = std::max(m, at(c)[g]);
-        float* o = out + (b * H + hk * G + g) * D;
-        std::fill(o, o + D, 0.f);
-        float total = 0.f;
-        for (int64_t c = first[b]; c < first[b + 1]; ++c) {
-          const float w = fexp(at(c)[g] - m);
-          total += w * at(c)[G + g];
-          const float* a = at(c) + 2 * G + g * D;
-          for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
-        }
-        const float inv = 1.f / total;
-        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
-      }
-    }
-  });
+  merge_splits(part, first, B, H, Hkv, D, grain == 1, out);
 }
