@@ -159,11 +159,7 @@ static void btile(const BlockOperands& o, int64_t i0, int64_t u0) {
       auto chunk = [&](auto cc) {
         constexpr int c = decltype(cc)::value;
         VI xl[MR], xh[MR];
-        for (int r = 0; r < MR; ++r) {
-          const int8_t* xr = o.xq + (i0 + r) * o.K + b * 32 + 4 * c;
-          xl[r] = vbcast4(xr);
-          xh[r] = vbcast4(xr + 16);
-        }
+        chunk_x(o.xq, o.K, i0, b, c, xl, xh);
         for (int v = 0; v < NV; ++v) {
           const uint8_t* blk = B::block(sup[v], bi) + unit_off[v];
           VI lo, hi;

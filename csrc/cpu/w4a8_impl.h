@@ -183,6 +183,17 @@ static inline void prefetch_tile(const uint8_t* w, int64_t i0, int64_t u0, int64
   }
 }
 
+// Chunk c of block b of rows i0..i0 + MR - 1 of the rounded x [M, K]: each row's 4 bytes of the low
+// 16 k (xl) and of the high 16 k (xh), in every lane
+template <int MR>
+static inline void chunk_x(const int8_t* xq, int64_t K, int64_t i0, int64_t b, int c, VI (&xl)[MR], VI (&xh)[MR]) {
+  for (int r = 0; r < MR; ++r) {
+    const int8_t* xr = xq + (i0 + r) * K + b * 32 + 4 * c;
+    xl[r] = vbcast4(xr);
+    xh[r] = vbcast4(xr + 16);
+  }
+}
+
 // A tile's totals into y [M, N]: rows i0.., LANES columns a unit from unit u0 (the last cut at N)
 template <int MR, int NV>
 static inline void store_tile(float* y, int64_t N, int64_t i0, int64_t u0, const VF (&acc)[MR][NV]) {
@@ -206,11 +217,7 @@ static void tile4(const Operands& o, int64_t i0, int64_t u0) {
       for (int v = 0; v < NV; ++v) sum[r][v] = vzero();
     for (int c = 0; c < 4; ++c) {
       VI xl[MR], xh[MR];
-      for (int r = 0; r < MR; ++r) {
-        const int8_t* xr = o.xq + (i0 + r) * o.K + b * 32 + 4 * c;
-        xl[r] = vbcast4(xr);
-        xh[r] = vbcast4(xr + 16);
-      }
+      chunk_x(o.xq, o.K, i0, b, c, xl, xh);
       for (int v = 0; v < NV; ++v) {
         const VI raw = vload(Layout<false, S>::template unit_codes<LANES>(o, u0 + v, b) + 64 * c);
         const VI lo = vand(raw, low), hi = vand(vsrl4(raw), low);
