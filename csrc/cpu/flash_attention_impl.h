@@ -31,7 +31,7 @@
 // (-inf is the one float below the lowest finite one)
 static inline VF finite_or_zero(VF m) { return fselect_lt(m, -3.40282347e+38f, fzero(), m); }
 
-// cap * tanh(x / cap) on LANES lanes. tanh from exp for |t| >= 0.25, where 1 - e^-2|t| loses nothing that
+// cap * tanh(x / cap) on a VF. tanh from exp for |t| >= 0.25, where 1 - e^-2|t| loses nothing that
 // matters; below, its odd series to t^7 (error under 1e-7 relative), where that subtraction would
 static inline VF softcap_lanes(VF x, float cap) {
   const VF t = fmul(x, fset1(1.f / cap));
@@ -305,7 +305,7 @@ static int64_t prefill_attention_any(int cache, const float* q, int64_t qs, cons
 // sequence's own length, never on the batch, so a row's result does not either; at 32k tokens one
 // sequence is 64 splits x its kv heads of tasks, for every core.
 static constexpr int64_t SPLIT = 512;
-static constexpr int64_t SUB = 64;  // keys widened at a time (a multiple of every LANES)
+static constexpr int64_t SUB = 64;  // keys widened at a time (a multiple of every variant's LANES)
 
 struct DecodeScratch {
   std::vector<float> qs, scores, kt, vt;

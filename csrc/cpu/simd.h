@@ -19,7 +19,7 @@ static inline float ffma(float a, float b, float c) { return a * b + c; }
 static inline float fnmadd(float a, float b, float c) { return c - a * b; }
 static inline float fmax(float a, float b) { return a > b ? a : b; }
 static inline float fmin(float a, float b) { return a < b ? a : b; }
-// 2^k for a whole k in [-126, 127]: k + 127 written into the exponent's bits
+// 2^k for a whole k from -126 to 128 (inf): k + 127 written into the exponent's bits
 static inline float fpow2(float k) { return std::bit_cast<float>((static_cast<int32_t>(k) + 127) << 23); }
 // c in every lane of a V (a float, or the variant's VF): what code written for both spells a constant
 template <class V>
