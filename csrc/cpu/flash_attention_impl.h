@@ -24,140 +24,26 @@
 // a suffix of each row, and P . V accumulates into ot [D][M] the same way. No transpose of a key or
 // value tile is ever needed.
 //
-// Included once per ISA variant, inside its namespace (variant.h), after paged_attention_impl.h
-// (whose sum_lanes16 / sum_lanes8 the decode scores use).
+// Written once over simd.h's VF (one float on the generic variant). Included once per ISA variant,
+// inside its namespace (variant.h), after softmax_impl.h (the split merge).
 
-// ---- vectors of FL floats: the variant's VF, or one float on the generic variant ----------------
-#if INFERD_ISA_LEVEL >= 1
-using FV = VF;
-static constexpr int FL = LANES;
-static inline FV fv_load(const float* p) { return fload(p); }
-static inline FV fv_load(const bf16* p) { return fload(p); }
-static inline FV fv_load(const int8_t* p) { return fload(p); }
-static inline void fv_store(float* p, FV v) { fstore(p, v, FL); }
-static inline FV fv_set(float x) { return fset1(x); }
-static inline FV fv_zero() { return fzero(); }
-static inline FV fv_fma(FV a, FV b, FV c) { return ffma(a, b, c); }
-static inline FV fv_mul(FV a, FV b) { return fmul(a, b); }
-static inline FV fv_add(FV a, FV b) { return fadd(a, b); }
-#if INFERD_ISA_LEVEL >= 2
-static inline FV fv_sub(FV a, FV b) { return _mm512_sub_ps(a, b); }
-static inline FV fv_max(FV a, FV b) { return _mm512_max_ps(a, b); }
-static inline FV fv_div(FV a, FV b) { return _mm512_div_ps(a, b); }
-static inline float fv_hmax(FV v) { return _mm512_reduce_max_ps(v); }
-static inline float fv_hsum(FV v) { return _mm512_reduce_add_ps(v); }
 // lanes still at -inf (a query that has seen no key yet) shift by 0, so exp never meets -inf - -inf
-static inline FV fv_finite_or_zero(FV m) {
-  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ), m, _mm512_setzero_ps());
-}
-// expf_lanes' polynomial on 16 lanes, exactly 0 below -87.3 (a masked score must weigh nothing)
-static inline FV fv_exp(FV x) {
-  const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.33654f), _CMP_LT_OQ);
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.33654f)), _mm512_set1_ps(88.72283f));
-  const __m512 k = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504f), _mm512_set1_ps(12582912.f)),
-                                 _mm512_set1_ps(12582912.f));
-  const __m512 r =
-      _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(127)), 23);
-  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~under), _mm512_mul_ps(p, _mm512_castsi512_ps(e)));
-}
-static inline FV fv_abs(FV x) { return _mm512_abs_ps(x); }
-static inline FV fv_copysign(FV mag, FV sign) {
-  const __m512i m = _mm512_set1_epi32(0x7fffffff);
-  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_and_si512(_mm512_castps_si512(mag), m),
-                                             _mm512_andnot_si512(m, _mm512_castps_si512(sign))));
-}
-static inline FV fv_select_lt(FV a, float c, FV if_lt, FV otherwise) {  // lane: a < c ? if_lt : otherwise
-  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, _mm512_set1_ps(c), _CMP_LT_OQ), otherwise, if_lt);
-}
-// lane i = the sum of dots[i]'s lanes (16 vectors)
-static inline FV fv_sum_each(const FV* dots) { return sum_lanes16(dots); }
-#else
-static inline FV fv_sub(FV a, FV b) { return _mm256_sub_ps(a, b); }
-static inline FV fv_max(FV a, FV b) { return _mm256_max_ps(a, b); }
-static inline FV fv_div(FV a, FV b) { return _mm256_div_ps(a, b); }
-static inline float fv_hmax(FV v) {
-  __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_max_ss(h, _mm_movehdup_ps(h));
-  return _mm_cvtss_f32(h);
-}
-static inline float fv_hsum(FV v) { return fsum(v); }
-static inline FV fv_finite_or_zero(FV m) {
-  return _mm256_blendv_ps(m, _mm256_setzero_ps(), _mm256_cmp_ps(m, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ));
-}
-static inline FV fv_exp(FV x) {
-  const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(-87.33654f), _CMP_LT_OQ);
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.72283f));
-  const __m256 k = _mm256_sub_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504f), _mm256_set1_ps(12582912.f)),
-                                 _mm256_set1_ps(12582912.f));
-  const __m256 r =
-      _mm256_fmadd_ps(k, _mm256_set1_ps(2.12194440e-4f), _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x));
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(k), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
-}
-static inline FV fv_abs(FV x) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), x); }
-static inline FV fv_copysign(FV mag, FV sign) {
-  const __m256 s = _mm256_set1_ps(-0.f);
-  return _mm256_or_ps(_mm256_andnot_ps(s, mag), _mm256_and_ps(s, sign));
-}
-static inline FV fv_select_lt(FV a, float c, FV if_lt, FV otherwise) {
-  return _mm256_blendv_ps(otherwise, if_lt, _mm256_cmp_ps(a, _mm256_set1_ps(c), _CMP_LT_OQ));
-}
-static inline FV fv_sum_each(const FV* dots) { return sum_lanes8(dots); }
-#endif
-#else
-using FV = float;
-static constexpr int FL = 1;
-static inline FV fv_load(const float* p) { return *p; }
-static inline FV fv_load(const bf16* p) { return static_cast<float>(*p); }
-static inline FV fv_load(const int8_t* p) { return static_cast<float>(*p); }
-static inline void fv_store(float* p, FV v) { *p = v; }
-static inline FV fv_set(float x) { return x; }
-static inline FV fv_zero() { return 0.f; }
-static inline FV fv_fma(FV a, FV b, FV c) { return a * b + c; }
-static inline FV fv_mul(FV a, FV b) { return a * b; }
-static inline FV fv_add(FV a, FV b) { return a + b; }
-static inline FV fv_sub(FV a, FV b) { return a - b; }
-static inline FV fv_max(FV a, FV b) { return a > b ? a : b; }
-static inline FV fv_div(FV a, FV b) { return a / b; }
-static inline float fv_hmax(FV v) { return v; }
-static inline float fv_hsum(FV v) { return v; }
-static inline FV fv_finite_or_zero(FV m) { return m == -INFINITY ? 0.f : m; }
-static inline FV fv_exp(FV x) { return x < -87.33654f ? 0.f : expf_lanes(x); }
-static inline FV fv_abs(FV x) { return std::fabs(x); }
-static inline FV fv_copysign(FV mag, FV sign) { return std::copysign(mag, sign); }
-static inline FV fv_select_lt(FV a, float c, FV if_lt, FV otherwise) { return a < c ? if_lt : otherwise; }
-static inline FV fv_sum_each(const FV* dots) { return dots[0]; }
-#endif
+// (-inf is the one float below the lowest finite one)
+static inline VF finite_or_zero(VF m) { return fselect_lt(m, -3.40282347e+38f, fzero(), m); }
 
-// cap * tanh(x / cap) on FL lanes. tanh from exp for |t| >= 0.25, where 1 - e^-2|t| loses nothing that
+// cap * tanh(x / cap) on a VF. tanh from exp for |t| >= 0.25, where 1 - e^-2|t| loses nothing that
 // matters; below, its odd series to t^7 (error under 1e-7 relative), where that subtraction would
-static inline FV fv_softcap(FV x, float cap) {
-  const FV t = fv_mul(x, fv_set(1.f / cap));
-  const FV a = fv_abs(t);
-  const FV e = fv_exp(fv_mul(a, fv_set(-2.f)));
-  const FV big = fv_copysign(fv_div(fv_sub(fv_set(1.f), e), fv_add(fv_set(1.f), e)), t);
-  const FV t2 = fv_mul(t, t);
-  FV s = fv_fma(t2, fv_set(-17.f / 315.f), fv_set(2.f / 15.f));
-  s = fv_fma(t2, s, fv_set(-1.f / 3.f));
-  s = fv_fma(t2, s, fv_set(1.f));
-  const FV small = fv_mul(t, s);
-  return fv_mul(fv_select_lt(a, 0.25f, small, big), fv_set(cap));
+static inline VF softcap_lanes(VF x, float cap) {
+  const VF t = fmul(x, fset1(1.f / cap));
+  const VF a = fabs(t);
+  const VF e = fexp_or_zero(fmul(a, fset1(-2.f)));
+  const VF big = fcopysign(fdiv(fsub(fset1(1.f), e), fadd(fset1(1.f), e)), t);
+  const VF t2 = fmul(t, t);
+  VF s = ffma(t2, fset1(-17.f / 315.f), fset1(2.f / 15.f));
+  s = ffma(t2, s, fset1(-1.f / 3.f));
+  s = ffma(t2, s, fset1(1.f));
+  const VF small = fmul(t, s);
+  return fmul(fselect_lt(a, 0.25f, small, big), fset1(cap));
 }
 
 // ---- the cache's rows --------------------------------------------------------------------------
@@ -165,16 +51,16 @@ static inline int64_t row_len(const float*, int64_t D) { return D; }
 static inline int64_t row_len(const bf16*, int64_t D) { return D; }
 static inline int64_t row_len(const int8_t*, int64_t D) { return D + 4; }
 
-// one row as D floats (D a multiple of FL), its int8 scale folded in
+// one row as D floats (D a multiple of LANES), its int8 scale folded in
 template <typename E>
 static inline void widen_row(const E* row, int64_t D, float* dst) {
-  for (int64_t d = 0; d < D; d += FL) fv_store(dst + d, fv_load(row + d));
+  for (int64_t d = 0; d < D; d += LANES) fstore(dst + d, fload(row + d));
 }
 static inline void widen_row(const int8_t* row, int64_t D, float* dst) {
   float s;
   std::memcpy(&s, row + D, sizeof s);
-  const FV sv = fv_set(s);
-  for (int64_t d = 0; d < D; d += FL) fv_store(dst + d, fv_mul(fv_load(row + d), sv));
+  const VF sv = fset1(s);
+  for (int64_t d = 0; d < D; d += LANES) fstore(dst + d, fmul(fload(row + d), sv));
 }
 
 // keys t0 .. t0 + n - 1 of kv head hk, walked through the block table, as n rows of D floats
@@ -234,27 +120,27 @@ static constexpr int MV = 2, NI = 6, NIV = 4;
 #else
 static constexpr int MV = 4, NI = 4, NIV = 4;
 #endif
-static constexpr int CB = MV * FL;  // columns a block
+static constexpr int CB = MV * LANES;  // columns a block
 
 template <int R>
 static inline void gemm_block(const float* A, int64_t ai, int64_t ak, const float* B, int64_t bk, int64_t K,
                               float* C, int64_t cs, const float* colscale) {
-  FV acc[R][MV];
+  VF acc[R][MV];
   for (int i = 0; i < R; ++i)
-    for (int j = 0; j < MV; ++j) acc[i][j] = fv_zero();
+    for (int j = 0; j < MV; ++j) acc[i][j] = fzero();
   for (int64_t kk = 0; kk < K; ++kk) {
     const float* b = B + kk * bk;
-    FV bv[MV];
-    for (int j = 0; j < MV; ++j) bv[j] = fv_load(b + j * FL);
+    VF bv[MV];
+    for (int j = 0; j < MV; ++j) bv[j] = fload(b + j * LANES);
     for (int i = 0; i < R; ++i) {
-      const FV a = fv_set(A[i * ai + kk * ak]);
-      for (int j = 0; j < MV; ++j) acc[i][j] = fv_fma(a, bv[j], acc[i][j]);
+      const VF a = fset1(A[i * ai + kk * ak]);
+      for (int j = 0; j < MV; ++j) acc[i][j] = ffma(a, bv[j], acc[i][j]);
     }
   }
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < MV; ++j) {
-      float* c = C + i * cs + j * FL;
-      fv_store(c, colscale ? fv_fma(fv_load(c), fv_load(colscale + j * FL), acc[i][j]) : acc[i][j]);
+      float* c = C + i * cs + j * LANES;
+      fstore(c, colscale ? ffma(fload(c), fload(colscale + j * LANES), acc[i][j]) : acc[i][j]);
     }
 }
 
@@ -321,7 +207,7 @@ static int64_t prefill_task(const PrefillTask& task, const float* q, int64_t qs,
     for (int64_t c = 0; c < Mp; c += CB) gemm_rows<NI>(nk, kt, D, 1, qt + c, Mp, D, st + c, Mp, nullptr);
     if (softcap > 0.f)
       for (int64_t n = 0; n < nk; ++n)
-        for (int64_t c = 0; c < Mp; c += FL) fv_store(st + n * Mp + c, fv_softcap(fv_load(st + n * Mp + c), softcap));
+        for (int64_t c = 0; c < Mp; c += LANES) fstore(st + n * Mp + c, softcap_lanes(fload(st + n * Mp + c), softcap));
     // a key after a query (the diagonal tile), or one a query's window has left behind: a prefix and a
     // suffix of the key's row of columns
     const bool causal = t0 + nk - 1 > p0, windowed = window > 0 && t0 <= p1 - 1 - window;
@@ -336,21 +222,21 @@ static int64_t prefill_task(const PrefillTask& task, const float* q, int64_t qs,
         }
       }
     // online softmax, per column: the new maximum, the old sums and outputs rescaled by alpha
-    for (int64_t c = 0; c < Mp; c += FL) {
-      const FV mo = fv_load(mrow + c);
-      FV mx = mo;
-      for (int64_t n = 0; n < nk; ++n) mx = fv_max(mx, fv_load(st + n * Mp + c));
-      const FV sh = fv_finite_or_zero(mx);
-      const FV al = fv_exp(fv_sub(mo, sh));
-      FV sum = fv_zero();
+    for (int64_t c = 0; c < Mp; c += LANES) {
+      const VF mo = fload(mrow + c);
+      VF mx = mo;
+      for (int64_t n = 0; n < nk; ++n) mx = fmax(mx, fload(st + n * Mp + c));
+      const VF sh = finite_or_zero(mx);
+      const VF al = fexp_or_zero(fsub(mo, sh));
+      VF sum = fzero();
       for (int64_t n = 0; n < nk; ++n) {
-        const FV p = fv_exp(fv_sub(fv_load(st + n * Mp + c), sh));
-        fv_store(st + n * Mp + c, p);
-        sum = fv_add(sum, p);
+        const VF p = fexp_or_zero(fsub(fload(st + n * Mp + c), sh));
+        fstore(st + n * Mp + c, p);
+        sum = fadd(sum, p);
       }
-      fv_store(lrow + c, fv_fma(fv_load(lrow + c), al, sum));
-      fv_store(mrow + c, mx);
-      fv_store(alpha + c, al);
+      fstore(lrow + c, ffma(fload(lrow + c), al, sum));
+      fstore(mrow + c, mx);
+      fstore(alpha + c, al);
     }
     // ot [D][Mp] = ot * alpha + vt^T . st
     for (int64_t c = 0; c < Mp; c += CB) gemm_rows<NIV>(D, vt, 1, D, st + c, Mp, nk, ot + c, Mp, alpha + c);
@@ -419,7 +305,7 @@ static int64_t prefill_attention_any(int cache, const float* q, int64_t qs, cons
 // sequence's own length, never on the batch, so a row's result does not either; at 32k tokens one
 // sequence is 64 splits x its kv heads of tasks, for every core.
 static constexpr int64_t SPLIT = 512;
-static constexpr int64_t SUB = 64;  // keys widened at a time (a multiple of every FL)
+static constexpr int64_t SUB = 64;  // keys widened at a time (a multiple of every variant's LANES)
 
 struct DecodeScratch {
   std::vector<float> qs, scores, kt, vt;
@@ -438,27 +324,27 @@ static void decode_split(int64_t b, int64_t t0, int64_t t1, int64_t hk, const fl
   const float* qb = q + (b * H + hk * G) * D;
   for (int64_t i = 0; i < G * D; ++i) qs[i] = qb[i] * scale;
   for (int64_t u0 = 0; u0 < len; u0 += SUB) {
-    const int64_t n = std::min(SUB, len - u0), np = (n + FL - 1) / FL * FL;
+    const int64_t n = std::min(SUB, len - u0), np = (n + LANES - 1) / LANES * LANES;
     widen_rows(k, table, bs, t0 + u0, n, Hkv, hk, D, kt);
     std::fill(kt + n * D, kt + np * D, 0.f);
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = qs + g * D;
-      for (int64_t i = 0; i < np; i += FL) {
-        // FL keys' dots at once: one vector of partial products a key, summed across lanes together
-        FV a[FL];
-        for (int j = 0; j < FL; ++j) a[j] = fv_zero();
-        for (int64_t d = 0; d < D; d += FL) {
-          const FV qv = fv_load(qg + d);
-          for (int j = 0; j < FL; ++j) a[j] = fv_fma(qv, fv_load(kt + (i + j) * D + d), a[j]);
+      for (int64_t i = 0; i < np; i += LANES) {
+        // LANES keys' dots at once: one vector of partial products a key, summed across lanes together
+        VF a[LANES];
+        for (int j = 0; j < LANES; ++j) a[j] = fzero();
+        for (int64_t d = 0; d < D; d += LANES) {
+          const VF qv = fload(qg + d);
+          for (int j = 0; j < LANES; ++j) a[j] = ffma(qv, fload(kt + (i + j) * D + d), a[j]);
         }
-        FV r = fv_sum_each(a);
-        if (softcap > 0.f) r = fv_softcap(r, softcap);
+        VF r = fsum_each(a);
+        if (softcap > 0.f) r = softcap_lanes(r, softcap);
         float* dst = sc + g * SPLIT + u0 + i;
-        if (i + FL <= n) {
-          fv_store(dst, r);
+        if (i + LANES <= n) {
+          fstore(dst, r);
         } else {
-          float tmp[FL];
-          fv_store(tmp, r);
+          float tmp[LANES];
+          fstore(tmp, r);
           for (int64_t j = 0; j < n - i; ++j) dst[j] = tmp[j];
         }
       }
@@ -472,22 +358,22 @@ static void decode_split(int64_t b, int64_t t0, int64_t t1, int64_t hk, const fl
     float* sg = sc + g * SPLIT;
     float m = -INFINITY;
     int64_t i = 0;
-    if (len >= FL) {
-      FV mv = fv_load(sg);
-      for (i = FL; i + FL <= len; i += FL) mv = fv_max(mv, fv_load(sg + i));
-      m = fv_hmax(mv);
+    if (len >= LANES) {
+      VF mv = fload(sg);
+      for (i = LANES; i + LANES <= len; i += LANES) mv = fmax(mv, fload(sg + i));
+      m = fhmax(mv);
     }
     for (; i < len; ++i) m = std::max(m, sg[i]);
-    const FV mvv = fv_set(m);
-    FV sv = fv_zero();
-    for (i = 0; i + FL <= len; i += FL) {
-      const FV p = fv_exp(fv_sub(fv_load(sg + i), mvv));
-      fv_store(sg + i, p);
-      sv = fv_add(sv, p);
+    const VF mvv = fset1(m);
+    VF sv = fzero();
+    for (i = 0; i + LANES <= len; i += LANES) {
+      const VF p = fexp_or_zero(fsub(fload(sg + i), mvv));
+      fstore(sg + i, p);
+      sv = fadd(sv, p);
     }
-    float sum = fv_hsum(sv);
+    float sum = fsum(sv);
     for (; i < len; ++i) {
-      sg[i] = expf_lanes(sg[i] - m);
+      sg[i] = fexp(sg[i] - m);
       sum += sg[i];
     }
     mx[g] = m;
@@ -501,16 +387,16 @@ static void decode_split(int64_t b, int64_t t0, int64_t t1, int64_t hk, const fl
       const float* p = sc + g * SPLIT + u0;
       float* ag = acc + g * D;
       // four vectors of the head's output at a time stay in registers across the sub-chunk's keys
-      for (int64_t d0 = 0; d0 < D; d0 += 4 * FL) {
-        const int nv = static_cast<int>(std::min<int64_t>(4, (D - d0) / FL));
-        FV a[4];
-        for (int j = 0; j < nv; ++j) a[j] = fv_load(ag + d0 + j * FL);
+      for (int64_t d0 = 0; d0 < D; d0 += 4 * LANES) {
+        const int nv = static_cast<int>(std::min<int64_t>(4, (D - d0) / LANES));
+        VF a[4];
+        for (int j = 0; j < nv; ++j) a[j] = fload(ag + d0 + j * LANES);
         for (int64_t t = 0; t < n; ++t) {
-          const FV wt = fv_set(p[t]);
+          const VF wt = fset1(p[t]);
           const float* vr = vt + t * D + d0;
-          for (int j = 0; j < nv; ++j) a[j] = fv_fma(wt, fv_load(vr + j * FL), a[j]);
+          for (int j = 0; j < nv; ++j) a[j] = ffma(wt, fload(vr + j * LANES), a[j]);
         }
-        for (int j = 0; j < nv; ++j) fv_store(ag + d0 + j * FL, a[j]);
+        for (int j = 0; j < nv; ++j) fstore(ag + d0 + j * LANES, a[j]);
       }
     }
   }
@@ -545,28 +431,7 @@ static int64_t split_decode(const float* q, const E* k, const E* v, const int64_
       decode_split(b, t0, t1, hk, q, k, v, bt + b * max_blocks, H, Hkv, D, bs, scale, softcap, part + task * stride, w);
     }
   });
-  // merge each (sequence, kv head)'s splits in order: rescaled to the largest maximum, over the total
-  at::parallel_for(0, B * Hkv, grain == 1 ? 1 : B * Hkv, [&](int64_t begin, int64_t end) {
-    for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t b = bh / Hkv, hk = bh % Hkv;
-      auto at = [&](int64_t c) { return part + (c * Hkv + hk) * stride; };
-      for (int64_t g = 0; g < G; ++g) {
-        float m = -INFINITY;
-        for (int64_t c = first[b]; c < first[b + 1]; ++c) m = std::max(m, at(c)[g]);
-        float* o = out + (b * H + hk * G + g) * D;
-        std::fill(o, o + D, 0.f);
-        float total = 0.f;
-        for (int64_t c = first[b]; c < first[b + 1]; ++c) {
-          const float wgt = expf_lanes(at(c)[g] - m);
-          total += wgt * at(c)[G + g];
-          const float* a = at(c) + 2 * G + g * D;
-          for (int64_t d = 0; d < D; ++d) o[d] += wgt * a[d];
-        }
-        const float inv = 1.f / total;
-        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
-      }
-    }
-  });
+  merge_splits(part, first, B, H, Hkv, D, grain == 1, out);
   return splits;
 }
 

@@ -159,11 +159,7 @@ static void btile(const BlockOperands& o, int64_t i0, int64_t u0) {
       auto chunk = [&](auto cc) {
         constexpr int c = decltype(cc)::value;
         VI xl[MR], xh[MR];
-        for (int r = 0; r < MR; ++r) {
-          const int8_t* xr = o.xq + (i0 + r) * o.K + b * 32 + 4 * c;
-          xl[r] = vset1(load4(xr));
-          xh[r] = vset1(load4(xr + 16));
-        }
+        chunk_x(o.xq, o.K, i0, b, c, xl, xh);
         for (int v = 0; v < NV; ++v) {
           const uint8_t* blk = B::block(sup[v], bi) + unit_off[v];
           VI lo, hi;
@@ -229,10 +225,7 @@ static void btile(const BlockOperands& o, int64_t i0, int64_t u0) {
       }
     }
   }
-  for (int v = 0; v < NV; ++v) {
-    const int64_t n = (u0 + v) * LANES;
-    for (int r = 0; r < MR; ++r) fstore(o.y + (i0 + r) * o.N + n, acc[r][v], o.N - n);
-  }
+  store_tile(o.y, o.N, i0, u0, acc);
 }
 
 #else
@@ -267,24 +260,24 @@ static void btile(const BlockOperands& o, int64_t i0, int64_t g0) {
           isum[NSUB == 1 ? 0 : upper] += w * xr[k];
         }
         for (int h = 0; h < NSUB; ++h) {
-          float sv = scalar(*B::d(sup, c));
+          float sv = fload(B::d(sup, c));
           const uint8_t sm = F.smpack ? static_cast<uint8_t>(*B::sc(sup, bi, h, c)) : 0;  // Q2_K: scale | min << 4
           if constexpr (F.smpack) sv = sv * static_cast<float>(sm & 15);
           else if constexpr (F.ks) sv = sv * static_cast<float>(*B::sc(sup, bi, h, c));
           const int32_t is = isum[h] - F.off * B::xsum(o, i0, b, h);
           acc[l] = std::fma(static_cast<float>(is), sv * o.dx[xb], acc[l]);
           if constexpr (F.mink == 1) {
-            const float mh = scalar(*B::dm(sup, c)) *
+            const float mh = fload(B::dm(sup, c)) *
                              static_cast<float>(F.smpack ? sm >> 4 : static_cast<int>(*B::mn(sup, bi, h, c)));
             const float xsh = NSUB == 1 ? o.xs[xb] : o.dx[xb] * static_cast<float>(B::xsum(o, i0, b, h));
             acc[l] = std::fma(-mh, xsh, acc[l]);
           }
         }
-        if constexpr (F.mink == 2) acc[l] = std::fma(scalar(*B::dm(sup, c)), o.xs[xb], acc[l]);
+        if constexpr (F.mink == 2) acc[l] = std::fma(fload(B::dm(sup, c)), o.xs[xb], acc[l]);
       }
     }
   }
-  for (int64_t l = 0; l < GW && g0 * GW + l < o.N; ++l) o.y[i0 * o.N + g0 * GW + l] = acc[l];
+  store_group(o.y, o.N, i0, g0, acc);
 }
 
 #endif

@@ -12,26 +12,11 @@
 
 static constexpr int64_t HC = 4;  // columns a tile
 
-template <typename W>
-static inline float widen(W v) { return static_cast<float>(v); }
-
 #if INFERD_ISA_LEVEL >= 1
 // 16 lanes: one vector (AVX-512) or two (AVX2)
 static constexpr int HV = 16 / LANES;
 
 static constexpr int64_t HPF = 4;  // tiles ahead
-
-static inline float sum16(const VF* a) {
-#if INFERD_ISA_LEVEL >= 2
-  const __m256 h8 = _mm256_add_ps(_mm512_castps512_ps256(a[0]), _mm512_extractf32x8_ps(a[0], 1));
-#else
-  const __m256 h8 = _mm256_add_ps(a[0], a[1]);
-#endif
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_movehdup_ps(h));
-  return _mm_cvtss_f32(h);
-}
 
 template <typename W, int MR, int NC>
 static void htile(const W* w, const float* x, int64_t K, int64_t N, float* y, int64_t i0, int64_t n0) {
@@ -55,18 +40,11 @@ static void htile(const W* w, const float* x, int64_t K, int64_t N, float* y, in
     }
   }
   for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NC; ++c) y[(i0 + r) * N + n0 + c] = sum16(acc[r][c]);
+    for (int c = 0; c < NC; ++c) y[(i0 + r) * N + n0 + c] = fsum16(acc[r][c]);
 }
 // AVX-512: 4 rows x 4 columns (16 accumulators); AVX2: one row (two registers a lane set)
 static constexpr int HMR = INFERD_ISA_LEVEL >= 2 ? 4 : 1;
 #else
-static inline float sum16(const float* l) {
-  float h8[8], h4[4];
-  for (int i = 0; i < 8; ++i) h8[i] = l[i] + l[i + 8];
-  for (int i = 0; i < 4; ++i) h4[i] = h8[i] + h8[i + 4];
-  return (h4[0] + h4[2]) + (h4[1] + h4[3]);
-}
-
 template <typename W, int MR, int NC>
 static void htile(const W* w, const float* x, int64_t K, int64_t N, float* y, int64_t i0, int64_t n0) {
   for (int r = 0; r < MR; ++r)
@@ -74,8 +52,8 @@ static void htile(const W* w, const float* x, int64_t K, int64_t N, float* y, in
       float lane[16] = {};
       const W* wr = w + (n0 + c) * K;
       const float* xr = x + (i0 + r) * K;
-      for (int64_t k = 0; k < K; ++k) lane[k % 16] = std::fma(xr[k], widen(wr[k]), lane[k % 16]);
-      y[(i0 + r) * N + n0 + c] = sum16(lane);
+      for (int64_t k = 0; k < K; ++k) lane[k % 16] = std::fma(xr[k], fload(wr + k), lane[k % 16]);
+      y[(i0 + r) * N + n0 + c] = fsum16(lane);
     }
 }
 static constexpr int HMR = 1;
@@ -115,9 +93,5 @@ static void hgemm(const W* w, const float* x, int64_t M, int64_t K, int64_t N, f
 // w: fp16 bits, or bf16 when `bf16`; K a multiple of 16
 static void half_gemm(const uint16_t* w, bool bf16, const float* x, int64_t M, int64_t K, int64_t N, float* y) {
   if (bf16) hgemm(reinterpret_cast<const inferd::bf16*>(w), x, M, K, N, y);
-#if INFERD_ISA_LEVEL >= 1
   else hgemm(w, x, M, K, N, y);
-#else
-  else hgemm(reinterpret_cast<const c10::Half*>(w), x, M, K, N, y);
-#endif
 }

@@ -6,7 +6,7 @@
 // a [S, parts, R, K]: A's rows, zero past the adapter's rank; b [S, R, N]: per slot, part p's B
 // stored as [R, n_p] at offset R * off_p. ranks [S, parts]: the rank each slot's adapter has on each
 // part (0: that projection is not adapted). Each shrink is one 16-lane dot product over K summed in
-// a fixed tree (the half_gemm scheme, half_gemm_impl.h); each expand is fma(v_r, b, y) per output in
+// a fixed tree (simd.h's fsum16, as half_gemm_impl.h sums); each expand is fma(v_r, b, y) per output in
 // rank order: the same floats on every variant, for every row, whatever the batch.
 
 #if INFERD_ISA_LEVEL >= 1
@@ -15,7 +15,7 @@ static inline float lora_dot(const float* a, const float* x, int64_t K) {
   for (int h = 0; h < HV; ++h) acc[h] = fzero();
   for (int64_t k = 0; k < K; k += 16)
     for (int h = 0; h < HV; ++h) acc[h] = ffma(fload(a + k + h * LANES), fload(x + k + h * LANES), acc[h]);
-  return sum16(acc);
+  return fsum16(acc);
 }
 
 static inline void lora_axpy(float v, const float* b, float* y, int64_t n) {
@@ -29,9 +29,7 @@ static inline float lora_dot(const float* a, const float* x, int64_t K) {
   float l[16] = {};
   for (int64_t k = 0; k < K; k += 16)
     for (int j = 0; j < 16; ++j) l[j] = std::fma(a[k + j], x[k + j], l[j]);
-  for (int w = 8; w >= 1; w /= 2)
-    for (int j = 0; j < w; ++j) l[j] += l[j + w];
-  return l[0];
+  return fsum16(l);
 }
 
 static inline void lora_axpy(float v, const float* b, float* y, int64_t n) {

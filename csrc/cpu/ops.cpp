@@ -209,26 +209,24 @@ Tensor finish(const Tensor& x, Tensor y, int64_t M) {
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
-// x [M, K] float32 or bfloat16 times int4 codes packed with their scales and mins
-// (inferd.quant.w4a8.pack4) -> [M, N] in x's dtype: one integer GEMM for any M, no dequantized copy.
-Tensor w4a8_linear(Tensor x, Tensor w, int64_t N) {
-  const bool half = check_packed(x, w, N, 640, 768);
+// x [M, K] float32 or bfloat16 times packed records (`half` bytes each with fp16 scales, `full` with
+// fp32 ones) through the active variant's `gemm` -> [M, N] in x's dtype: one integer GEMM for any M,
+// no dequantized copy.
+Tensor packed_linear(const Tensor& x, const Tensor& w, int64_t N, int64_t half, int64_t full,
+                     decltype(&Kernels::w4a8_gemm) gemm) {
+  const bool fp16 = check_packed(x, w, N, half, full);
   const int64_t M = x.size(0), K = x.size(1);
   const Rounded r = round_input(x, M, K);
   auto y = at::empty({M, N}, at::kFloat);
-  active().w4a8_gemm(w.data_ptr<uint8_t>(), half, r.xq, r.dx, r.xs, r.xi, M, K, N, y.data_ptr<float>());
+  (active().*gemm)(w.data_ptr<uint8_t>(), fp16, r.xq, r.dx, r.xs, r.xi, M, K, N, y.data_ptr<float>());
   return finish(x, y, M);
 }
 
-// x [M, K] times int8 codes packed with one scale per (column, 32-block) (inferd.quant.w4a8.pack8)
-Tensor w8a8_linear(Tensor x, Tensor w, int64_t N) {
-  const bool half = check_packed(x, w, N, 1088, 1152);
-  const int64_t M = x.size(0), K = x.size(1);
-  const Rounded r = round_input(x, M, K);
-  auto y = at::empty({M, N}, at::kFloat);
-  active().w8a8_gemm(w.data_ptr<uint8_t>(), half, r.xq, r.dx, r.xs, r.xi, M, K, N, y.data_ptr<float>());
-  return finish(x, y, M);
-}
+// int4 codes packed with their scales and mins (inferd.quant.w4a8.pack4)
+Tensor w4a8_linear(Tensor x, Tensor w, int64_t N) { return packed_linear(x, w, N, 640, 768, &Kernels::w4a8_gemm); }
+
+// int8 codes packed with one scale per (column, 32-block) (inferd.quant.w4a8.pack8)
+Tensor w8a8_linear(Tensor x, Tensor w, int64_t N) { return packed_linear(x, w, N, 1088, 1152, &Kernels::w8a8_gemm); }
 
 // x [M, K] times a GGUF block type's records (inferd.quant.gguf_blocks.pack; `type` a BlockType)
 Tensor blocks_linear(Tensor x, Tensor w, int64_t N, int64_t type) {

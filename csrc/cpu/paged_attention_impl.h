@@ -5,50 +5,10 @@
 // the G query heads sharing a kv head reuse each K row while it is in cache.
 // Included once per ISA variant, inside its namespace (variant_*.cpp).
 
-// q . k over D. In registers on AVX2/AVX-512 (16 or 8 lanes, one horizontal sum a dot): a plain
-// `s += q[d] * k[d]` is a serial chain the compiler may not reorder, and lane sums kept in an
-// array went through memory (a vector store, then scalar reloads stalling on store forwarding).
-#if INFERD_ISA_LEVEL >= 1
-template <typename T>
-static inline float dot_lanes(const float* q, const T* k, int64_t D) {
-  VF a = fzero(), b = fzero();  // two chains: a head of 64 is 2 or 4 steps
-  int64_t d = 0;
-  for (; d + 2 * LANES <= D; d += 2 * LANES) {
-    a = ffma(fload(q + d), fload(k + d), a);
-    b = ffma(fload(q + d + LANES), fload(k + d + LANES), b);
-  }
-  for (; d + LANES <= D; d += LANES) a = ffma(fload(q + d), fload(k + d), a);
-  float s = fsum(fadd(a, b));
-  for (; d < D; ++d) s += q[d] * static_cast<float>(k[d]);
-  return s;
-}
-#else
-template <typename T>
-static inline float dot_lanes(const float* q, const T* k, int64_t D) {
-  float s = 0.f;
-  for (int64_t d = 0; d < D; ++d) s += q[d] * static_cast<float>(k[d]);
-  return s;
-}
-#endif
-
 // scores[g][t] = scale * q_g . k_t for the chunk's keys, each of the G heads of kv head hk. On AVX-512
 // with D = 64 or 128, 16 keys at a time: their 16 product vectors are summed across lanes together
-// (45 shuffles and adds for 16 dots, where one horizontal sum a dot is 8), the rest one dot at a time.
+// (simd.h's fsum_each), the rest one dot at a time.
 #if INFERD_ISA_LEVEL >= 2
-static inline __m512 sum_lanes16(const __m512* v) {  // lane j = the sum of v[j]'s 16 lanes
-  __m512 r[8], s[4];
-  // within each 128-bit lane: [A0+A2, B0+B2, A1+A3, B1+B3] for A, B = v[2i], v[2i+1]
-  for (int i = 0; i < 8; ++i)
-    r[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  // then each 128-bit lane's sums of v[4i..4i+3]
-  for (int i = 0; i < 4; ++i)
-    s[i] = _mm512_add_ps(_mm512_shuffle_ps(r[2 * i], r[2 * i + 1], 0x44), _mm512_shuffle_ps(r[2 * i], r[2 * i + 1], 0xEE));
-  // then across the four 128-bit lanes: lane block i of the result holds v[4i..4i+3]'s totals
-  const __m512 a01 = _mm512_add_ps(_mm512_shuffle_f32x4(s[0], s[1], 0x44), _mm512_shuffle_f32x4(s[0], s[1], 0xEE));
-  const __m512 a23 = _mm512_add_ps(_mm512_shuffle_f32x4(s[2], s[3], 0x44), _mm512_shuffle_f32x4(s[2], s[3], 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(a01, a23, 0x88), _mm512_shuffle_f32x4(a01, a23, 0xDD));
-}
-
 template <int NV, typename T>
 static int64_t score16(const float* qb, const T* k, const int64_t* slot, int64_t len, int64_t Hkv, int64_t hk,
                        int64_t G, float scale, float* scores) {
@@ -64,23 +24,14 @@ static int64_t score16(const float* qb, const T* k, const int64_t* slot, int64_t
         for (int j = 1; j < NV; ++j) d = ffma(q[j], fload(kr + j * LANES), d);
         a[i] = d;
       }
-      _mm512_storeu_ps(scores + g * len + t, fmul(sum_lanes16(a), fset1(scale)));
+      fstore(scores + g * len + t, fmul(fsum_each(a), fset1(scale)));
     }
   return t;
 }
 #endif
 
 #if INFERD_ISA_LEVEL == 1
-static inline __m256 sum_lanes8(const __m256* v) {  // lane j = the sum of v[j]'s 8 lanes
-  // within each 128-bit half: hadd twice leaves [v0, v1, v2, v3] partial sums (v4.. in the second)
-  const __m256 b0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-  const __m256 b1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-  // then the two halves added: lanes 0-3 from b0, 4-7 from b1
-  return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
-}
-
-// 8 keys at a time on AVX2 (D = 64 or 128): 21 shuffles and adds for 8 dots, where one horizontal
-// sum a dot is 6
+// 8 keys at a time on AVX2 (D = 64 or 128), likewise
 template <int NV, typename T>
 static int64_t score8(const float* qb, const T* k, const int64_t* slot, int64_t len, int64_t Hkv, int64_t hk,
                       int64_t G, float scale, float* scores) {
@@ -99,7 +50,7 @@ static int64_t score8(const float* qb, const T* k, const int64_t* slot, int64_t 
         }
         a[i] = fadd(d0, d1);
       }
-      _mm256_storeu_ps(scores + g * len + t, fmul(sum_lanes8(a), fset1(scale)));
+      fstore(scores + g * len + t, fmul(fsum_each(a), fset1(scale)));
     }
   return t;
 }
@@ -216,39 +167,13 @@ static void decode_attention(const float* q, const T* k, const T* v, const int64
         float* sm = mx + G;
         float* acc = sm + G;
         for (int64_t g = 0; g < G; ++g) {
-          float* sg = scores.data() + g * len;
-          float m = sg[0];  // len >= 1
-          for (int64_t i = 1; i < len; ++i) m = sg[i] > m ? sg[i] : m;
-          float sum = 0.f;
-          exp_shifted(sg, len, m);
-          for (int64_t i = 0; i < len; ++i) sum += sg[i];
-          mx[g] = m;
-          sm[g] = sum;
+          const SoftmaxPart sp = softmax_part(scores.data() + g * len, len);
+          mx[g] = sp.max;
+          sm[g] = sp.sum;
         }
         weigh_values(v, slot, len, Hkv, hk, G, D, scores.data(), acc);
       }
     }
   });
-  // merge each (sequence, head)'s chunks in order: rescale to the largest max, divide by the total
-  at::parallel_for(0, B * Hkv, grain == 1 ? 1 : B * Hkv, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / Hkv, hk = task % Hkv;
-      auto at = [&](int64_t c) { return part + (c * Hkv + hk) * G * (D + 2); };
-      for (int64_t g = 0; g < G; ++g) {
-        float m = -INFINITY;
-        for (int64_t c = first[b]; c < first[b + 1]; ++c) m = std::max(m, at(c)[g]);
-        float* o = out + (b * H + hk * G + g) * D;
-        std::fill(o, o + D, 0.f);
-        float total = 0.f;
-        for (int64_t c = first[b]; c < first[b + 1]; ++c) {
-          const float w = expf_lanes(at(c)[g] - m);
-          total += w * at(c)[G + g];
-          const float* a = at(c) + 2 * G + g * D;
-          for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
-        }
-        const float inv = 1.f / total;
-        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
-      }
-    }
-  });
+  merge_splits(part, first, B, H, Hkv, D, grain == 1, out);
 }

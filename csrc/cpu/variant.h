@@ -11,6 +11,7 @@ namespace inferd {
 namespace INFERD_VARIANT {
 
 #include "simd.h"
+#include "softmax_impl.h"
 #include "elementwise_impl.h"
 #include "paged_attention_impl.h"
 #include "w4a8_impl.h"

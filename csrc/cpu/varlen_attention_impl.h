@@ -6,8 +6,7 @@
 // place from the fused projection's output (row-strided views) and writes each output row once.
 // One task per (sequence, head, block of queries): the block's keys and values (one head of one
 // sequence, at most a few tens of KB) stay in cache across its queries.
-// Included once per ISA variant, inside its namespace (variant_*.cpp), after paged_attention_impl.h
-// (dot_lanes) and elementwise_impl.h (exp_shifted).
+// Included once per ISA variant, inside its namespace (variant_*.cpp), after softmax_impl.h.
 
 static constexpr int64_t VARLEN_QBLOCK = 16;
 
@@ -31,14 +30,8 @@ static void varlen_attention(const T* q, const T* k, const T* v, int64_t q_strid
         const T* qr = q + (s0 + i) * q_stride + h * D;
         for (int64_t d = 0; d < D; ++d) qf[d] = static_cast<float>(qr[d]);
         const int64_t n = causal ? i + 1 : len;
-        float m = -INFINITY;
-        for (int64_t j = 0; j < n; ++j) {
-          scores[j] = dot_lanes(qf.data(), k + (s0 + j) * k_stride + hk * D, D) * scale;
-          m = scores[j] > m ? scores[j] : m;
-        }
-        exp_shifted(scores.data(), n, m);
-        float sum = 0.f;
-        for (int64_t j = 0; j < n; ++j) sum += scores[j];
+        for (int64_t j = 0; j < n; ++j) scores[j] = dot_lanes(qf.data(), k + (s0 + j) * k_stride + hk * D, D) * scale;
+        const float sum = softmax_part(scores.data(), n).sum;
         std::fill(acc.begin(), acc.end(), 0.f);
         float* a = acc.data();
         for (int64_t j = 0; j < n; ++j) {

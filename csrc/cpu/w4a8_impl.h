@@ -36,11 +36,10 @@ static void quantize_blocks(const float* x, int64_t b0, int64_t b1, int8_t* xq, 
   // the same roundings in vectors: an exact IEEE division, round half to even (nearbyint's default
   // mode), so every variant rounds a block to the same codes. Scalar, the divisions were ~0.8 ns an
   // activation: half of a 32-row down_proj call.
-  const __m512 sign = _mm512_set1_ps(-0.f);
   for (int64_t i = b0; i < b1; ++i) {
     const float* xb = x + i * 32;
     const __m512 a0 = _mm512_loadu_ps(xb), a1 = _mm512_loadu_ps(xb + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a0), _mm512_andnot_ps(sign, a1)));
+    const float amax = fhmax(fmax(fabs(a0), fabs(a1)));
     const float d = amax / 127.f;
     __m512i q0 = _mm512_setzero_si512(), q1 = q0;
     if (d > 0.f) {
@@ -51,21 +50,17 @@ static void quantize_blocks(const float* x, int64_t b0, int64_t b1, int8_t* xq, 
     }
     _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + i * 32), _mm512_cvtepi32_epi8(q0));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + i * 32 + 16), _mm512_cvtepi32_epi8(q1));
-    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    const int32_t sum = vsum32(vadd32(q0, q1));
     dx[i] = d;
     xs[i] = d * static_cast<float>(sum);
     xi[i] = sum;
   }
 #elif INFERD_ISA_LEVEL == 1
-  const __m256 sign = _mm256_set1_ps(-0.f);
   for (int64_t i = b0; i < b1; ++i) {
     const float* xb = x + i * 32;
     __m256 a[4], m = _mm256_setzero_ps();
-    for (int j = 0; j < 4; ++j) a[j] = _mm256_loadu_ps(xb + 8 * j), m = _mm256_max_ps(m, _mm256_andnot_ps(sign, a[j]));
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_max_ss(h, _mm_movehdup_ps(h));
-    const float d = _mm_cvtss_f32(h) / 127.f;
+    for (int j = 0; j < 4; ++j) a[j] = _mm256_loadu_ps(xb + 8 * j), m = fmax(m, fabs(a[j]));
+    const float d = fhmax(m) / 127.f;
     __m256i q[4] = {};
     if (d > 0.f) {
       const __m256 dv = _mm256_set1_ps(d);
@@ -76,11 +71,7 @@ static void quantize_blocks(const float* x, int64_t b0, int64_t b1, int8_t* xq, 
     const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + i * 32),
                         _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-    const __m256i s4 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-    const int32_t sum = _mm_cvtsi128_si32(s);
+    const int32_t sum = vsum32(vadd32(vadd32(q[0], q[1]), vadd32(q[2], q[3])));
     dx[i] = d;
     xs[i] = d * static_cast<float>(sum);
     xi[i] = sum;
@@ -145,15 +136,6 @@ struct Layout {
   }
 };
 
-static inline float scalar(float v) { return v; }
-static inline float scalar(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
-
-static inline int32_t load4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
-
 // Rows per tile x columns per tile: the tile's int sums and float totals fill the vector registers
 // (32 on AVX-512, 16 on AVX2). A tile's columns come in units of one vector (a group on AVX-512, half a group on AVX2; a group
 // in the generic variant). On AVX-512 a tile is 8 rows x 1 unit .. 1 row x 8 units. On AVX2, with
@@ -201,6 +183,26 @@ static inline void prefetch_tile(const uint8_t* w, int64_t i0, int64_t u0, int64
   }
 }
 
+// Chunk c of block b of rows i0..i0 + MR - 1 of the rounded x [M, K]: each row's 4 bytes of the low
+// 16 k (xl) and of the high 16 k (xh), in every lane
+template <int MR>
+static inline void chunk_x(const int8_t* xq, int64_t K, int64_t i0, int64_t b, int c, VI (&xl)[MR], VI (&xh)[MR]) {
+  for (int r = 0; r < MR; ++r) {
+    const int8_t* xr = xq + (i0 + r) * K + b * 32 + 4 * c;
+    xl[r] = vbcast4(xr);
+    xh[r] = vbcast4(xr + 16);
+  }
+}
+
+// A tile's totals into y [M, N]: rows i0.., LANES columns a unit from unit u0 (the last cut at N)
+template <int MR, int NV>
+static inline void store_tile(float* y, int64_t N, int64_t i0, int64_t u0, const VF (&acc)[MR][NV]) {
+  for (int v = 0; v < NV; ++v) {
+    const int64_t n = (u0 + v) * LANES;
+    for (int r = 0; r < MR; ++r) fstore(y + (i0 + r) * N + n, acc[r][v], N - n);
+  }
+}
+
 // MR rows i0.. times NV units u0.. of W4: every output of the tile, over all of K.
 template <typename S, int MR, int NV>
 static void tile4(const Operands& o, int64_t i0, int64_t u0) {
@@ -215,11 +217,7 @@ static void tile4(const Operands& o, int64_t i0, int64_t u0) {
       for (int v = 0; v < NV; ++v) sum[r][v] = vzero();
     for (int c = 0; c < 4; ++c) {
       VI xl[MR], xh[MR];
-      for (int r = 0; r < MR; ++r) {
-        const int8_t* xr = o.xq + (i0 + r) * o.K + b * 32 + 4 * c;
-        xl[r] = vset1(load4(xr));
-        xh[r] = vset1(load4(xr + 16));
-      }
+      chunk_x(o.xq, o.K, i0, b, c, xl, xh);
       for (int v = 0; v < NV; ++v) {
         const VI raw = vload(Layout<false, S>::template unit_codes<LANES>(o, u0 + v, b) + 64 * c);
         const VI lo = vand(raw, low), hi = vand(vsrl4(raw), low);
@@ -247,10 +245,7 @@ static void tile4(const Operands& o, int64_t i0, int64_t u0) {
       }
     }
   }
-  for (int v = 0; v < NV; ++v) {
-    const int64_t n = (u0 + v) * LANES;
-    for (int r = 0; r < MR; ++r) fstore(o.y + (i0 + r) * o.N + n, acc[r][v], o.N - n);
-  }
+  store_tile(o.y, o.N, i0, u0, acc);
 }
 
 // The same for W8: 8 chunks a block, signed weights, no min.
@@ -266,7 +261,7 @@ static void tile8(const Operands& o, int64_t i0, int64_t u0) {
       for (int v = 0; v < NV; ++v) sum[r][v] = vzero();
     for (int c = 0; c < 8; ++c) {
       VI xb[MR];
-      for (int r = 0; r < MR; ++r) xb[r] = vset1(load4(o.xq + (i0 + r) * o.K + b * 32 + 4 * c));
+      for (int r = 0; r < MR; ++r) xb[r] = vbcast4(o.xq + (i0 + r) * o.K + b * 32 + 4 * c);
       for (int v = 0; v < NV; ++v) {
         const VI w = vload(Layout<true, S>::template unit_codes<LANES>(o, u0 + v, b) + 64 * c);
 #if INFERD_ISA_LEVEL >= 3
@@ -293,12 +288,14 @@ static void tile8(const Operands& o, int64_t i0, int64_t u0) {
       }
     }
   }
-  for (int v = 0; v < NV; ++v) {
-    const int64_t n = (u0 + v) * LANES;
-    for (int r = 0; r < MR; ++r) fstore(o.y + (i0 + r) * o.N + n, acc[r][v], o.N - n);
-  }
+  store_tile(o.y, o.N, i0, u0, acc);
 }
 #else
+// A generic tile's GW totals into y [M, N]: row i0, group g0 (the last cut at N)
+static inline void store_group(float* y, int64_t N, int64_t i0, int64_t g0, const float* acc) {
+  for (int64_t l = 0; l < GW && g0 * GW + l < N; ++l) y[i0 * N + g0 * GW + l] = acc[l];
+}
+
 // generic: one row, one group; std::fma so the floats are the vector variants' own
 template <typename S, int MR, int NG>
 static void tile4(const Operands& o, int64_t i0, int64_t g0) {
@@ -316,11 +313,11 @@ static void tile4(const Operands& o, int64_t i0, int64_t g0) {
           const uint8_t byte = wb[64 * c + 4 * l + p];
           sum += (byte & 15) * xr[4 * c + p] + (byte >> 4) * xr[16 + 4 * c + p];
         }
-      acc[l] = std::fma(static_cast<float>(sum), scalar(sb[l]) * o.dx[xb], acc[l]);
-      acc[l] = std::fma(scalar(mb[l]), o.xs[xb], acc[l]);
+      acc[l] = std::fma(static_cast<float>(sum), fload(sb + l) * o.dx[xb], acc[l]);
+      acc[l] = std::fma(fload(mb + l), o.xs[xb], acc[l]);
     }
   }
-  for (int64_t l = 0; l < GW && g0 * GW + l < o.N; ++l) o.y[i0 * o.N + g0 * GW + l] = acc[l];
+  store_group(o.y, o.N, i0, g0, acc);
 }
 
 template <typename S, int MR, int NG>
@@ -335,10 +332,10 @@ static void tile8(const Operands& o, int64_t i0, int64_t g0) {
       int32_t sum = 0;
       for (int c = 0; c < 8; ++c)
         for (int p = 0; p < 4; ++p) sum += wb[64 * c + 4 * l + p] * xr[4 * c + p];
-      acc[l] = std::fma(static_cast<float>(sum), scalar(sb[l]) * o.dx[i0 * o.nb + b], acc[l]);
+      acc[l] = std::fma(static_cast<float>(sum), fload(sb + l) * o.dx[i0 * o.nb + b], acc[l]);
     }
   }
-  for (int64_t l = 0; l < GW && g0 * GW + l < o.N; ++l) o.y[i0 * o.N + g0 * GW + l] = acc[l];
+  store_group(o.y, o.N, i0, g0, acc);
 }
 #endif
 
