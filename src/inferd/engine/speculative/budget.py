@@ -180,9 +180,10 @@ class CostBudget(VerifyAll):
 def measure_step_cost(engine, k: int) -> spec_cost.StepCost | None:
     """Seconds of a step of R decode rows on this machine, R up to what a step can hold (every
     sequence with k + 1 rows, within the token budget): one row each at a context of up to 512
-    tokens (attention's share of a row, as a chat's), through the runner as a step runs (fused or eager, every tensor-parallel rank). The
-    K/V written land in free blocks, which any request writes before it reads; the runner's and
-    the attention's path counters are put back, so that they count requests' steps only."""
+    tokens (attention's share of a row, as a chat's), through the runner as a step runs (fused or
+    eager, every tensor-parallel rank). The K/V written land in free blocks, which any request
+    writes before it reads; the runner's and the attention's path counters are put back, so that
+    they count requests' steps only."""
     cfg = engine.config
     runner = engine.runner
     bs = cfg.block_size
