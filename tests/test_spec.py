@@ -69,6 +69,30 @@ def test_propose_ngram():
     assert propose_ngram([4, 4, 4], 3, 1, 2) == [4]
 
 
+def test_the_cost_budget_cuts_any_draft():
+    """A prompt-lookup draft (no estimate of its own) and a draft model's (with its q) go through the
+    cost budget as a suffix draft does: every guess verified where rows are free, none where each
+    costs a decode step; the identity budget keeps every guess."""
+    from types import SimpleNamespace
+
+    from inferd.engine.request import Status
+    from inferd.engine.speculative.budget import CostBudget, VerifyAll
+    from inferd.engine.speculative.cost import StepCost
+    from inferd.engine.speculative.decoder import SpecStats
+    from inferd.engine.speculative.proposal import Draft
+
+    engine = SimpleNamespace(scheduler=SimpleNamespace(waiting=[]), config=SimpleNamespace(max_num_batched_tokens=64))
+    req = SimpleNamespace(request_id="a", matcher=None, status=Status.RUNNING, num_tokens=10, num_computed=9)
+    flat = StepCost([(1, 1.0), (1024, 1.0)], learn=False)
+    steep = StepCost([(1, 1.0), (1024, 1024.0)], learn=False)
+    for make in (lambda: Draft([5, 6, 7]), lambda: Draft([5, 6, 7], q=torch.full((3, 8), 1 / 8))):
+        assert VerifyAll().choose([req], [req], [make()]) == [3]
+        assert CostBudget(engine, SpecStats(), flat).choose([req], [req], [make()]) == [3]
+        stats = SpecStats()
+        assert CostBudget(engine, stats, steep).choose([req], [req], [make()]) == [0]
+        assert stats.num_proposed_tokens == stats.num_cost_skipped_tokens == 3
+
+
 def test_accept_greedy():
     assert accept_greedy([1, 2, 3], [1, 2, 3, 4]) == (3, [1, 2, 3, 4])
     assert accept_greedy([1, 2, 3], [1, 5, 3, 4]) == (1, [1, 5])

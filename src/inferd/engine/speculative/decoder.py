@@ -1,26 +1,23 @@
 """SpecDecoder: speculative decoding inside the engine's continuous-batching step.
 
-Per step: every running sequence that is decoding gets up to K proposed tokens (`propose`); the
-scheduler then treats [last token, d1..dk] as a k+1-token chunk at the sequence's position (its
-blocks reserved, all k+1 counted against the token budget, fewer guesses when the budget is
-short); the one target forward returns logits for all k+1 positions; `verify` applies the
+Per step: every running sequence that is decoding gets up to K proposed tokens (`propose`): the
+proposer (proposal.py: prompt lookup, suffix decoding or a draft model, each behind the same
+interface) returns a `Draft` per sequence, and the budget (budget.py) says how many of its guesses
+to verify; the scheduler then treats [last token, d1..dk] as a k+1-token chunk at the sequence's
+position (its blocks reserved, all k+1 counted against the token budget, fewer guesses when the
+budget is short); the one target forward returns logits for all k+1 positions; `verify` applies the
 request's own logit processors position by position (each position sees the history including the
 guesses before it), accepts (greedy match or the lossless rejection rule), appends the tokens
-through the engine's normal stop handling, and rolls the KV cache back to the accepted length.
+through the engine's normal stop handling, and rolls the KV cache back to the accepted length. The
+step never asks which method drafted: the proposer's hooks (`accepted`, `preempted`, `free`,
+`keep_only`) keep its own state in step, the budget's (`verified`, `after_schedule`) its learning.
 
 Rollback keeps the prefix cache right by construction: a block is registered only once the
 request's computed length (the accepted one) covers it, so no block holding a rejected token is
 ever findable; blocks allocated past the accepted length are returned at once.
-
-Suffix decoding adds two decisions between proposing and scheduling: a constrained request's draft
-is cut where its grammar forbids a token (that row could never be accepted), and the cost model
-(cost.py) keeps of each draft only the guesses whose expected acceptance pays for their rows in
-this step, as measured on this machine at start. Every guess proposed is counted where it went:
-verified, cut by the grammar, or skipped by the cost model.
 """
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 
@@ -28,20 +25,16 @@ import torch
 
 from inferd.engine.request import Status
 from inferd.engine.sampler import build_batch, process_logits, top_logprobs
-from inferd.engine.speculative import cost as spec_cost
-from inferd.engine.speculative.draft import DraftProposer, SeqView, parse_self_draft, self_draft_model
+from inferd.engine.speculative.budget import CostBudget, VerifyAll, measure_step_cost
+from inferd.engine.speculative.draft import DraftProposer, SeqView
 from inferd.engine.speculative.ngram import NgramProposer
+from inferd.engine.speculative.proposal import Proposer
 from inferd.engine.speculative.suffix import SuffixProposer
 from inferd.engine.speculative.rejection import accept_greedy, rejection_sample
 from inferd.errors import InferdError
-from inferd.model.config import attention_windows
-from inferd.worker.runner import StepPlan
 from inferd.worker.spec_attention import SpecPagedAttention
 
-log = logging.getLogger("inferd")
-
-EXPLORE_MIN, EXPLORE_MAX = 16, 256  # a skipped request verifies one guess after this many skipped drafts
-PROBE_EVERY = 64  # steps with drafts between two drafts the cost model cut, verified whole
+COST_BUDGETED = {"suffix"}  # methods whose drafts the cost budget cuts; the others verify every guess
 
 
 @dataclass
@@ -96,121 +89,69 @@ class SpecDecoder:
         self.engine = engine
         self.method = cfg.speculative_method
         self.k = cfg.num_speculative_tokens
-        self.n_min, self.n_max = cfg.ngram_min, cfg.ngram_max
-        self.backoff = cfg.ngram_backoff if self.method == "ngram" else 0
         self.stats = SpecStats()
-        self.draft_desc = None
         # the engine runs verify chunks (k + 1 tokens) through the decode kernel (SpecPagedAttention)
         if not isinstance(engine.runner.attn, SpecPagedAttention):
             raise InferdError("speculative decoding needs the engine's SpecPagedAttention")
-        self.calibration = None  # suffix: acceptance learned from verification (cost.Calibration)
-        self.cost = None  # suffix with the cost model: step seconds by rows (cost.StepCost)
-        self.overhead = 0.0  # ... and a step's seconds outside its forward (observe_step)
-        self.steps_since_probe = 0  # steps with drafts since a cut one was verified whole
-        self.pending: dict[str, tuple] = {}  # rid -> (its draft, guesses chosen) of the guesses in flight
-        self.explore: dict[str, list[int]] = {}  # rid -> [drafts skipped since its last verify, interval]
+        self.proposer = self._proposer(engine, draft_loaded)
+        self.draft_desc = self.proposer.desc
+        self.budget = VerifyAll()
+        if self.method in COST_BUDGETED:
+            self.budget = CostBudget(engine, self.stats, measure_step_cost(engine, self.k) if cfg.spec_cost_model
+                                     else None)
+
+    def _proposer(self, engine, draft_loaded) -> Proposer:
+        cfg = engine.config
         if self.method == "draft":
-            model = self._draft_model(engine, draft_loaded)
-            mcfg = engine.model_config
-            window = attention_windows(model.cfg, engine.max_model_len)
-            # the same token capacity as the target's cache, plus room for every sequence's guesses
-            blocks = engine.num_kv_blocks + cfg.max_num_seqs * (-(-self.k // cfg.block_size) + 1)
-            self.proposer = DraftProposer(model, blocks, cfg.block_size, mcfg.vocab_size, engine.eos_ids, window)
-        elif self.method == "suffix":
-            self.proposer = SuffixProposer(engine.model_config.vocab_size, cfg.suffix_max_tree_depth,
-                                           cfg.suffix_max_spec_factor, cfg.suffix_min_token_prob,
-                                           cfg.suffix_max_cached_requests, cfg.suffix_max_cached_tokens)
-            self.calibration = spec_cost.Calibration()
-            if cfg.spec_cost_model:
-                self.cost = self._measure(engine)
-        else:
-            self.proposer = NgramProposer(self.n_min, self.n_max)
+            return DraftProposer.for_engine(engine, self.k, draft_loaded)
+        if self.method == "suffix":
+            return SuffixProposer(engine.model_config.vocab_size, cfg.suffix_max_tree_depth, cfg.suffix_max_spec_factor,
+                                  cfg.suffix_min_token_prob, cfg.suffix_max_cached_requests,
+                                  cfg.suffix_max_cached_tokens)
+        return NgramProposer(cfg.ngram_min, cfg.ngram_max, cfg.ngram_backoff)
 
-    def _draft_model(self, engine, draft_loaded):
-        cfg = engine.config
-        vocab = engine.model_config.vocab_size
-        if draft_loaded is not None:
-            model = getattr(draft_loaded, "model", draft_loaded)  # a LoadedModel or the module
-            self.draft_desc = "given model"
-        else:
-            n = parse_self_draft(cfg.draft_model)
-            if n is not None:
-                model = self_draft_model(engine.model, n, cfg.draft_quantization, cfg.quant_group_size)
-                self.draft_desc = f"self, first {n} of {engine.model_config.num_hidden_layers} layers"
-            else:
-                from inferd.loading.loader import load_model
+    @property
+    def cost(self):
+        """The budget's step-cost curve (cost.StepCost), None where none decides."""
+        return self.budget.cost
 
-                lm = load_model(cfg.draft_model, dtype=str(engine.model.dtype).replace("torch.", ""),
-                                device=cfg.device, with_tokenizer=False, quantization=cfg.draft_quantization,
-                                quant_group_size=cfg.quant_group_size)
-                model = lm.model
-                self.draft_desc = lm.source.name
-            if cfg.draft_quantization not in (None, "none"):
-                self.draft_desc += f", {cfg.draft_quantization}"
-        if model.cfg.vocab_size != vocab:
-            raise InferdError(f"draft model vocabulary ({model.cfg.vocab_size} tokens) differs from the "
-                              f"target's ({vocab}): speculative decoding needs the same vocabulary")
-        return model
+    @cost.setter
+    def cost(self, curve):
+        self.budget.cost = curve
 
-    def _measure(self, engine) -> spec_cost.StepCost | None:
-        """Seconds of a step of R decode rows on this machine, R up to what a step can hold (every
-        sequence with k + 1 rows, within the token budget): one row each at a context of up to 512
-        tokens (attention's share of a row, as a chat's), through the runner as a step runs (fused or eager, every tensor-parallel rank). The
-        K/V written land in free blocks, which any request writes before it reads; the runner's and
-        the attention's path counters are put back, so that they count requests' steps only."""
-        cfg = engine.config
-        runner = engine.runner
-        bs = cfg.block_size
-        nb = max(1, min(engine.num_kv_blocks, -(-512 // bs)))
-        ctx = nb * bs - 1
-        table = list(range(nb))
-        groups = engine.kv_layout.num_groups
-        max_rows = max(2, min(cfg.max_num_batched_tokens, cfg.max_num_seqs * (self.k + 1)))
-        saved = _counters(runner)
-
-        def run_rows(R: int):
-            plan = StepPlan([0] * R, [table] * R, [ctx] * R, [1] * R, list(range(R)), list(range(R)),
-                            kv_tables=[[table] * (groups - 1)] * R if runner.attn.layout is not None else None,
-                            lora_slots=None)
-            if runner.comm is not None:
-                runner.comm.send_obj(plan)
-            runner.run(plan)
-
-        t0 = time.monotonic()
-        try:
-            cost = spec_cost.measure(run_rows, max_rows)
-        except Exception as e:  # noqa: BLE001 - no curve: every draft is verified whole, and the log says so
-            if runner.comm is not None:  # a rank out of step cannot be recovered from here
-                raise
-            log.warning("speculative cost model off: measuring the step cost failed (%s: %s); every draft is "
-                        "verified whole", type(e).__name__, e)
-            return None
-        finally:
-            _restore(runner, saved)
-        log.info("speculative cost model: step seconds by rows measured in %.1f s (%s)", time.monotonic() - t0,
-                 cost.describe())
-        return cost
+    @property
+    def pending(self) -> dict:
+        """rid -> (its draft, guesses chosen) of the guesses in flight that the budget learns from."""
+        return self.budget.pending
 
     def release_finished(self):
-        """Draft caches of sequences that finished, were aborted or preempted go back at once. Suffix
-        decoding keeps a preempted request's index (its tokens are final) until the request ends."""
-        if self.method == "suffix":
-            live = set(self.engine.requests)
-        else:
-            live = {r.request_id for r in self.engine.scheduler.running if r.status == Status.RUNNING}
-        self.proposer.keep_only(live)
-        if self.calibration is not None:
-            for rid in [r for r in self.explore if r not in live]:
-                del self.explore[rid]
-            for rid in [r for r in self.calibration.requests if r not in live]:
-                self.calibration.forget(rid)
+        """What is kept for requests that finished, were aborted or preempted goes back at once (the
+        proposer says what it keeps for a preempted request)."""
+        alive = set(self.engine.requests)
+        running = {r.request_id for r in self.engine.scheduler.running if r.status == Status.RUNNING}
+        self.proposer.keep_only(running, alive)
+        self.budget.keep_only(alive)
 
     # -- before scheduling ----------------------------------------------------------------------
     def propose(self, running):
-        """Set req.spec_tokens (and req.spec_q) for every decoding sequence."""
+        """Set req.spec_tokens (and req.spec_q) for every decoding sequence: the proposer's drafts,
+        as much of each as the budget keeps."""
         t0 = time.monotonic()
-        eng = self.engine
         self.release_finished()
+        cands, ks = self._candidates(running)
+        if not cands:
+            return
+        drafts = self.proposer.propose(cands, ks)
+        for r, d, k in zip(cands, drafts, self.budget.choose(running, cands, drafts)):
+            if k:
+                r.spec_tokens, r.spec_q = d.tokens[:k], d.q
+        self.stats.draft_forwards = self.proposer.forwards
+        self.stats.draft_time += time.monotonic() - t0
+
+    def _candidates(self, running) -> tuple[list, list[int]]:
+        """The decoding sequences that draft this step, and how many guesses each may have. Every
+        running sequence's guesses are reset."""
+        eng = self.engine
         cands, ks = [], []
         for r in running:
             r.spec_tokens, r.spec_q = [], None
@@ -225,97 +166,12 @@ class SpecDecoder:
             if k >= 1:
                 cands.append(r)
                 ks.append(k)
-        if not cands:
-            return
-        if self.method == "suffix":
-            self._propose_suffix(running, cands, ks)
-        else:
-            for r, (toks, q) in zip(cands, self.proposer.propose(cands, ks)):
-                r.spec_tokens, r.spec_q = toks, q
-        self.stats.draft_forwards = self.proposer.forwards
-        self.stats.draft_time += time.monotonic() - t0
-
-    def _propose_suffix(self, running, cands, ks):
-        st = self.stats
-        live = []
-        for r, d in zip(cands, self.proposer.propose(cands, ks)):
-            if d is None:
-                continue
-            st.num_proposed_tokens += len(d.tokens)
-            if r.matcher is not None:
-                n = r.matcher.validate_tokens(d.tokens)
-                if n < len(d.tokens):
-                    st.num_grammar_cut_tokens += len(d.tokens) - n
-                    del d.tokens[n:], d.probs[n:], d.support[n:]
-                if not n:
-                    continue
-            st.num_cache_drafts += d.source == "cache"
-            live.append((r, d))
-        if not live:
-            return
-        cal = self.calibration
-        expected = [cal.expected(r.request_id, d) for r, d in live]
-        if self.cost is not None:
-            rows, tokens = self._base_rows(running)
-            lengths = spec_cost.choose_lengths(expected, rows, tokens, self._step_seconds)
-        else:
-            lengths = [len(d.tokens) for _, d in live]
-        if self.cost is not None:
-            self.steps_since_probe += 1
-            cut = [i for i, ((_, d), k) in enumerate(zip(live, lengths)) if k and k < len(d.tokens)]
-            if cut and self.steps_since_probe >= PROBE_EVERY:
-                # now and then a draft the cost model cut short is verified whole: the curve learns
-                # what the longer step really costs (it is only corrected where steps run)
-                i = max(cut, key=lambda j: len(live[j][1].tokens) - lengths[j])
-                lengths[i] = len(live[i][1].tokens)
-                self.steps_since_probe = 0
-                st.num_cost_probes += 1
-        for (r, d), k in zip(live, lengths):
-            if k == 0:
-                k = self._explore(r.request_id)
-            if k < len(d.tokens):
-                st.num_cost_skipped_tokens += len(d.tokens) - k
-                st.num_cost_skipped_drafts += k == 0
-            if k:
-                r.spec_tokens = d.tokens[:k]
-                self.pending[r.request_id] = (d, k)
+        return cands, ks
 
     def observe_step(self, total: float, forward: float, rows: int):
-        """A step's seconds in all and in its forward of `rows` rows: the forward corrects the cost
-        curve where it ran; what a step costs beside its rows (scheduling, sampling, verifying,
-        detokenizing) is paid once a step however many tokens it yields, so it counts toward what a
-        guess saves (a running average)."""
-        if self.cost is not None:
-            self.cost.observe(rows, forward)
-            self.overhead = 0.9 * self.overhead + 0.1 * max(0.0, total - forward)
-
-    def _step_seconds(self, rows: float) -> float:
-        return self.cost(rows) + self.overhead
-
-    def _explore(self, rid: str) -> int:
-        """A request whose drafts the cost model keeps skipping verifies one guess now and then, so
-        that its acceptance (and the table's) keeps being learned; the pauses double while those
-        guesses fail (16 .. 256 drafts) and shrink back once one is accepted."""
-        ex = self.explore.setdefault(rid, [0, EXPLORE_MIN])
-        ex[0] += 1
-        if ex[0] < ex[1]:
-            return 0
-        ex[0] = 0
-        self.stats.num_explored += 1
-        return 1
-
-    def _base_rows(self, running) -> tuple[int, int]:
-        """(rows, sampled sequences) of this step before any guess: a row per decoding sequence, and
-        the prompt tokens waiting, as far as the token budget goes."""
-        decode = prefill = 0
-        for r in running:
-            left = r.num_tokens - r.num_computed
-            if r.status == Status.RUNNING and left == 1:
-                decode += 1
-            elif left > 0:
-                prefill += left
-        prefill += sum(r.num_tokens - r.num_computed for r in self.engine.scheduler.waiting)
-        return max(1, min(self.engine.config.max_num_batched_tokens, decode + prefill)), max(decode, 1)
+        """A step's seconds in all and in its forward of `rows` rows (the budget's cost curve learns
+        from them)."""
+        self.budget.observe_step(total, forward, rows)
 
     def after_schedule(self, batch):
         """Guesses of sequences that were preempted or not scheduled are dropped."""
@@ -325,16 +181,8 @@ class SpecDecoder:
                 r.spec_tokens, r.spec_q = [], None
         for r in batch.preempted:
             r.spec_tokens, r.spec_q = [], None
-            if self.method != "suffix":
-                self.proposer.free(r.request_id)
-        for rid, (_, chosen) in list(self.pending.items()):
-            req = self.engine.requests.get(rid)
-            left = len(req.spec_tokens) if req is not None else 0
-            # the scheduler trims guesses a short token budget cannot hold (or drops an unscheduled
-            # sequence's): counted, so that every proposed guess is accounted for
-            self.stats.num_budget_cut_tokens += chosen - left
-            if not left:
-                del self.pending[rid]
+            self.proposer.preempted(r.request_id)
+        self.budget.after_schedule(self.engine.requests)
 
     # -- after the target forward ---------------------------------------------------------------
     def verify(self, items: list) -> list:
@@ -375,16 +223,12 @@ class SpecDecoder:
                 st.accepted_per_pos.extend([0] * (k - len(st.accepted_per_pos)))
             for j in range(a):
                 st.accepted_per_pos[j] += 1
-            info = self.pending.pop(req.request_id, None)
-            if info is not None:
-                self.calibration.update(req.request_id, info[0], k, a)
-                ex = self.explore.get(req.request_id)
-                if ex is not None:  # an explored guess: pauses shrink once one is accepted, else grow
-                    ex[1] = EXPLORE_MIN if a else min(EXPLORE_MAX, 2 * ex[1])
-            if self.backoff:
-                # a lookup whose continuation the model does not follow tends to keep failing (it
-                # paraphrases instead of copying): pause, 1, 2, 4 .. steps, until a guess is kept
-                req.spec_backoff = 0 if a else min(self.backoff, max(1, 2 * req.spec_backoff))
+            self.budget.verified(req.request_id, k, a)
+            backoff = self.proposer.backoff
+            if backoff:
+                # a draft the model does not follow tends to keep failing: pause, 1, 2, 4 .. steps,
+                # until a guess is kept
+                req.spec_backoff = 0 if a else min(backoff, max(1, 2 * req.spec_backoff))
                 req.spec_skip = req.spec_backoff
             st.num_emitted_tokens += len(out.new_token_ids)
             outputs.append(out)
@@ -396,30 +240,6 @@ class SpecDecoder:
             req.max_computed = max(req.max_computed, req.num_computed)
             eng.block_manager.truncate(req, req.num_computed)
             eng.block_manager.register_full_blocks(req)
-            self.proposer.rollback(req.request_id, L + a)
+            self.proposer.accepted(req.request_id, L + a)
         return outputs
 
-
-_COUNTERS = (("runner", "fused_steps"), ("runner", "eager_decode_steps"), ("runner", "lora_fused_steps"),
-             ("runner", "lora_eager_steps"), ("attn", "kernel_calls"), ("fused", "steps"), ("fused", "max_rows"))
-
-
-def _counters(runner) -> dict:
-    """The path counters a measured step moves (the dashboard and the benchmarks' records read them)."""
-    objs = {"runner": runner, "attn": runner.attn, "fused": runner.fused}
-    out = {}
-    for o, name in _COUNTERS:
-        obj = objs[o]
-        if obj is not None and hasattr(obj, name):
-            out[(o, name)] = getattr(obj, name)
-    lora = getattr(runner, "lora", None)
-    if lora is not None:
-        out[("lora", "lora_steps")] = lora.lora_steps
-        out[("lora", "multi_adapter_steps")] = lora.multi_adapter_steps
-    return out
-
-
-def _restore(runner, saved: dict):
-    objs = {"runner": runner, "attn": runner.attn, "fused": runner.fused, "lora": getattr(runner, "lora", None)}
-    for (o, name), v in saved.items():
-        setattr(objs[o], name, v)

@@ -20,8 +20,9 @@ from torch import nn
 
 from inferd.engine.kv_cache import BlockManager
 from inferd.engine.sampler import build_batch, categorical, process_logits
+from inferd.engine.speculative.proposal import Draft, Proposer
 from inferd.errors import InferdError
-from inferd.model.config import attention_scale
+from inferd.model.config import attention_scale, attention_windows
 from inferd.worker.kv_pool import KVPool
 from inferd.worker.spec_attention import SpecPagedAttention
 
@@ -84,7 +85,48 @@ def self_draft_model(model: nn.Module, num_layers: int, quantization: str = "non
     return d
 
 
-class DraftProposer:
+def load_draft_model(engine, draft_loaded=None) -> tuple[nn.Module, str]:
+    """The engine's draft model (the one given, the target's first layers, or a model path), and what
+    it is, for the log."""
+    cfg = engine.config
+    vocab = engine.model_config.vocab_size
+    if draft_loaded is not None:
+        model = getattr(draft_loaded, "model", draft_loaded)  # a LoadedModel or the module
+        desc = "given model"
+    else:
+        n = parse_self_draft(cfg.draft_model)
+        if n is not None:
+            model = self_draft_model(engine.model, n, cfg.draft_quantization, cfg.quant_group_size)
+            desc = f"self, first {n} of {engine.model_config.num_hidden_layers} layers"
+        else:
+            from inferd.loading.loader import load_model
+
+            lm = load_model(cfg.draft_model, dtype=str(engine.model.dtype).replace("torch.", ""),
+                            device=cfg.device, with_tokenizer=False, quantization=cfg.draft_quantization,
+                            quant_group_size=cfg.quant_group_size)
+            model = lm.model
+            desc = lm.source.name
+        if cfg.draft_quantization not in (None, "none"):
+            desc += f", {cfg.draft_quantization}"
+    if model.cfg.vocab_size != vocab:
+        raise InferdError(f"draft model vocabulary ({model.cfg.vocab_size} tokens) differs from the "
+                          f"target's ({vocab}): speculative decoding needs the same vocabulary")
+    return model, desc
+
+
+class DraftProposer(Proposer):
+    @classmethod
+    def for_engine(cls, engine, k: int, draft_loaded=None) -> DraftProposer:
+        """The engine's draft model with a cache of the target's token capacity, plus room for every
+        sequence's k guesses."""
+        cfg = engine.config
+        model, desc = load_draft_model(engine, draft_loaded)
+        window = attention_windows(model.cfg, engine.max_model_len)
+        blocks = engine.num_kv_blocks + cfg.max_num_seqs * (-(-k // cfg.block_size) + 1)
+        prop = cls(model, blocks, cfg.block_size, engine.model_config.vocab_size, engine.eos_ids, window)
+        prop.desc = desc
+        return prop
+
     def __init__(self, model: nn.Module, num_blocks: int, block_size: int, vocab: int, eos_ids: set[int],
                  sliding_window: int | None = None):
         cfg = model.cfg
@@ -105,12 +147,15 @@ class DraftProposer:
         if ds is not None:
             self.bm.free_request(ds)
 
-    def keep_only(self, live: set[str]):
-        for rid in [r for r in self.seqs if r not in live]:
+    def preempted(self, rid: str):
+        self.free(rid)  # its blocks are the draft pool's: they go back as the target's do
+
+    def keep_only(self, running: set[str], alive: set[str]):
+        for rid in [r for r in self.seqs if r not in running]:
             self.free(rid)
 
-    def rollback(self, rid: str, valid: int):
-        """The sequence's first `valid` tokens are final; the draft's K/V beyond them is stale."""
+    def accepted(self, rid: str, valid: int):
+        """The draft's K/V beyond the sequence's first `valid` tokens is stale: cut back."""
         ds = self.seqs.get(rid)
         if ds is not None and ds.num_computed > valid:
             ds.num_computed = valid
@@ -147,10 +192,10 @@ class DraftProposer:
         return toks.tolist(), probs
 
     @torch.inference_mode()
-    def propose(self, reqs, ks: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:
-        """For each request, up to ks[i] draft tokens and their [k, V] draw distributions (None
-        for greedy requests). A sequence the draft cache has no room for gets no proposal."""
-        out: list[tuple[list[int], torch.Tensor | None]] = [([], None)] * len(reqs)
+    def propose(self, reqs, ks: list[int]) -> list[Draft | None]:
+        """For each request, up to ks[i] draft tokens and their [k, V] draw distributions (`Draft.q`,
+        None for greedy requests). A sequence the draft cache has no room for gets no proposal."""
+        out: list[Draft | None] = [None] * len(reqs)
         act, seqs, chunks = [], [], []
         for i, (r, k) in enumerate(zip(reqs, ks)):
             ds = self.seqs.get(r.request_id) or DraftSeq()
@@ -192,5 +237,5 @@ class DraftProposer:
             feed = [[drafts[i][-1]] for i in live]
         for i in act:
             q = None if reqs[i].params.greedy else torch.stack(qs[i])
-            out[i] = (drafts[i], q)
+            out[i] = Draft(drafts[i], q=q)
         return out

@@ -6,6 +6,8 @@ followed them then is a good guess for what follows now.
 """
 from __future__ import annotations
 
+from inferd.engine.speculative.proposal import Draft, Proposer
+
 
 def propose_ngram(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
     """Up to k tokens continuing the longest (n_max down to n_min) suffix n-gram of `tokens` that
@@ -27,22 +29,14 @@ def propose_ngram(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int
     return []
 
 
-class NgramProposer:
-    """The proposer interface (propose / free / rollback / keep_only) over prompt lookup: it keeps
-    no state per sequence, so only `propose` does anything."""
+class NgramProposer(Proposer):
+    """Prompt lookup as a proposer: it keeps no state per sequence, so only `propose` does anything.
+    A sequence whose guesses were all rejected pauses its lookups (`backoff`): a continuation the
+    model does not follow tends to keep failing (it paraphrases instead of copying)."""
 
-    def __init__(self, n_min: int, n_max: int):
+    def __init__(self, n_min: int, n_max: int, backoff: int = 0):
         self.n_min, self.n_max = n_min, n_max
-        self.forwards = 0  # no model runs
+        self.backoff = backoff
 
-    def propose(self, reqs, ks: list[int]) -> list[tuple[list[int], None]]:
-        return [(propose_ngram(r.all_ids, k, self.n_min, self.n_max), None) for r, k in zip(reqs, ks)]
-
-    def free(self, rid: str):
-        pass
-
-    def keep_only(self, live: set[str]):
-        pass
-
-    def rollback(self, rid: str, valid: int):
-        pass
+    def propose(self, reqs, ks: list[int]) -> list[Draft]:
+        return [Draft(propose_ngram(r.all_ids, k, self.n_min, self.n_max)) for r, k in zip(reqs, ks)]

@@ -30,26 +30,13 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from dataclasses import dataclass, field
+
+from inferd.engine.speculative.proposal import Draft, Proposer
 
 CANDIDATES = 64  # newest occurrences of the last tokens read per lookup
 FOLLOW = 8  # occurrences carried from one step's draft to the next lookup
 EDIT_OVER = 4  # an edit draft is taken over a fresh lookup whose context is shorter than this
 NEAR = 8  # how far from where a copy would be its realigning token is looked for
-
-
-@dataclass
-class Draft:
-    """One draft: its tokens, each one's share among the occurrences still agreeing (`probs`) and
-    how many there were (`support`), the matched context's length, and where it came from."""
-    tokens: list[int]
-    probs: list[float]
-    support: list[int]
-    match_len: int
-    source: str  # "request" | "cache"
-    score: float = 0.0  # sum of the running products of probs: the expected accepted length
-    follow: list = field(default_factory=list)  # (sequence, position after the context) still agreeing
-    edit: bool = False  # the source's continuation past a token the request wrote instead of the source's
 
 
 class TokenIndex:
@@ -308,9 +295,11 @@ def namespace_of(req) -> tuple | None:
     return (getattr(req, "lora", None), getattr(p, "cache_salt", None))
 
 
-class SuffixProposer:
-    """The proposer interface (propose / free / rollback / keep_only) over suffix decoding. Drafts
-    are deterministic (q one-hot), so sampling verifies them as prompt lookup's."""
+class SuffixProposer(Proposer):
+    """Suffix decoding as a proposer. Drafts are deterministic (q one-hot), so sampling verifies
+    them as prompt lookup's. Only accepted tokens are ever indexed (each lookup first indexes what
+    the request wrote since the last), so nothing is rolled back; a preempted request keeps its
+    index (its tokens are final) until it is done."""
 
     def __init__(self, vocab: int, max_depth: int = 24, spec_factor: float = 1.0, min_prob: float = 0.1,
                  max_cached_requests: int = 10000, max_cached_tokens: int = 1 << 18):
@@ -355,12 +344,9 @@ class SuffixProposer:
                 s.sid = self.cache.new_seq(s.namespace)
             self.cache.extend(s.sid, new)
 
-    def keep_only(self, live: set[str]):
-        for rid in [r for r in self.seqs if r not in live]:
+    def keep_only(self, running: set[str], alive: set[str]):
+        for rid in [r for r in self.seqs if r not in alive]:
             self.free(rid)
-
-    def rollback(self, rid: str, valid: int):
-        pass  # only accepted tokens are ever indexed
 
     # -- proposing --------------------------------------------------------------------------------
     def propose(self, reqs, ks: list[int]) -> list[Draft | None]:
