@@ -8,10 +8,11 @@ import pytest
 # The longest modules first when `make test` runs them on several workers (pytest-xdist, whole
 # modules a worker: --dist loadfile): a long module started last would leave the other workers idle.
 # Order only: each module's own tests keep theirs, and a serial run is untouched.
-LONG_MODULES = ("test_ray", "test_gemma3", "test_hardening", "test_disagg_serving", "test_kv_tier",
-                "test_dialects", "test_tensor_parallel", "test_lora", "test_embeddings", "test_suffix",
-                "test_awq", "test_engine_process", "test_families", "test_server", "test_benchmarks",
-                "test_data_parallel", "test_router", "test_disagg", "test_long_context", "test_quant_serve")
+LONG_MODULES = ("test_ray", "test_gemma3", "test_hardening", "test_readme", "test_server", "test_structured",
+                "test_disagg_serving", "test_kv_tier", "test_dialects", "test_tensor_parallel", "test_spec",
+                "test_int4_codes", "test_lora", "test_embeddings", "test_suffix", "test_awq", "test_engine_process",
+                "test_families", "test_benchmarks", "test_data_parallel", "test_router", "test_disagg",
+                "test_long_context", "test_quant_serve")
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -19,6 +20,35 @@ def pytest_collection_modifyitems(session, config, items):
         return
     rank = {m: i for i, m in enumerate(LONG_MODULES)}
     items.sort(key=lambda it: rank.get(it.path.stem, len(rank)))  # stable: the rest keep their order
+
+
+# What a test run must not leave in the machine's temporary directory (each test removes what it
+# starts: a server's log, a Ray session, torchrun's run directory, an engine's socket directory).
+# Checked once, by the process that runs the session (xdist's controller, or the only one).
+LEFTOVERS = ("inferd-*", "ray", "torchelastic_*")
+_BEFORE = pytest.StashKey[set]()
+
+
+def _leftovers() -> set[str]:
+    import glob
+    import tempfile
+
+    return {p for pat in LEFTOVERS for p in glob.glob(os.path.join(tempfile.gettempdir(), pat))}
+
+
+def pytest_sessionstart(session):
+    if not hasattr(session.config, "workerinput"):
+        session.config.stash[_BEFORE] = _leftovers()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if hasattr(session.config, "workerinput") or _BEFORE not in session.config.stash:
+        return
+    left = sorted(_leftovers() - session.config.stash[_BEFORE])
+    if left:
+        tr = session.config.pluginmanager.get_plugin("terminalreporter")
+        tr.write_line(f"the tests left {len(left)} entries in the temporary directory: {', '.join(left)}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def find_default_gguf() -> str | None:

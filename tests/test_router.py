@@ -203,7 +203,8 @@ def test_router_passes_answers_through_and_survives_a_killed_backend(pair):
     assert after[key0] == mid[key0] and after[key1] == mid[key1] + 6
     assert after[key1] > before[key1]
 
-    # restarted on the same port: up again, and used again
+    # restarted on the same port: up again, and used again (the killed one's log removed first)
+    killer.stop()
     mocks[0] = mock(int(urls[0].rsplit(":", 1)[1])).wait_ready()
     wait_until(lambda: prom(rt.base)[f'inferd:router_backend_up{{backend="{urls[0]}"}}'] == 1, what="the restart")
     for i in range(8):

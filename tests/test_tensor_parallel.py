@@ -518,7 +518,8 @@ def test_torchrun_starts_the_ranks_instead_of_inferd(tmp_path):
 
     gen = ["-m", "inferd", "generate", "--model", path, "--dtype", "float32", "--prompt", "Hello there",
            "--max-tokens", "12", "--temperature", "0"]
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
+    # torchrun's agent keeps a run directory (torchelastic_*) in TMPDIR it does not remove: the test's own
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "TMPDIR": str(tmp_path)}
     with LLM(model=path, dtype="float32") as llm:
         want = llm.generate(["Hello there"], SamplingParams(max_tokens=12, temperature=0))[0].text.strip()
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
