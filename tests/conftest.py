@@ -8,11 +8,10 @@ import pytest
 # The longest modules first when `make test` runs them on several workers (pytest-xdist, whole
 # modules a worker: --dist loadfile): a long module started last would leave the other workers idle.
 # Order only: each module's own tests keep theirs, and a serial run is untouched.
-LONG_MODULES = ("test_ray", "test_gemma3", "test_hardening", "test_readme", "test_server", "test_structured",
-                "test_disagg_serving", "test_kv_tier", "test_dialects", "test_tensor_parallel", "test_spec",
-                "test_int4_codes", "test_lora", "test_embeddings", "test_suffix", "test_awq", "test_engine_process",
-                "test_families", "test_benchmarks", "test_data_parallel", "test_router", "test_disagg",
-                "test_long_context", "test_quant_serve")
+LONG_MODULES = ("test_ray", "test_gemma3", "test_hardening", "test_disagg_serving", "test_kv_tier",
+                "test_dialects", "test_tensor_parallel", "test_lora", "test_embeddings", "test_suffix",
+                "test_awq", "test_engine_process", "test_families", "test_server", "test_benchmarks",
+                "test_data_parallel", "test_router", "test_disagg", "test_long_context", "test_quant_serve")
 
 
 def pytest_collection_modifyitems(session, config, items):
