@@ -30,8 +30,12 @@ from llamacpp import build_info, ensure_llama_cpp_python, omp_env, row_name  # n
 # torch ships a libgomp.so.1 too, and whichever process loads one first fixes the OpenMP wait
 # policy for both: it has to be in the environment before torch (inferd) is imported. A script
 # importing this module after torch gets the policy only from its own environment.
-for _k, _v in omp_env().items():
-    os.environ.setdefault(_k, _v)
+# Only when run as the script: a process that imports this module (the suite checks each
+# benchmark's arguments) would otherwise keep the policy, and every server it starts later would
+# spin an idle core at OpenMP's barriers for as long as it lives.
+if __name__ == "__main__":
+    for _k, _v in omp_env().items():
+        os.environ.setdefault(_k, _v)
 
 
 def load_llama(gguf_path: str, threads: int = 2, n_ctx: int = 1024, flash_attn: bool = True):

@@ -23,9 +23,18 @@ def pytest_collection_modifyitems(session, config, items):
 
 # What a test run must not leave in the machine's temporary directory (each test removes what it
 # starts: a server's log, a Ray session, torchrun's run directory, an engine's socket directory).
-# Checked once, by the process that runs the session (xdist's controller, or the only one).
+# Checked once, by the process that runs the outermost session (xdist's controller, or the only one):
+# a pytest a test starts in a subprocess (the AVX2-held rerun) runs beside the other worker's servers,
+# whose logs come and go while it runs, so it leaves the check to the session that started it.
 LEFTOVERS = ("inferd-*", "ray", "torchelastic_*")
 _BEFORE = pytest.StashKey[set]()
+_OWNER = "INFERD_TEST_SESSION"
+
+
+def pytest_configure(config):
+    # before xdist starts its workers, so that they and whatever they start inherit it
+    if not hasattr(config, "workerinput") and _OWNER not in os.environ:
+        os.environ[_OWNER] = str(os.getpid())
 
 
 def _leftovers() -> set[str]:
@@ -36,7 +45,7 @@ def _leftovers() -> set[str]:
 
 
 def pytest_sessionstart(session):
-    if not hasattr(session.config, "workerinput"):
+    if not hasattr(session.config, "workerinput") and os.environ.get(_OWNER) == str(os.getpid()):
         session.config.stash[_BEFORE] = _leftovers()
 
 
@@ -48,6 +57,17 @@ def pytest_sessionfinish(session, exitstatus):
         tr = session.config.pluginmanager.get_plugin("terminalreporter")
         tr.write_line(f"the tests left {len(left)} entries in the temporary directory: {', '.join(left)}", red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _environment_kept():
+    """Each module leaves the worker's environment as it found it. A worker runs many modules, and
+    what one sets reaches every process the later ones start: OMP_WAIT_POLICY=active (set by a
+    benchmark module on import) left each later server spinning an idle core at OpenMP's barriers."""
+    before = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(before)
 
 
 def find_default_gguf() -> str | None:

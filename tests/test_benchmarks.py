@@ -157,7 +157,8 @@ def test_llamacpp_rows_say_which_isa_and_amx_state_ran(llamacpp):
 
 def test_llamacpp_retries_once_without_amx_after_a_tile_fault(llamacpp, monkeypatch):
     monkeypatch.setattr(llamacpp, "isa_choice", lambda: {"amx": llamacpp.os.environ.get(llamacpp.AMX_ENV) != "faulted"})
-    monkeypatch.delenv(llamacpp.AMX_ENV, raising=False)
+    monkeypatch.setenv(llamacpp.AMX_ENV, "auto")  # recorded, so the "faulted" run_llamacpp sets is undone
+    monkeypatch.delenv(llamacpp.AMX_ENV)
     calls, restarts = [], []
 
     def run():
