@@ -58,7 +58,8 @@ test: $(STAMP) chromium iproute2
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q --durations=15 $(XDIST) $(ARGS)
 
-# the inner loop: the same minus the tests marked slow (a few minutes)
+# the inner loop: the same minus the tests marked slow and the modules tests/conftest.py leaves
+# to the whole suite (OUTER_LOOP: servers, processes, clusters; about 3 minutes)
 test-fast: $(STAMP)
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -m "not slow and not integration" $(XDIST) $(ARGS)

@@ -122,29 +122,54 @@ def bytes_per_decode_token(model, context: int) -> int:
     return total
 
 
-def int8_peak_gops(threads: int, seconds: float = 0.5) -> tuple[str, float]:
-    """(isa, GOP/s): the int8 dot-product instruction's peak at `threads` threads, no memory traffic
-    (csrc/bench/int8_peak.c, built with the system C compiler into the benchmark cache on first use).
-    The roofline for the integer GEMMs where no library GEMM is a ceiling (oneDNN's int8 GEMM runs
-    at a few GOP/s on an AVX2-only CPU); ("none", 0.0) without a compiler."""
+def c_bench(name: str):
+    """csrc/bench/`name`.c built with the system C compiler (-O2 -fopenmp) into the benchmark cache
+    on first use (one binary per source's hash); None without a compiler."""
     import hashlib
     import os
     import shutil
     import subprocess
     from pathlib import Path
 
-    src = Path(__file__).resolve().parents[1] / "csrc" / "bench" / "int8_peak.c"
+    src = Path(__file__).resolve().parents[1] / "csrc" / "bench" / f"{name}.c"
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        return "none", 0.0
+        return None
     cache = Path(os.environ.get("INFERD_BENCH_CACHE", Path.home() / ".cache" / "inferd-bench"))
-    exe = cache / f"int8_peak-{hashlib.sha256(src.read_bytes()).hexdigest()[:12]}"
+    exe = cache / f"{name}-{hashlib.sha256(src.read_bytes()).hexdigest()[:12]}"
     if not exe.exists():
         cache.mkdir(parents=True, exist_ok=True)
         subprocess.run([cc, "-O2", "-fopenmp", str(src), "-o", str(exe)], check=True)
+    return exe
+
+
+def int8_peak_gops(threads: int, seconds: float = 0.5) -> tuple[str, float]:
+    """(isa, GOP/s): the int8 dot-product instruction's peak at `threads` threads, no memory traffic
+    (csrc/bench/int8_peak.c). The roofline for the integer GEMMs where no library GEMM is a ceiling
+    (oneDNN's int8 GEMM runs at a few GOP/s on an AVX2-only CPU); ("none", 0.0) without a compiler."""
+    import subprocess
+
+    exe = c_bench("int8_peak")
+    if exe is None:
+        return "none", 0.0
     isa, gops, _ = subprocess.run([str(exe), str(threads), str(seconds)], check=True, capture_output=True,
                                   text=True).stdout.split()
     return isa, float(gops)
+
+
+def stream_bandwidth_gbs(threads: int, size: int | None = None, reps: int = 7) -> float:
+    """Read bandwidth at `threads` threads as a weight-streaming kernel sees it: each thread its own
+    contiguous share, vector loads with one add each (csrc/bench/read_bw.c), the best of `reps`, over
+    at least 4x the last-level cache and 1 GiB (`size` bytes instead: a smoke run's cache number).
+    Falls back to read_bandwidth_gbs (torch's sum, which reads slower) without a C compiler."""
+    import subprocess
+
+    exe = c_bench("read_bw")
+    if exe is None:
+        return read_bandwidth_gbs(threads, size=size)
+    n = size or max(4 * last_level_cache_bytes(), 1 << 30)
+    return float(subprocess.run([str(exe), str(threads), str(n), str(reps)], check=True, capture_output=True,
+                                text=True).stdout.strip())
 
 
 # -- what ran, and how it was measured --------------------------------------------------------------

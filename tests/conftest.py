@@ -14,7 +14,21 @@ LONG_MODULES = ("test_ray", "test_gemma3", "test_hardening", "test_disagg_servin
                 "test_data_parallel", "test_router", "test_disagg", "test_long_context", "test_quant_serve")
 
 
+# What `make test-fast` (the inner loop, -m "not slow") leaves out, whole modules: those that start
+# servers, engine processes, Ray clusters or subprocesses, and the speculation and family matrices
+# held to transformers. What is left (kernels, formats, loading, the engine in-process: ~900 tests,
+# ~290 s of test time) runs in about 3 minutes on two workers; `make test` runs everything.
+OUTER_LOOP = {"test_benchmarks", "test_bench_mock", "test_bench_serve", "test_data_parallel", "test_dialects",
+              "test_disagg", "test_disagg_serving", "test_embeddings", "test_engine_client", "test_engine_process",
+              "test_families", "test_hardening", "test_kv_tier", "test_lora", "test_models_serving",
+              "test_quant_serve", "test_router", "test_server", "test_spec", "test_suffix", "test_tensor_parallel"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(session, config, items):
+    for it in items:
+        if it.path.stem in OUTER_LOOP:
+            it.add_marker(pytest.mark.slow)
     if not hasattr(config, "workerinput"):  # not an xdist worker
         return
     rank = {m: i for i, m in enumerate(LONG_MODULES)}

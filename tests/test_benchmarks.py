@@ -182,7 +182,8 @@ DOCS = ("README.md", "docs/performance.md")
 # --tiny mode on a tiny Q4_1 GGUF; the flag each takes the model file by
 TINY = {"quant_decode.py": "--model", "serve_overhead.py": "--model", "llamacpp_server_bench.py": "--gguf",
         "engine_vs_hf.py": "--model", "spec_decode.py": "--model", "w4a8_gemm.py": None, "embeddings.py": None,
-        "real_sizes.py": None, "suffix_decode.py": None}
+        "real_sizes.py": None, "suffix_decode.py": None,
+        "decode_roofline.py": "--model"}
 # run in their tiny mode by their own module's test, with that feature's checks
 OWN_TEST = {"embeddings.py", "suffix_decode.py"}
 # cited with a command but not run here: kv_tier.py (11 servers and 6 routers: its --tiny takes over a
@@ -190,7 +191,7 @@ OWN_TEST = {"embeddings.py", "suffix_decode.py"}
 # person; llamacpp.py and llamacpp_decode.py are the competitor's build and run, llama.cpp itself; the
 # rest are only listed in the performance page's table of scripts (their numbers are on other pages;
 # gguf_repack.py's ops are held to the Python route by tests/test_repack.py)
-NOT_RUN = {"kv_tier.py", "scheduling_bench.py", "llamacpp.py", "llamacpp_decode.py", "decode_breakdown.py",
+NOT_RUN = {"kv_tier.py", "scheduling_bench.py", "llamacpp.py", "llamacpp_decode.py",
            "structured.py", "scale_out.py", "disaggregated.py", "tensor_parallel.py", "soak.py", "dashboard.py",
            "gguf_repack.py"}
 
