@@ -161,7 +161,30 @@ import sys  # noqa: E402
 import time  # noqa: E402
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
+    """A free port on 127.0.0.1 below the kernel's ephemeral range and above Ray's worker ports
+    (10002-19999). A port the kernel hands out (bind to 0) can be handed again to any process that
+    binds to 0 or connects before the server takes it: under a Ray test's hundreds of sockets a
+    server's port was taken that way ("address already in use"). Random, so that two workers rarely
+    try the same one; bound to check it is free."""
+    import random
+
+    hi, rng = _ephemeral_low() - 1, random.SystemRandom()  # not the global generator a test may seed
+    for _ in range(200):
+        port = rng.randint(20000, hi)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -9,13 +9,14 @@ raises that). On the 2-core dev VM the default server does not reliably meet thi
 """
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
 import pytest
+
+from conftest import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -28,9 +29,7 @@ def endpoint():
     if url:
         yield url.rstrip("/")
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "inferd", "serve", "--port", str(port), "--max-num-seqs", "8",
                              "--kv-cache-memory", "256MiB"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
