@@ -326,6 +326,8 @@ class ServeApp:
         serve_cli = os.path.join(os.path.dirname(sys.executable), "serve")
         self.proc = subprocess.Popen([*ns, serve_cli, "run", "--address", address, str(tmp_path / "serve.yaml")],
                                      stdout=open(self.log, "wb"), stderr=subprocess.STDOUT, env=env)
+        self.shutdown = [*ns, serve_cli, "shutdown", "-y", "--address", address]
+        self.env = env
         self.statuses: list[dict] = []
         self.watch = subprocess.Popen([*ns, sys.executable, "-c", STATUS, address], stdout=subprocess.PIPE,
                                       stderr=subprocess.DEVNULL, env=env, text=True)
@@ -352,6 +354,7 @@ class ServeApp:
     def close(self, graceful: bool = True):
         """SIGINT: `serve run` deletes the application (its replicas give their CPUs back); else a
         kill, when the cluster goes next anyway."""
+        died = self.proc.poll() is not None
         for p in (self.watch, self.proc):
             if p.poll() is None:
                 p.send_signal(2 if graceful else 9)
@@ -360,6 +363,10 @@ class ServeApp:
                 p.wait(30)
             except subprocess.TimeoutExpired:
                 p.kill()
+        if graceful and died:
+            # `serve run` died without deleting the application: Serve's controller and its proxy
+            # (holding the port) outlive it on the cluster, and the next Serve test would find them
+            subprocess.run(self.shutdown, env=self.env, capture_output=True, timeout=120)
 
 
 @pytest.fixture
@@ -580,10 +587,13 @@ def test_tensor_parallel_ranks_on_two_ray_nodes(two_nodes, default_gguf_path, tm
     eng.close()
     log_path = tmp_path / "serve.log"
     env = hosts.env
+    from conftest import free_port
+
+    port = free_port()  # not Serve's 8000: a Serve test's proxy left behind by its failure takes that
     srv = hosts.run(hosts.a, [sys.executable, "-m", "inferd", "serve", "--model", default_gguf_path, "--quantization", "none", "--dtype", "float32",
                               "-tp", "2", "--distributed-executor-backend", "ray", "--kv-cache-memory", SMALL_KV,
-                              "--port", "8000"], open(log_path, "wb"), env=env)
-    client = hosts.run(hosts.a, [sys.executable, "-c", CLIENT, "http://127.0.0.1:8000", hosts.address,
+                              "--port", str(port)], open(log_path, "wb"), env=env)
+    client = hosts.run(hosts.a, [sys.executable, "-c", CLIENT, f"http://127.0.0.1:{port}", hosts.address,
                                  json.dumps(PROMPTS), hosts.dev_a, os.path.dirname(os.path.abspath(__file__))],
                        subprocess.PIPE, env=env,
                        stderr=open(tmp_path / "client.log", "wb"))
