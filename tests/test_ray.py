@@ -72,9 +72,11 @@ def ray_tmp():
             # Ray's memory monitor kills workers when the whole machine's memory is 95% used: on a
             # shared machine that is other people's memory, and a rank killed so fails these tests
             mp.setenv("RAY_memory_monitor_refresh_ms", "0")
-            # Serve's controller kills an HTTP proxy that misses 3 health checks of 10 s: under load
-            # (make test-stress: 2 busy processes beside 2 workers) a proxy still starting missed them
-            # and the Serve tests failed on a healthy cluster; a minute a check on a test machine
+            # Serve's controller kills an HTTP proxy that misses 3 readiness checks of 5 s (then health
+            # checks of 10 s): under load (make test-stress: 2 busy processes beside 2 workers) a
+            # proxy still starting missed them and `serve run` failed on a healthy cluster; a minute
+            # a check on a test machine
+            mp.setenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
             mp.setenv("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")
             mp.setenv("RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S", "20")
             yield base
