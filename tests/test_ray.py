@@ -55,6 +55,12 @@ def snapshot(d: str):
         return names, None
 
 
+# How long a wait for replicas or a server to come up may take before the test fails (each wait ends
+# as soon as its condition holds): 3 replicas loading torch and a model on one CPU each took over
+# 3 minutes under make test-stress (2 busy processes beside 2 workers)
+STARTUP = 600
+
+
 @pytest.fixture(scope="module", autouse=True)
 def ray_tmp():
     """The module's Ray temp dir: RAY_TMPDIR (short: Ray's unix sockets live under it), a token of the
@@ -422,7 +428,7 @@ def test_serve_app_autoscales_answers_the_openai_client_and_replaces_a_killed_re
                                            "look_back_period_s": 1}},
                    tmp_path, one_node["RAY_ADDRESS"], one_node, port=port)
     try:
-        app.wait(lambda: app.running() == 1 and app.running("InferdIngress") == 1, 120, "the application")
+        app.wait(lambda: app.running() == 1 and app.running("InferdIngress") == 1, STARTUP, "the application")
         client = openai.OpenAI(base_url=app.base + "/v1", api_key="none", max_retries=0, timeout=60)
         model = client.models.list().data[0].id
         whole = client.completions.create(model=model, prompt="The capital of France is", max_tokens=12,
@@ -436,11 +442,11 @@ def test_serve_app_autoscales_answers_the_openai_client_and_replaces_a_killed_re
                                   "--max-concurrency", "8", "--timeout", "120", "--no-progress", "--no-server-metrics",
                                   "--result-json", str(tmp_path / "bench.json")],
                                  stdout=open(tmp_path / "bench.log", "wb"), stderr=subprocess.STDOUT)
-        app.wait(lambda: app.running() == 2, 90, "a second replica under load")
+        app.wait(lambda: app.running() == 2, STARTUP, "a second replica under load")
         first = engine_replica_pids()
         victim = min(first)
         os.kill(victim, 9)
-        app.wait(lambda: len(engine_replica_pids() - first) >= 1 and app.running() == 2, 90,
+        app.wait(lambda: len(engine_replica_pids() - first) >= 1 and app.running() == 2, STARTUP,
                  "a replica in place of the killed one")
         bench.wait(300)
         res = json.loads((tmp_path / "bench.json").read_text())
@@ -449,7 +455,7 @@ def test_serve_app_autoscales_answers_the_openai_client_and_replaces_a_killed_re
               f"(the ingress counted {failures}) after replica {victim} was killed")
         assert res["completed"] + res["failed"] == n and res["completed"] > 0
         assert res["failed"] == failures
-        app.wait(lambda: app.running() == 1 and not app.statuses[-1]["InferdEngine"].get("STOPPING"), 90,
+        app.wait(lambda: app.running() == 1 and not app.statuses[-1]["InferdEngine"].get("STOPPING"), STARTUP,
                  "scaling back to one replica when idle")
         assert any(s.get("InferdEngine", {}).get("RUNNING") == 2 for s in app.statuses)
         with httpx.stream("POST", app.base + "/v1/completions", timeout=60, json={  # a client that leaves
@@ -515,7 +521,7 @@ def test_disaggregated_prefill_and_decode_deployments_on_two_nodes(two_nodes, de
                    tmp_path, hosts.address, hosts.env, ns=["ip", "netns", "exec", hosts.a])
     try:
         app.wait(lambda: app.running() == 1 and app.running("InferdPrefill") == 1
-                 and app.running("InferdIngress") == 1, 180, "the prefill, decode and ingress deployments")
+                 and app.running("InferdIngress") == 1, STARTUP, "the prefill, decode and ingress deployments")
         nodes = {d: {subprocess.run(["ip", "netns", "identify", str(p)], capture_output=True, text=True).stdout.strip()
                      for p in engine_replica_pids(d)} for d in ("InferdPrefill", "InferdEngine")}
         assert nodes["InferdPrefill"] | nodes["InferdEngine"] == {hosts.a, hosts.b}, nodes
@@ -540,7 +546,7 @@ CLIENT = textwrap.dedent('''
     base, address, prompts, dev = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
     sys.path.insert(0, sys.argv[5])
     from helpers import wait_up
-    wait_up(base, 180)
+    wait_up(base, STARTUP)
 
     def veth():  # bytes across this namespace's veth end, both ways
         import subprocess
