@@ -546,7 +546,7 @@ CLIENT = textwrap.dedent('''
     base, address, prompts, dev = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
     sys.path.insert(0, sys.argv[5])
     from helpers import wait_up
-    wait_up(base, STARTUP)
+    wait_up(base, 600)  # the test's STARTUP
 
     def veth():  # bytes across this namespace's veth end, both ways
         import subprocess
