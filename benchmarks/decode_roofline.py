@@ -5,9 +5,10 @@ What a decode token costs and where its time goes, in one process at --threads t
     its own contiguous share, vector loads: csrc/bench/read_bw.c);
   - the file: the bytes one batch-1 token reads (the weights as inferd holds them, the KV cache at the
     context), so the roofline is bandwidth / bytes, in tok/s;
-  - each kernel alone: the first layer's linears and the head on one random row, at 1 and 2 threads,
-    in GB/s and as a share of the bandwidth at that thread count (a Python call each: the fused step
-    does not pay it, so a small layer's rate here is a lower bound);
+  - each kernel alone: each linear's kernel over every layer's copy (so its bytes come from DRAM, as
+    in a step) and the head, on one random row, at 1 and 2 threads, in GB/s and as a share of the
+    bandwidth at that thread count (a Python call each: the fused step does not pay it, so a small
+    layer's rate here is a lower bound);
   - the step: the engine's batch-1 decode tok/s (`inferd serve`'s default load, the fused step) and
     `llama-bench -p 0 -n 128` (tg128), interleaved rounds, medians with min-max, each as a share of
     the roofline; peak resident memory of this process;
@@ -75,16 +76,18 @@ def per_call_s(fn, reps: int) -> float:
     return statistics.median(ts)
 
 
-def layer_kernels(model) -> list[tuple[str, str, object]]:
-    """(linear, kernel, part) for each kernel call of the first layer's linears and the head."""
-    out = []
-    layer = model.layers[0]
+def layer_kernels(model) -> list[tuple[str, str, list]]:
+    """(linear, kernel, [that part in every layer]) for each kernel call of a layer's linears, and the
+    head's: timed as a pass over every layer's copy, so that the bytes come from DRAM as in a step
+    (one layer's copy called again and again would stream from the cache)."""
+    groups: dict[tuple, list] = {}  # a Q4_K_M file mixes types layer by layer: grouped by kernel and shape
     for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-        for p in leaf_parts(getattr(layer, name)):
-            out.append((name, kind(p), p))
+        for layer in model.layers:
+            for p in leaf_parts(getattr(layer, name)):
+                groups.setdefault((name, kind(p), p.out_features, p.in_features), []).append(p)
     for p in leaf_parts(model.lm_head):
-        out.append(("lm_head", kind(p), p))
-    return out
+        groups.setdefault(("lm_head", kind(p), p.out_features, p.in_features), []).append(p)
+    return [(name, k, parts) for (name, k, _, _), parts in groups.items()]
 
 
 def op_split(loaded, prompt: list[int], steps: int, threads: int) -> tuple[float, dict[str, float]]:
@@ -155,13 +158,14 @@ def main() -> None:
 
     # each kernel alone, at each thread count
     kernels = []
-    for lin, k, part in layer_kernels(model):
-        x = torch.randn(1, part.in_features)
-        mb = held_bytes(part) / 1e6
-        row = {"linear": lin, "kernel": k, "shape": f"{part.out_features} x {part.in_features}", "MB": mb}
+    for lin, k, parts in layer_kernels(model):
+        x = torch.randn(1, parts[0].in_features)
+        mb = sum(held_bytes(p) for p in parts) / 1e6
+        row = {"linear": lin, "kernel": k, "shape": f"{parts[0].out_features} x {parts[0].in_features}",
+               "calls": len(parts), "MB": mb}
         for t in bw:
             torch.set_num_threads(t)
-            s = per_call_s(lambda part=part, x=x: part(x), a.reps)
+            s = per_call_s(lambda parts=parts, x=x: [p(x) for p in parts], a.reps)
             row[f"GB/s {t}t"] = mb / s / 1e3
             row[f"% bw {t}t"] = 100 * mb / s / 1e3 / bw[t]
         kernels.append(row)
@@ -207,7 +211,7 @@ def main() -> None:
         print(f"{label:44s} {fmt_spread(v):>22s} {100 * med / roof:9.0f}% {ratio:>12s}")
         rows.append({"label": label, "metric": "batch-1 decode tok/s", **spread(v), "runs": v,
                      "roofline_pct": 100 * med / roof})
-    print(f"\neach kernel alone, one row (first layer and head; a Python call each)")
+    print("\neach kernel alone, one row, a pass over every layer's copy (a Python call each)")
     hdr = "".join(f" {'GB/s ' + str(t) + 't':>9s} {'%bw':>4s}" for t in bw)
     print(f"{'linear':13s} {'kernel':24s} {'shape':>15s} {'MB':>7s}{hdr}")
     for r in kernels:
