@@ -122,6 +122,18 @@ def bytes_per_decode_token(model, context: int) -> int:
     return total
 
 
+def median_seconds(fn, reps: int, warmup: int = 1) -> float:
+    """Median wall seconds of one call of fn over `reps` timed calls, after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    runs = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        runs.append(time.perf_counter() - t0)
+    return statistics.median(runs)
+
+
 def c_bench(name: str):
     """csrc/bench/`name`.c built with the system C compiler (-O2 -fopenmp) into the benchmark cache
     on first use (one binary per source's hash); None without a compiler."""

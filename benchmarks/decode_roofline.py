@@ -44,7 +44,7 @@ if __name__ == "__main__" and "OMP_WAIT_POLICY" not in os.environ:
 
 import torch  # noqa: E402
 
-from common import (check_rows, cpu_features, fmt_spread, interleaved, report_header, spread,  # noqa: E402
+from common import (check_rows, cpu_features, fmt_spread, interleaved, median_seconds, report_header, spread,  # noqa: E402
                     stream_bandwidth_gbs, tiny_skips, write_json)
 
 
@@ -67,13 +67,7 @@ def leaf_parts(mod) -> list:
 def per_call_s(fn, reps: int) -> float:
     """Median seconds of one call of fn over `reps` timed calls, after two untimed ones."""
     with torch.inference_mode():
-        fn(), fn()
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+        return median_seconds(fn, reps, warmup=2)
 
 
 def layer_kernels(model) -> list[tuple[str, str, list]]:

@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 
@@ -31,7 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 sys.path.insert(0, HERE)
 
-from common import check_rows, int8_peak_gops, report_header, write_json  # noqa: E402
+from common import check_rows, int8_peak_gops, median_seconds as timed, report_header, write_json  # noqa: E402
 from inferd.kernels import native  # noqa: E402
 from inferd.quant import quantize_int4, quantize_int8, w4a8  # noqa: E402
 
@@ -39,16 +37,6 @@ SHAPES = [("qkv", 960, 576), ("gate_up", 3072, 576), ("down", 576, 1536), ("lm_h
 ROWS = [1, 8, 16, 32, 64, 128, 512]
 COLUMNS = {"k4": "w4a8 kernel", "old": "old route", "k8": "w8a8 kernel", "fp32": "dense fp32",
            "i8": "int8 peak (torch._int_mm)"}
-
-
-def timed(fn, reps: int) -> float:
-    fn()
-    runs = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        runs.append(time.perf_counter() - t0)
-    return statistics.median(runs)
 
 
 def main():
