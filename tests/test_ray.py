@@ -306,6 +306,9 @@ STATUS = textwrap.dedent('''
 ''')
 
 
+DEPLOYMENTS = ("InferdEngine", "InferdPrefill", "InferdIngress")
+
+
 def engine_replica_pids(deployment: str = "InferdEngine") -> set[int]:
     pids = set()
     for d in os.listdir("/proc"):
@@ -360,21 +363,26 @@ class ServeApp:
             time.sleep(0.3)
 
     def close(self, graceful: bool = True):
-        """SIGINT: `serve run` deletes the application (its replicas give their CPUs back); else a
-        kill, when the cluster goes next anyway."""
-        died = self.proc.poll() is not None
+        """SIGINT: `serve run` deletes the application; then `serve shutdown` whatever it managed (under
+        load it can miss its 60 s, and a replica left holding its node's one CPU starved the next
+        test's ranks: that test then waited out its whole bound), and the replicas' processes are seen
+        gone. Else a kill, when the cluster goes next anyway."""
         for p in (self.watch, self.proc):
             if p.poll() is None:
                 p.send_signal(2 if graceful else 9)
         for p in (self.watch, self.proc):
             try:
-                p.wait(30)
+                p.wait(60)
             except subprocess.TimeoutExpired:
                 p.kill()
-        if graceful and died:
-            # `serve run` died without deleting the application: Serve's controller and its proxy
-            # (holding the port) outlive it on the cluster, and the next Serve test would find them
-            subprocess.run(self.shutdown, env=self.env, capture_output=True, timeout=120)
+                p.wait()
+        if not graceful:
+            return
+        subprocess.run(self.shutdown, env=self.env, capture_output=True, timeout=180)
+        deadline = time.monotonic() + 60
+        while any(engine_replica_pids(d) for d in DEPLOYMENTS):
+            assert time.monotonic() < deadline, "Serve replicas outlived `serve shutdown` by a minute"
+            time.sleep(0.5)
 
 
 @pytest.fixture
@@ -577,6 +585,21 @@ CLIENT = textwrap.dedent('''
 ''')
 
 
+def line_while_alive(client: subprocess.Popen, server: subprocess.Popen, timeout: float) -> bytes:
+    """The client's next line, or b"" as soon as the server it talks to has exited (the client would
+    wait out its own bound for a server that is gone) or `timeout` passes."""
+    import select
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if select.select([client.stdout], [], [], 1.0)[0]:
+            return client.stdout.readline()
+        if server.poll() is not None:
+            break
+    client.kill()
+    return b""
+
+
 def test_tensor_parallel_ranks_on_two_ray_nodes(two_nodes, default_gguf_path, tmp_path):
     """`inferd serve -tp 2 --distributed-executor-backend ray` on a two-node cluster (one CPU each):
     1. the server joined RAY_ADDRESS (its one line says so), and the engine's record of the Ray placement
@@ -605,9 +628,9 @@ def test_tensor_parallel_ranks_on_two_ray_nodes(two_nodes, default_gguf_path, tm
                                  json.dumps(PROMPTS), hosts.dev_a, os.path.dirname(os.path.abspath(__file__))],
                        subprocess.PIPE, env=env,
                        stderr=open(tmp_path / "client.log", "wb"))
-    first = client.stdout.readline()
+    first = line_while_alive(client, srv, STARTUP)
     if not first:
-        pytest.fail(f"client failed: {(tmp_path / 'client.log').read_text()[-2000:]}\n"
+        pytest.fail(f"client failed (server exit {srv.poll()}): {(tmp_path / 'client.log').read_text()[-2000:]}\n"
                     f"server log:\n{log_path.read_text()[-3000:]}")
     res = json.loads(first)
     assert res["tp"] == {"backend": "gloo", "executor": "ray", "nodes": 2,
