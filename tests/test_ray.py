@@ -307,6 +307,21 @@ STATUS = textwrap.dedent('''
 
 
 DEPLOYMENTS = ("InferdEngine", "InferdPrefill", "InferdIngress")
+# Serve's teardown, waited for: the application deleted (Serve's own call blocks until its
+# deployments are gone), then Serve's actors. Not `serve shutdown --address`: it takes the dashboard's
+# HTTP address, not the GCS's, and only sends the request (with the GCS address it just printed an
+# error and exited 0, and the replicas lived on).
+SHUTDOWN = textwrap.dedent('''
+    import sys, ray
+    from ray import serve
+    from ray.serve.exceptions import RayServeException
+    ray.init(address=sys.argv[1], logging_level="ERROR")
+    try:
+        serve.delete("inferd")
+    except RayServeException:  # no Serve instance left: `serve run` shut it all down
+        sys.exit(0)
+    serve.shutdown()
+''')
 
 
 def engine_replica_pids(deployment: str = "InferdEngine") -> set[int]:
@@ -337,7 +352,7 @@ class ServeApp:
         serve_cli = os.path.join(os.path.dirname(sys.executable), "serve")
         self.proc = subprocess.Popen([*ns, serve_cli, "run", "--address", address, str(tmp_path / "serve.yaml")],
                                      stdout=open(self.log, "wb"), stderr=subprocess.STDOUT, env=env)
-        self.shutdown = [*ns, serve_cli, "shutdown", "-y", "--address", address]
+        self.shutdown = [*ns, sys.executable, "-c", SHUTDOWN, address]
         self.env = env
         self.statuses: list[dict] = []
         self.watch = subprocess.Popen([*ns, sys.executable, "-c", STATUS, address], stdout=subprocess.PIPE,
@@ -363,10 +378,9 @@ class ServeApp:
             time.sleep(0.3)
 
     def close(self, graceful: bool = True):
-        """SIGINT: `serve run` deletes the application; then `serve shutdown` whatever it managed (under
-        load it can miss its 60 s, and a replica left holding its node's one CPU starved the next
-        test's ranks: that test then waited out its whole bound), and the replicas' processes are seen
-        gone. Else a kill, when the cluster goes next anyway."""
+        """SIGINT: `serve run` deletes the application; then SHUTDOWN whatever it left (under load it
+        missed its 60 s, and a replica left holding its node's one CPU starved the next test's ranks),
+        and the replicas' processes are seen gone. Else a kill, when the cluster goes next anyway."""
         for p in (self.watch, self.proc):
             if p.poll() is None:
                 p.send_signal(2 if graceful else 9)
@@ -378,10 +392,15 @@ class ServeApp:
                 p.wait()
         if not graceful:
             return
-        subprocess.run(self.shutdown, env=self.env, capture_output=True, timeout=180)
-        deadline = time.monotonic() + 60
-        while any(engine_replica_pids(d) for d in DEPLOYMENTS):
-            assert time.monotonic() < deadline, "Serve replicas outlived `serve shutdown` by a minute"
+        t0 = time.monotonic()
+        out = subprocess.run(self.shutdown, env=self.env, capture_output=True, text=True, timeout=300)
+        took = time.monotonic() - t0
+        deadline = time.monotonic() + 120
+        while left := {d: engine_replica_pids(d) for d in DEPLOYMENTS if engine_replica_pids(d)}:
+            assert time.monotonic() < deadline, (f"Serve replicas {left} outlived Serve's shutdown by 2 minutes "
+                                                 f"(it took {took:.0f} s, exit {out.returncode}): "
+                                                 f"{out.stdout[-1500:]}{out.stderr[-1500:]}\n"
+                                                 f"serve run's log: {self.log.read_text()[-3000:]}")
             time.sleep(0.5)
 
 
