@@ -115,12 +115,27 @@ def kill_session(proc: subprocess.Popen, grace: float = 60):
             proc.wait(grace)
         except subprocess.TimeoutExpired:
             pass
+    killed = set()
     for _ in range(3):  # again, for what a dying daemon started meanwhile
         for pid in session_pids(proc.pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
     if proc.poll() is None:
         proc.wait(10)
+    sweep_after(killed)
+
+
+def sweep_after(killed: set[int]):
+    """Once the killed processes are gone, what their engine helpers left in the temporary directory
+    removed, as the next inferd start on the machine would (inferd.distributed.tmpdirs.sweep): a
+    killed replica cannot remove its own."""
+    from inferd.distributed import tmpdirs
+
+    deadline = time.monotonic() + 30
+    while any(tmpdirs.owner_alive(p) for p in killed) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    tmpdirs.sweep()
 
 
 def ray_node(hosts: TwoHosts, ns: str, ip: str, head: str | None, log, env, temp_dir: str):
@@ -166,11 +181,14 @@ def two_nodes(tmp_path_factory, ray_tmp):
         hosts.cluster_file = os.path.join(temp_dir, "ray_current_cluster")
         yield hosts
     finally:  # every process of the cluster lives in one of the two namespaces: no `ray stop` (seconds) needed
+        killed = set()
         for ns in (hosts.b, hosts.a):
             for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split():
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(int(pid), 9)
+                    killed.add(int(pid))
         hosts.close()
+        sweep_after(killed)
 
 
 # -- which cluster the Ray executor joins ------------------------------------------------------------
