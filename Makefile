@@ -51,9 +51,10 @@ iproute2:
 
 # the layers of pyproject.toml's [tool.importlinter] first (seconds), then every test, whole modules
 # on JOBS pytest-xdist workers (much of a test's time is a server starting or a subprocess waited
-# for: two workers keep both cores busy). JOBS=0 runs them in one process, in file order.
+# for: two workers keep both cores busy), the longest first (tests/conftest.py's LONG_MODULES, kept
+# by --no-loadscope-reorder). JOBS=0 runs them in one process, in file order.
 JOBS ?= 2
-XDIST = $(if $(filter 0,$(JOBS)),-p no:xdist,-n $(JOBS) --dist loadfile)
+XDIST = $(if $(filter 0,$(JOBS)),-p no:xdist,-n $(JOBS) --dist loadfile --no-loadscope-reorder)
 test: $(STAMP) chromium iproute2
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q --durations=15 $(XDIST) $(ARGS)

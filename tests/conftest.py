@@ -6,12 +6,17 @@ import pytest
 
 
 # The longest modules first when `make test` runs them on several workers (pytest-xdist, whole
-# modules a worker: --dist loadfile): a long module started last would leave the other workers idle.
-# Order only: each module's own tests keep theirs, and a serial run is untouched.
-LONG_MODULES = ("test_ray", "test_gemma3", "test_hardening", "test_disagg_serving", "test_kv_tier",
-                "test_dialects", "test_tensor_parallel", "test_lora", "test_embeddings", "test_suffix",
-                "test_awq", "test_engine_process", "test_families", "test_server", "test_benchmarks",
-                "test_data_parallel", "test_router", "test_disagg", "test_long_context", "test_quant_serve")
+# modules a worker: --dist loadfile), by their time in a full run (the Ray module's clusters first):
+# a long module started last leaves the other workers idle. Order only: each module's own tests keep
+# theirs, and a serial run is untouched. The Makefile passes --no-loadscope-reorder, without which
+# xdist puts the modules with the most tests first whatever this says: the Ray module (9 tests,
+# 3-5 minutes) then ran last, alone, while the other worker idled.
+LONG_MODULES = ("test_ray", "test_spec", "test_server", "test_dialects", "test_tensor_parallel", "test_families",
+                "test_structured", "test_lora", "test_gemma3", "test_readme", "test_benchmarks", "test_hardening",
+                "test_suffix", "test_embeddings", "test_int4_codes", "test_models_serving", "test_fused_decode",
+                "test_disagg_serving", "test_bench_mock", "test_awq", "test_gguf_blocks", "test_disagg", "test_quant",
+                "test_w4a8", "test_cli", "test_kv_tier", "test_data_parallel", "test_web", "test_router",
+                "test_engine_real", "test_engine", "test_engine_process")
 
 
 # What `make test-fast` (the inner loop, -m "not slow") leaves out, whole modules: those that start

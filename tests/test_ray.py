@@ -396,23 +396,20 @@ class ServeApp:
             time.sleep(0.3)
 
     def close(self, graceful: bool = True):
-        """SIGINT: `serve run` deletes the application; then SHUTDOWN whatever it left (under load it
-        missed its 60 s, and a replica left holding its node's one CPU starved the next test's ranks),
-        and the replicas' processes are seen gone. Else a kill, when the cluster goes next anyway."""
+        """Graceful: SHUTDOWN, Serve's own teardown, waited for; then `serve run` killed and the
+        replicas' processes seen gone. (SIGINT to `serve run` does the same teardown, but under load
+        it missed its 30 s and, killed, left the replicas holding both nodes' one CPU each: the next
+        test's ranks could not be placed.) Else a kill, when the cluster goes next anyway."""
+        if graceful:
+            t0 = time.monotonic()
+            out = subprocess.run(self.shutdown, env=self.env, capture_output=True, text=True, timeout=300)
+            took = time.monotonic() - t0
         for p in (self.watch, self.proc):
             if p.poll() is None:
-                p.send_signal(2 if graceful else 9)
-        for p in (self.watch, self.proc):
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
                 p.kill()
-                p.wait()
+            p.wait()
         if not graceful:
             return
-        t0 = time.monotonic()
-        out = subprocess.run(self.shutdown, env=self.env, capture_output=True, text=True, timeout=300)
-        took = time.monotonic() - t0
         deadline = time.monotonic() + 120
         while left := {d: engine_replica_pids(d) for d in DEPLOYMENTS if engine_replica_pids(d)}:
             assert time.monotonic() < deadline, (f"Serve replicas {left} outlived Serve's shutdown by 2 minutes "
