@@ -411,7 +411,7 @@ class ServeApp:
         if not graceful:
             return
         deadline = time.monotonic() + 120
-        while left := {d: engine_replica_pids(d) for d in DEPLOYMENTS if engine_replica_pids(d)}:
+        while left := {d: pids for d in DEPLOYMENTS if (pids := engine_replica_pids(d))}:
             assert time.monotonic() < deadline, (f"Serve replicas {left} outlived Serve's shutdown by 2 minutes "
                                                  f"(it took {took:.0f} s, exit {out.returncode}): "
                                                  f"{out.stdout[-1500:]}{out.stderr[-1500:]}\n"
