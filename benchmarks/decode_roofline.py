@@ -8,7 +8,10 @@ What a decode token costs and where its time goes, in one process at --threads t
   - each kernel alone: each linear's kernel over every layer's copy (so its bytes come from DRAM, as
     in a step) and the head, on one random row, at 1 and 2 threads, in GB/s and as a share of the
     bandwidth at that thread count (a Python call each: the fused step does not pay it, so a small
-    layer's rate here is a lower bound);
+    layer's rate here is a lower bound); and, at 1 thread, a ~4 MB slice of one layer called again
+    and again ("cached"): the kernel's compute ceiling. A kernel whose DRAM rate is far below both its
+    cached rate and the read bandwidth is waiting on memory it did not ask for early enough; one whose
+    cached rate is near its DRAM rate is bound by its own instructions;
   - the step: the engine's batch-1 decode tok/s (`inferd serve`'s default load, the fused step) and
     `llama-bench -p 0 -n 128` (tg128), interleaved rounds, medians with min-max, each as a share of
     the roofline; peak resident memory of this process;
@@ -68,6 +71,25 @@ def per_call_s(fn, reps: int) -> float:
     """Median seconds of one call of fn over `reps` timed calls, after two untimed ones."""
     with torch.inference_mode():
         return median_seconds(fn, reps, warmup=2)
+
+
+# A slice of a layer this small stays in the caches (L2 + a share of L3 on every machine here) when
+# called again and again: its rate is the kernel's compute ceiling, with no DRAM in the way.
+CACHED_BYTES = 4 << 20
+
+
+def cached_slice(part):
+    """The first columns of a GGUF block layer, about CACHED_BYTES of its records (a pair of 16-column
+    groups' records over all of K are contiguous, so a prefix of the buffer is a narrower layer), or
+    None for a kernel whose records cannot be cut so."""
+    from inferd.quant.gguf_blocks import BlocksLinear, record_bytes
+
+    if not isinstance(part, BlocksLinear) or part.packed is None:
+        return None
+    pair = record_bytes(part.type, 32, part.in_features)
+    n = min(part.out_features, 32 * max(1, CACHED_BYTES // pair))
+    return BlocksLinear.from_packed(part.type, part.packed.reshape(-1)[: record_bytes(part.type, n, part.in_features)], n,
+                                    part.in_features, None, part.dtype)
 
 
 def layer_kernels(model) -> list[tuple[str, str, list]]:
@@ -162,6 +184,11 @@ def main() -> None:
             s = per_call_s(lambda parts=parts, x=x: [p(x) for p in parts], a.reps)
             row[f"GB/s {t}t"] = mb / s / 1e3
             row[f"% bw {t}t"] = 100 * mb / s / 1e3 / bw[t]
+        cut = cached_slice(parts[0])
+        if cut is not None:
+            torch.set_num_threads(1)
+            reps = max(a.reps, int(64 * mb / len(parts) / (held_bytes(cut) / 1e6)))  # ~ the DRAM pass's time
+            row["GB/s cached 1t"] = held_bytes(cut) / per_call_s(lambda cut=cut, x=x: cut(x), reps) / 1e9
         kernels.append(row)
     torch.set_num_threads(a.threads)
 
@@ -207,10 +234,11 @@ def main() -> None:
                      "roofline_pct": 100 * med / roof})
     print("\neach kernel alone, one row, a pass over every layer's copy (a Python call each)")
     hdr = "".join(f" {'GB/s ' + str(t) + 't':>9s} {'%bw':>4s}" for t in bw)
-    print(f"{'linear':13s} {'kernel':24s} {'shape':>15s} {'MB':>7s}{hdr}")
+    print(f"{'linear':13s} {'kernel':24s} {'shape':>15s} {'MB':>7s}{hdr} {'cached 1t':>9s}")
     for r in kernels:
         cells = "".join(f" {r[f'GB/s {t}t']:9.1f} {r[f'% bw {t}t']:4.0f}" for t in bw)
-        print(f"{r['linear']:13s} {r['kernel']:24s} {r['shape']:>15s} {r['MB']:7.1f}{cells}")
+        cached = f"{r['GB/s cached 1t']:9.1f}" if "GB/s cached 1t" in r else f"{'-':>9s}"
+        print(f"{r['linear']:13s} {r['kernel']:24s} {r['shape']:>15s} {r['MB']:7.1f}{cells} {cached}")
         rows.append({"label": f"{r['linear']} {r['kernel']}", "metric": "kernel GB/s", **r})
     print(f"\nthe step by op (torch.profiler, {a.profile_steps} steps at {a.threads} threads): {step_ms:.2f} ms a step")
     for op, ms in split.items():
