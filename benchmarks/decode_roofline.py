@@ -88,8 +88,8 @@ def cached_slice(part):
         return None
     pair = record_bytes(part.type, 32, part.in_features)
     n = min(part.out_features, 32 * max(1, CACHED_BYTES // pair))
-    return BlocksLinear.from_packed(part.type, part.packed.reshape(-1)[: record_bytes(part.type, n, part.in_features)], n,
-                                    part.in_features, None, part.dtype)
+    records = part.packed.reshape(-1)[: record_bytes(part.type, n, part.in_features)]
+    return BlocksLinear.from_packed(part.type, records, n, part.in_features, None, part.dtype)
 
 
 def layer_kernels(model) -> list[tuple[str, str, list]]:
@@ -187,8 +187,8 @@ def main() -> None:
         cut = cached_slice(parts[0])
         if cut is not None:
             torch.set_num_threads(1)
-            reps = max(a.reps, int(64 * mb / len(parts) / (held_bytes(cut) / 1e6)))  # ~ the DRAM pass's time
-            row["GB/s cached 1t"] = held_bytes(cut) / per_call_s(lambda cut=cut, x=x: cut(x), reps) / 1e9
+            # a call is ~0.1 ms: ten times the passes' repetitions for a steady median
+            row["GB/s cached 1t"] = held_bytes(cut) / per_call_s(lambda cut=cut, x=x: cut(x), 10 * a.reps) / 1e9
         kernels.append(row)
     torch.set_num_threads(a.threads)
 
