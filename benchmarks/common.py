@@ -186,15 +186,53 @@ def stream_bandwidth_gbs(threads: int, size: int | None = None, reps: int = 7) -
 
 # -- what ran, and how it was measured --------------------------------------------------------------
 
+def _cpu_ticks() -> tuple[int, int]:
+    """(busy, all) jiffies of the whole machine so far, from /proc/stat's first line."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    idle = v[3] + (v[4] if len(v) > 4 else 0)  # idle + iowait
+    return sum(v) - idle, sum(v)
+
+
+# the busiest share each quiet_machine() call left the machine at: a report can say what it started on
+QUIET_SEEN: list[float] = []
+
+
+def quiet_machine(limit: float = 0.1, window: float = 0.2, timeout: float = 10.0) -> float:
+    """Wait until the whole machine is idle (busy share of all cores <= limit over `window` s), at
+    most `timeout` s; returns the last share seen. A contender timed while another process spins
+    (an OpenMP worker of the benchmark's own process, a server the previous one left) runs on part
+    of the machine: measured, llama-bench's tg128 halved beside an idle Python whose libgomp worker
+    spun. Called before every run of interleaved()."""
+    if not os.path.exists("/proc/stat"):
+        return 0.0
+    t_end = time.monotonic() + timeout
+    share = 1.0
+    while True:
+        b0, a0 = _cpu_ticks()
+        time.sleep(window)
+        b1, a1 = _cpu_ticks()
+        share = (b1 - b0) / max(1, a1 - a0)
+        if share <= limit or time.monotonic() >= t_end:
+            break
+    if share > limit:
+        print(f"[quiet_machine] still {100 * share:.0f}% busy after {timeout:.0f} s: the next run shares the CPUs",
+              file=sys.stderr, flush=True)
+    QUIET_SEEN.append(share)
+    return share
+
+
 def interleaved(runners: dict, rounds: int, log: bool = True, into: dict | None = None) -> dict[str, list]:
     """{label: [one value per round]}: every contender once a round, in the same order each round
-    (A B C, A B C, ...), so that a shared machine's drift falls on all of them alike. `into`: the
-    dict to fill, for a runner that reads the rounds so far."""
+    (A B C, A B C, ...), so that a shared machine's drift falls on all of them alike; each run starts
+    on an idle machine (quiet_machine). `into`: the dict to fill, for a runner that reads the rounds
+    so far."""
     runs: dict[str, list] = into if into is not None else {}
     for k in runners:
         runs.setdefault(k, [])
     for r in range(rounds):
         for k, fn in runners.items():
+            quiet_machine()
             runs[k].append(fn())
         if log:
             print(f"[round {r + 1}/{rounds}] " + ", ".join(
@@ -274,6 +312,9 @@ def report_header(title: str, setup: dict, paths: dict[str, dict]) -> None:
     print(title)
     for k, v in setup.items():
         print(f"  {k}: {v}")
+    if QUIET_SEEN:
+        print(f"  machine before each timed run: at most {100 * max(QUIET_SEEN):.0f}% busy "
+              f"({len(QUIET_SEEN)} runs; each waited for <= 10%)")
     print("paths that ran:")
     for label, p in paths.items():
         print(f"  {label}: {paths_line(p)}")

@@ -43,6 +43,7 @@ sys.path.insert(0, HERE)
 if __name__ == "__main__" and "OMP_WAIT_POLICY" not in os.environ:
     from llamacpp import llamacpp_env
 
+    # (GOMP_SPINCOUNT with it: this process idles while llama-bench runs; llamacpp.omp_env)
     os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]], llamacpp_env())
 
 import torch  # noqa: E402
