@@ -223,7 +223,7 @@ def _instructions_by_variant() -> dict[str, Counter]:
             continue
         if where and "\t" in line:
             stats[where]["insn"] += 1
-            for what in ("zmm", "ymm", "vpdpbusd", "vpmaddubsw", "tdpbsud", "tdpbssd"):
+            for what in ("zmm", "ymm", "vpdpbusd", "vpmaddubsw", "tdpbsud", "tdpbssd", "prefetcht2"):
                 stats[where][what] += what in line
     return stats
 
@@ -240,6 +240,9 @@ def test_the_variants_are_different_code():
     assert s["avx512_amx"]["tdpbssd"] > 0  # W8 tiles
     assert s["avx512_amx"]["vpdpbusd"] > 0  # W4, and steps of fewer than 16 rows, stay on VNNI
     assert s["avx2"]["vpdpbusd"] == 0
+    # the weight tiles' prefetch is an instruction in every vector variant (a prefetch builtin
+    # compiled to nothing under the variants' target pragmas: decode read half of DRAM speed)
+    assert all(s[v]["prefetcht2"] > 0 for v in native.ISAS if v != "generic")
 
 
 def _inferd_env(**env):
