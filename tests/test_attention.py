@@ -9,7 +9,7 @@ import torch
 from inferd.kernels import native
 from inferd.model.layers import attend
 from inferd.worker.attention import PagedAttention
-from inferd.worker.kv_pool import INT8, KVPool, dequantize_rows, quantize_rows
+from inferd.worker.kv_pool import INT8, KVPool, dequantize_rows, quantize_rows, row_width
 
 
 def test_kernel_builds():
@@ -289,8 +289,9 @@ def test_split_decode_of_one_long_sequence(dtype):
 
 
 def test_int8_rows_are_written_as_torch_quantizes_them():
-    """write_kv_q8 (every variant) makes the rows quantize_rows makes, bit for bit: codes round(x * 127 /
-    amax), the float32 scale amax / 127 after them; each value within half a step of its original."""
+    """write_kv_q8 (every variant) makes the rows quantize_rows makes, bit for bit: per group of 32 the
+    fp16 scale amax / 127 after the codes, codes round(x / scale); each value within half a step of its
+    group's scale of its original."""
     ops = _need_kernels()
     g = torch.Generator().manual_seed(2)
     T, Hkv, D = 37, 3, 48
@@ -301,18 +302,21 @@ def test_int8_rows_are_written_as_torch_quantizes_them():
     for dt in (torch.float32, torch.bfloat16):
         kk, vv = (k, v) if dt == torch.float32 else (k.to(dt), v.to(dt))
         for isa in _variants():
-            kc, vc = (torch.zeros(64, Hkv, D + 4, dtype=torch.int8) for _ in range(2))
+            kc, vc = (torch.zeros(64, Hkv, row_width(INT8, D), dtype=torch.int8) for _ in range(2))
             ops.write_kv_q8(kk, vv, slots, kc, vc)
             assert torch.equal(kc[slots], quantize_rows(kk)) and torch.equal(vc[slots], quantize_rows(vv)), isa
     rows = quantize_rows(k)
-    scale = rows[..., D:].contiguous().view(torch.float32)
-    assert ((dequantize_rows(rows, D) - k).abs() <= scale / 2 + 1e-6).all()
+    assert rows.shape[-1] == D + 2 * 2  # 48 values: a group of 32 and one of 16, an fp16 scale each
+    scale = rows[..., D:].contiguous().view(torch.float16).float()  # [T, Hkv, 2]
+    per_value = torch.cat([scale[..., :1].expand(T, Hkv, 32), scale[..., 1:].expand(T, Hkv, 16)], -1)
+    # half a step of the group's own scale (a scale per row would allow the row's largest)
+    assert ((dequantize_rows(rows, D) - k).abs() <= per_value / 2 * (1 + 2 ** -10) + 1e-6).all()
     assert not dequantize_rows(rows, D)[3, 0].any()
 
 
 def test_an_int8_block_holds_about_half_a_bf16_block():
-    """An int8 row is head_dim bytes and a float32 scale: at head_dim 64, 68 bytes where bf16 takes 128
-    (1.88x the tokens in the same memory)."""
+    """An int8 row is head_dim bytes and an fp16 scale per 32 values: at head_dim 64, 68 bytes where
+    bf16 takes 128 (1.88x the tokens in the same memory)."""
     bf16 = KVPool.bytes_per_block(16, 16, 8, 64, torch.bfloat16)
     q8 = KVPool.bytes_per_block(16, 16, 8, 64, INT8)
     assert q8 == 2 * 16 * 16 * 8 * 68 and bf16 / q8 > 1.85

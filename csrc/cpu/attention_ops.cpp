@@ -19,7 +19,7 @@ using at::Tensor;
 // and K/V rows quantized into an int8 cache
 std::atomic<int64_t> prefill_calls{0}, prefill_tiles{0}, decode_calls{0}, decode_splits{0}, q8_rows{0};
 
-// 0 float32, 1 bf16, 2 int8 rows of head_dim codes and a float32 scale
+// 0 float32, 1 bf16, 2 int8 rows of head_dim codes and their fp16 scales (int8_row)
 int cache_kind(const Tensor& c, int64_t D) {
   TORCH_CHECK(c.dim() == 3 && c.is_contiguous(), "a KV cache layer must be contiguous [slots, kv_heads, row]");
   switch (c.scalar_type()) {
@@ -30,7 +30,8 @@ int cache_kind(const Tensor& c, int64_t D) {
       TORCH_CHECK(c.size(2) == D, "the bfloat16 cache's rows are not head_dim long");
       return 1;
     case at::kChar:
-      TORCH_CHECK(c.size(2) == D + 4, "an int8 cache row is head_dim codes and a float32 scale (head_dim + 4 bytes)");
+      TORCH_CHECK(c.size(2) == int8_row(D),
+                  "an int8 cache row is head_dim codes and an fp16 scale per 32 (head_dim + 2 ceil(head_dim / 32) bytes)");
       return 2;
     default:
       TORCH_CHECK(false, "the KV cache must be float32, bfloat16 or int8");
@@ -50,15 +51,15 @@ void check_tables(const Tensor& bt, int64_t rows, int64_t num_blocks, const int6
 }
 
 // Quantize this step's keys and values into an int8 cache at their slots: k_new/v_new [T, Hkv, D]
-// float32 or bfloat16 (rows may be strided views of the qkv output), caches int8 [slots, Hkv, D + 4].
+// float32 or bfloat16 (rows may be strided views of the qkv output), caches int8 [slots, Hkv, int8_row(D)].
 void write_kv_q8(Tensor k_new, Tensor v_new, Tensor slots, Tensor kc, Tensor vc) {
   TORCH_CHECK(k_new.dim() == 3 && v_new.sizes() == k_new.sizes() && k_new.dtype() == v_new.dtype());
   TORCH_CHECK(k_new.scalar_type() == at::kFloat || k_new.scalar_type() == at::kBFloat16,
               "new keys and values must be float32 or bfloat16");
   const int64_t T = k_new.size(0), Hkv = k_new.size(1), D = k_new.size(2);
   TORCH_CHECK(kc.scalar_type() == at::kChar && vc.scalar_type() == at::kChar && kc.is_contiguous() &&
-                  vc.is_contiguous() && kc.sizes() == vc.sizes() && kc.size(1) == Hkv && kc.size(2) == D + 4,
-              "the int8 caches must be contiguous [slots, kv_heads, head_dim + 4]");
+                  vc.is_contiguous() && kc.sizes() == vc.sizes() && kc.size(1) == Hkv && kc.size(2) == int8_row(D),
+              "the int8 caches must be contiguous [slots, kv_heads, head_dim + 2 ceil(head_dim / 32)]");
   TORCH_CHECK(k_new.stride(2) == 1 && k_new.stride(1) == D && v_new.stride(2) == 1 && v_new.stride(1) == D,
               "k/v rows must be dense [Hkv, D]");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == T);

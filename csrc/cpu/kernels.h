@@ -52,6 +52,10 @@ constexpr int64_t block_header(const BlockFormat& f) {
 }
 constexpr int64_t block_record(const BlockFormat& f) { return block_header(f) + block_super(f) * block_bytes(f); }
 
+// An int8 KV cache row (flash_attention_impl.h): head_dim codes, then an fp16 scale per KV_GROUP values.
+constexpr int64_t KV_GROUP = 32;
+constexpr int64_t int8_row(int64_t D) { return D + 2 * ((D + KV_GROUP - 1) / KV_GROUP); }
+
 struct Kernels {
   const char* name;
   // x += d (when d is not null, rounded to x's type), then out = rms_norm(x) * w with torch's roundings
@@ -92,7 +96,7 @@ struct Kernels {
                     const int64_t* ranks, int64_t S, int64_t parts, const int64_t* part_n, int64_t R, float* y,
                     int64_t N);
   // attention over the paged cache read in place, at any length (flash_attention_impl.h). `cache`: 0
-  // float32, 1 bf16, 2 int8 rows (head_dim codes, then the row's float32 scale). prefill_attention:
+  // float32, 1 bf16, 2 int8 rows (head_dim codes, then an fp16 scale per 32: int8_row). prefill_attention:
   // sequence s's queries at rows qrows[s].. of q (rows q_stride floats apart) at positions starts[s]..,
   // lens[s] of them, tiled over KV blocks with an online softmax; returns the tiles it computed.
   // split_decode: one query a sequence, its keys cut into splits merged per head; returns the splits.

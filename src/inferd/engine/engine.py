@@ -237,8 +237,11 @@ class LLMEngine(Engine):
     def _kv_dtype_why(self, kv_dtype) -> str:
         name = str(kv_dtype).replace("torch.", "")
         if kv_dtype == torch.int8:
-            return (f"int8: --kv-cache-dtype; {self.model_config.head_dim} int8 codes and a float32 scale per token "
-                    f"and kv head, {1 + 4 / self.model_config.head_dim:.4g} bytes a value")
+            from inferd.worker.kv_pool import row_width
+
+            hd = self.model_config.head_dim
+            return (f"int8: --kv-cache-dtype; {hd} int8 codes and an fp16 scale per 32 values, "
+                    f"{row_width(torch.int8, hd) / hd:.4g} bytes a value")
         if self.config.kv_cache_dtype != "auto":
             return f"{name}: --kv-cache-dtype"
         # the activations' dtype: bf16 where the model computes in bf16 (--dtype auto on a CPU with

@@ -281,5 +281,5 @@ def fingerprint_fields(engine) -> dict:
     pool = engine.pool
     return {"model": model_fingerprint(engine), "block_size": engine.block_manager.block_size,
             "kv_dtype": str(pool.k.dtype).replace("torch.", ""), "pool_rows": list(pool.k.shape[::2]),
-            "format": 1}
+            "format": 2}  # 2: int8 rows carry an fp16 scale per 32 values (1: a float32 scale a row)
 

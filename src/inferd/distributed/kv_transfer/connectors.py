@@ -271,6 +271,6 @@ class SharedMemoryConnector(ZmqConnector):
 
 
 def make_connector(name: str, timeout_s: float, dtype, layers: int, n_kv: int, row: int):
-    """`row`: the pool's last axis, head_dim (or head_dim + 4 for an int8 cache's codes and scale)."""
+    """`row`: the pool's last axis, head_dim (or head_dim + 2 a group of 32 for an int8 cache: codes and fp16 scales)."""
     cls = SharedMemoryConnector if name == "SharedMemoryConnector" else ZmqConnector
     return cls(_Control(timeout_s), dtype, layers, n_kv, row)
