@@ -481,18 +481,25 @@ void by_block_type(int64_t t, Fn&& fn) {
 // more: where a VM hands free memory back to its host (free page reporting works in 2 MiB blocks),
 // faulting huge pages in ran at ~0.1 GB/s on the 2-core Zen 4 VM (8 s for 0.8 GB: most of the 1B
 // model's 4 s load) against ~2 GB/s for 4 KiB pages, and the kernels read records no faster from
-// huge pages (the 1B Q6_K lm_head: 18.6 vs 18.7 ms a call on one thread).
+// huge pages (the 1B Q6_K lm_head: 18.6 vs 18.7 ms a call on one thread; that was before the tiles'
+// prefetch ran). INFERD_HUGEPAGES=1 asks for them again, to measure: with the prefetch, 1B decode
+// 32.8 vs 31.2 tok/s (medians of 3 fresh processes) for a load of 2.1 s instead of 1.0-1.6; 3B no
+// clear gain in the noise, a load of 4 s instead of 1.6.
 at::Tensor big_empty(at::IntArrayRef shape, at::ScalarType dtype) {
   constexpr int64_t kPage = 4096, kSpan = int64_t{4} << 20;
   int64_t bytes = static_cast<int64_t>(at::elementSize(dtype));
   for (int64_t s : shape) bytes *= s;
   if (bytes < 2 * kSpan) return at::empty(shape, dtype);
   void* p = nullptr;
-  TORCH_CHECK(posix_memalign(&p, kPage, static_cast<size_t>(bytes)) == 0, "out of memory allocating ", bytes, " bytes");
+  const char* hp = std::getenv("INFERD_HUGEPAGES");
+  const bool huge = hp != nullptr && hp[0] == '1';
+  TORCH_CHECK(posix_memalign(&p, huge ? kSpan : kPage, static_cast<size_t>(bytes)) == 0, "out of memory allocating ",
+              bytes, " bytes");
 #if defined(__linux__)
   constexpr int kPopulateWrite = 23;  // MADV_POPULATE_WRITE, absent from older headers
   char* base = static_cast<char*>(p);
   const int64_t whole = bytes / kPage * kPage;
+  if (huge) madvise(base, static_cast<size_t>(whole), MADV_HUGEPAGE);
   at::parallel_for(0, (whole + kSpan - 1) / kSpan, 1, [&](int64_t a, int64_t b) {
     const int64_t from = a * kSpan, to = std::min(whole, b * kSpan);
     madvise(base + from, static_cast<size_t>(to - from), kPopulateWrite);  // a hint: refused is fine

@@ -15,6 +15,9 @@ Environment:
                                                     CPU lacks is an error, never SIGILL
   INFERD_NO_NATIVE=1                                no native code: the torch fallbacks everywhere
   INFERD_CPU_HIDE=avx512f,...                       pretend the CPU lacks features (tests of the above)
+  INFERD_HUGEPAGES=1                                repacked weights on transparent huge pages (opt-in:
+                                                    docs/performance.md, "Batch-1 decode against the
+                                                    roofline", has what it cost and gave)
 """
 from __future__ import annotations
 
