@@ -240,8 +240,8 @@ def test_the_variants_are_different_code():
     assert s["avx512_amx"]["tdpbssd"] > 0  # W8 tiles
     assert s["avx512_amx"]["vpdpbusd"] > 0  # W4, and steps of fewer than 16 rows, stay on VNNI
     assert s["avx2"]["vpdpbusd"] == 0
-    # the weight tiles' prefetch is an instruction in every vector variant (a prefetch builtin
-    # compiled to nothing under the variants' target pragmas: decode read half of DRAM speed)
+    # the weight tiles' prefetch is an instruction in every vector variant (the prefetch builtin
+    # there once compiled to nothing: decode read half of DRAM speed)
     assert all(s[v]["prefetcht2"] > 0 for v in native.ISAS if v != "generic")
 
 

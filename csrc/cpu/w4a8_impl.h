@@ -159,9 +159,9 @@ static constexpr int HALVES = 1;
 // read at 12.6 GB/s on one thread and 18 on two, 18-20 and 27-36 with it (Q6_K: 11 -> 20, 16 -> 34),
 // the compute alone at ~60. Into L2, not L1: prefetcht0 with the same distances gained nothing and
 // halved a plain read loop's rate (L1's few miss buffers held by lines not yet needed). An asm
-// statement, not _mm_prefetch: GCC drops a prefetch builtin unless -march names an ISA with one,
-// and the variants switch ISA by pragma on a baseline command line (the builtin compiled to nothing
-// in every variant until this).
+// statement, not _mm_prefetch: here GCC 12 compiled the builtin to no instruction at all, in every
+// variant, for as long as it was written so (half_gemm's in the same files is emitted; why not here
+// was not found), and an asm statement cannot be dropped. tests/test_native.py checks it is there.
 static constexpr int64_t PREFETCH_BLOCKS = 16;
 static inline void prefetch_l2(const char* p) { asm volatile("prefetcht2 %0" : : "m"(*p)); }
 // Issued on the first rows only: later row tiles find the panel in L2. Past the last record it asks
