@@ -631,7 +631,8 @@ def test_echo_logprobs(server, refs, tok, max_tokens):
 # == 5. metrics ==================================================================================
 def test_metrics_counters_move(server):
     names = ["inferd:generation_tokens_total", "inferd:prompt_tokens_total",
-             "inferd:time_to_first_token_seconds_count", "inferd:e2e_request_latency_seconds_count"]
+             "inferd:time_to_first_token_seconds_count", "inferd:e2e_request_latency_seconds_count",
+             "inferd:attention_prefill_calls_total", "inferd:attention_prefill_tiles_total"]
     before = metrics(server)
     for n in ["inferd:num_requests_running", "inferd:num_requests_waiting", "inferd:kv_cache_usage_perc"]:
         metric(before, n)  # present
@@ -648,7 +649,10 @@ def test_metrics_counters_move(server):
     assert d["inferd:prompt_tokens_total"] >= r.usage.prompt_tokens, d
     assert d["inferd:time_to_first_token_seconds_count"] >= 1, d
     assert d["inferd:e2e_request_latency_seconds_count"] >= 1, d
-    for n in names:
+    # the prompt's attention ran through the native paged kernel, tile by tile (the counters that prove it)
+    assert d["inferd:attention_prefill_calls_total"] >= 1 and d["inferd:attention_prefill_tiles_total"] >= 1, d
+    for n in names + ["inferd:attention_decode_calls_total", "inferd:attention_decode_splits_total",
+                      "inferd:kv_cache_int8_rows_written_total"]:
         metric(after, n)  # present under one of its names
 
 

@@ -94,8 +94,8 @@ def add_engine_args(p: argparse.ArgumentParser):
                    help="CUDA only: fraction of GPU memory for weights + KV cache (ignored on CPU, "
                         "where --kv-cache-memory sizes the pool)")
     g.add_argument("--kv-cache-dtype", default="auto",
-                   help="auto (the model dtype) | float32 | bfloat16 | int8 (8-bit codes and a float32 scale per "
-                        "token and kv head: 1 + 4/head_dim bytes a value, about 1.9x bf16's tokens)")
+                   help="auto (the model dtype) | float32 | bfloat16 | int8 (8-bit codes and an fp16 scale per 32 "
+                        "values: 1.0625 bytes a value, 1.88x bf16's tokens)")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn off automatic prefix caching")
     g.add_argument("--kv-tier", default=None, metavar="DIR|shm",

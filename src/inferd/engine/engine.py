@@ -140,6 +140,9 @@ class LLMEngine(Engine):
         self.groups: dict[str, set[str]] = {}  # client request id -> live sequence ids
         self.stats = EngineStats()
         self.faults = Faults()
+        from inferd.kernels import native
+
+        self._attention_base = native.attention_counters()  # process-wide: this engine counts from here
         self.keep_history = False  # the whole step history (tests); the dashboard's ring is always kept
         self.history = History()
         self.aborted: list[RequestOutput] = []  # see take_aborted
@@ -420,7 +423,17 @@ class LLMEngine(Engine):
             events = {"batches": self.publisher.published, "dropped": self.publisher.dropped}
         return EngineSnapshot(len(self.scheduler.running), self.num_waiting(), bm.num_used, bm.num_blocks,
                               bm.queries, bm.hits, self.stats.preemptions, self.spec_counters(), self.stats.steps, kv,
-                              self.stats.prefill_tokens, lora, tier, events, bm.stored, bm.removed)
+                              self.stats.prefill_tokens, lora, tier, events, bm.stored, bm.removed,
+                              attention=self.attention_counters())
+
+    def attention_counters(self) -> dict | None:
+        """The native attention kernels' counters since this engine was built (they are process-wide)."""
+        from inferd.kernels import native
+
+        now = native.attention_counters()
+        if now is None or self._attention_base is None:
+            return None
+        return {k: v - self._attention_base[k] for k, v in now.items()}
 
     def num_waiting(self) -> int:
         """Queued requests, with those whose prompt KV is still on its way from a producer."""

@@ -56,3 +56,4 @@ class EngineSnapshot:
     events: dict | None = None  # with --kv-events-config: batches published and dropped
     blocks_stored: int = 0  # prefix blocks made findable (the KV events' BlockStored hashes)
     blocks_removed: int = 0  # findable blocks evicted (BlockRemoved's)
+    attention: dict | None = None  # the native attention kernels' counters since this engine started

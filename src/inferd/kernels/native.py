@@ -203,3 +203,17 @@ def _cpu_model() -> str:
     import platform
 
     return platform.processor() or "unknown"
+
+
+ATTENTION_COUNTERS = ("prefill_calls", "prefill_tiles", "decode_calls", "decode_splits", "int8_rows")
+
+
+def attention_counters() -> dict | None:
+    """The paged attention kernels' running totals in this process (csrc/cpu/attention_ops.cpp): prefill
+    calls and their (query tile x key tile) products, split-decode calls and their splits, K/V rows
+    quantized into an int8 cache; None without the native kernels."""
+    if load() is None:
+        return None
+    import torch
+
+    return dict(zip(ATTENTION_COUNTERS, torch.ops.inferd.attention_counters()))

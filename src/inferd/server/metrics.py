@@ -219,6 +219,21 @@ class Metrics:
             self.spec_len = Gauge("inferd:spec_decode_mean_accepted_length",
                                   "Mean accepted guesses per verify step.", L, registry=r)
             keys += list(self.spec)
+        # the native paged attention kernels (csrc/cpu/attention_ops.cpp): proof of which path ran and how
+        # much of it, per engine since its start
+        self.attention = {
+            "prefill_calls": Counter("inferd:attention_prefill_calls", "Prefill attention calls through the paged "
+                                     "flash kernel (chunks x layers).", L, registry=r),
+            "prefill_tiles": Counter("inferd:attention_prefill_tiles", "Query tile x key tile products the paged "
+                                     "prefill attention computed.", L, registry=r),
+            "decode_calls": Counter("inferd:attention_decode_calls", "Split-decode attention calls (steps x "
+                                    "layers).", L, registry=r),
+            "decode_splits": Counter("inferd:attention_decode_splits", "Key splits the split-decode attention "
+                                     "computed and merged.", L, registry=r),
+            "int8_rows": Counter("inferd:kv_cache_int8_rows_written", "K and V rows (a token's kv head each) "
+                                 "quantized into an int8 KV cache.", L, registry=r),
+        }
+        keys += ["attn_" + k for k in self.attention]
         self._keys = keys
         self._last: dict[tuple[str, int], dict] = {}
         ML = ["model_name"]
@@ -327,6 +342,8 @@ class Metrics:
         if self.events is not None and snap.events is not None:
             now = {**snap.events, "blocks_stored": snap.blocks_stored, "blocks_removed": snap.blocks_removed}
             _advance(self.events, now, last, "ev_", lab)
+        if getattr(snap, "attention", None) is not None:
+            _advance(self.attention, snap.attention, last, "attn_", lab)
         lo = getattr(snap, "lora", None)
         if lo is not None:
             self.lora_info.clear()  # one series: the current sets
