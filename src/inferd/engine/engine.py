@@ -140,9 +140,13 @@ class LLMEngine(Engine):
         self.groups: dict[str, set[str]] = {}  # client request id -> live sequence ids
         self.stats = EngineStats()
         self.faults = Faults()
-        from inferd.kernels import native
+        # process-wide counters of the CPU attention kernels: this engine counts from here (none on a GPU,
+        # where loading them would only compile CPU code)
+        self._attention_base = None
+        if self.model.device.type == "cpu":
+            from inferd.kernels import native
 
-        self._attention_base = native.attention_counters()  # process-wide: this engine counts from here
+            self._attention_base = native.attention_counters()
         self.keep_history = False  # the whole step history (tests); the dashboard's ring is always kept
         self.history = History()
         self.aborted: list[RequestOutput] = []  # see take_aborted
@@ -428,11 +432,11 @@ class LLMEngine(Engine):
 
     def attention_counters(self) -> dict | None:
         """The native attention kernels' counters since this engine was built (they are process-wide)."""
+        if self._attention_base is None:
+            return None
         from inferd.kernels import native
 
         now = native.attention_counters()
-        if now is None or self._attention_base is None:
-            return None
         return {k: v - self._attention_base[k] for k, v in now.items()}
 
     def num_waiting(self) -> int:
