@@ -168,7 +168,8 @@ import time  # noqa: E402
 
 def _ephemeral_low() -> int:
     try:
-        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
     except (OSError, ValueError, IndexError):
         return 32768
 

@@ -357,10 +357,10 @@ def test_1p1d_across_two_network_namespaces_over_the_network_connector(tiny_gguf
         pytest.skip(why)
     hosts = TwoHosts("d")
     na, nb, ip_a = hosts.a, hosts.b, hosts.ip_a
+    logs = {k: open(tmp_path / f"{k}.log", "wb") for k in ("p", "d", "r")}
     try:
         hp, hd, hr = 8801, 8802, 8800  # each namespace has its own ports
         py = [sys.executable, "-m", "inferd"]
-        logs = {k: open(tmp_path / f"{k}.log", "wb") for k in ("p", "d", "r")}
         hosts.run(na, [*py, "serve", *tiny_args(tiny_gguf), "--host", ip_a, "--port", str(hp), "--kv-transfer-config",
                        json.dumps({"kv_connector": "ZmqConnector", "kv_role": "kv_producer", "kv_ip": ip_a})], logs["p"])
         hosts.run(nb, [*py, "serve", *tiny_args(tiny_gguf), "--port", str(hd), "--role", "decode",
@@ -385,3 +385,5 @@ def test_1p1d_across_two_network_namespaces_over_the_network_connector(tiny_gguf
         assert_same([(*g, None) for g in res["got"]], [(*w, None) for w in res["want"]], max_ties=1)
     finally:
         hosts.close()
+        for f in logs.values():
+            f.close()

@@ -288,7 +288,7 @@ class Subscriber:
         self.ctx.term()
 
 
-def test_kv_events_match_the_block_counters(tiny):
+def test_kv_events_match_the_block_counters(tiny, request):
     """200 requests through a pool too small for them (evictions and preemptions): every batch
     decodes with vLLM's schema, the stored and removed hashes equal the engine's counters, and
     replaying the events gives exactly the blocks the prefix cache holds at the end."""
@@ -296,6 +296,8 @@ def test_kv_events_match_the_block_counters(tiny):
     cfg = {"endpoint": f"tcp://127.0.0.1:{p1}", "replay_endpoint": f"tcp://127.0.0.1:{p2}", "topic": "kv-events"}
     eng = engine(tiny, None, blocks=24, kv_events_config=cfg, max_num_seqs=16)
     sub = Subscriber(cfg["endpoint"], cfg["replay_endpoint"])
+    request.addfinalizer(sub.close)  # and the engine's publisher: never a zmq context left to the GC
+    request.addfinalizer(eng.close)
     reqs = families(seed=3, n_fam=12, n=200, prefix_blocks=3)
     for p, n in reqs:
         eng.add_request(p, SamplingParams(max_tokens=n + 10, temperature=0))
@@ -323,23 +325,21 @@ def test_kv_events_match_the_block_counters(tiny):
     assert (stored, removed) == (bm.stored, bm.removed)
     assert held == {bm.hash_of[b] for b in bm.cached.values()}
     assert published.dropped == 0
-    eng.close()
-    sub.close()
 
 
-def test_tier_events_and_cli_errors(tiny, tmp_path):
+def test_tier_events_and_cli_errors(tiny, tmp_path, request):
     """The tier's own writes are events of its medium; bad --kv-events-config / --kv-tier are one line, exit 2."""
     p1 = free_port()
     cfg = {"endpoint": f"tcp://127.0.0.1:{p1}", "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}
     eng = engine(tiny, str(tmp_path / "t"), blocks=16, kv_events_config=cfg)
     sub = Subscriber(cfg["endpoint"], cfg["replay_endpoint"])
+    request.addfinalizer(sub.close)
     one_by_one(eng, families(n=4))
     eng.close()
     wait_until(lambda: sub.poll(50) or sub.last == eng.publisher.published - 1, what="every batch received")
     disk = sum(len(e.block_hashes) for b in sub.batches for e in b.events
                if isinstance(e, BlockStored) and e.medium == "DISK")
     assert disk == eng.tier.view()["stored_blocks"] > 0
-    sub.close()
     for args, msg in ((["--kv-events-config", "{nope"], "not valid JSON"),
                       (["--kv-events-config", '{"publisher": "kafka"}'], "publisher"),
                       (["--kv-tier", str(tmp_path), "--no-prefix-caching"], "prefix caching")):
