@@ -33,8 +33,13 @@ may flip a near tie). The header gives the CPU, the setup and each contender's r
 The model is served as `inferd serve` serves it by default (--quantization auto: a GGUF's own blocks
 with int8 activations, the fused decode step; --quantization none: the dequantized weights).
 
+First, the verify-cost curve: what one step of R decode rows (R = 1..17) costs at contexts of 512
+and 4096 tokens, the rows reading the same blocks as a verifying sequence's k + 1 rows do; what a
+guess costs is what decides whether it pays.
+
 Usage: .venv/bin/python benchmarks/suffix_decode.py [--model gemma3-270m] [--quantization auto] [--batch 1 16]
        [--requests 16] [--max-tokens 160] [--rounds 3] [--workloads ...] [--ablation] [--json F] [--tiny]
+       [--curve-depths 512 4096] [--curve-rows 17] [--curve-only]
 """
 from __future__ import annotations
 
@@ -55,6 +60,7 @@ from inferd.bench.workloads import WORKLOADS, conversations  # noqa: E402
 from inferd.engine.engine import LLMEngine  # noqa: E402
 from inferd.engine.paths import engine_paths  # noqa: E402
 from inferd.engine.request import SamplingParams  # noqa: E402
+from inferd.engine.speculative.budget import verify_cost_curve  # noqa: E402
 from inferd.loading.loader import load_model  # noqa: E402
 
 PLAIN, NGRAM, SUFFIX, NO_COST = "plain decode", "ngram k=8", "suffix k=16, cost model", "suffix k=16, no cost model"
@@ -157,12 +163,17 @@ def main():
                     help="an output whose self-repeat share is at least this is looping (left out)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ablation", action="store_true", help="also suffix without its cost model")
+    ap.add_argument("--curve-depths", type=int, nargs="*", default=[512, 4096],
+                    help="the verify-cost curve: a step of R rows at these contexts (none: no curve)")
+    ap.add_argument("--curve-rows", type=int, default=17, help="the curve's rows: 1 .. this")
+    ap.add_argument("--curve-only", action="store_true", help="print the verify-cost curve, run no workload")
     ap.add_argument("--json", default=None)
     ap.add_argument("--tiny", action="store_true", help="a smoke run: two workloads, 2 requests, 8 tokens, 1 round")
     args = ap.parse_args()
     if args.tiny:
         args.workloads, args.batch, args.requests, args.pool = ["code-edit", "low-rep-chat"], [1, 2], 2, 1
         args.max_tokens, args.rounds = 8, 1
+        args.curve_depths, args.curve_rows = [64, 256], 3
     if args.threads:
         torch.set_num_threads(args.threads)
     lm = load_model(args.model, dtype=args.dtype, quantization=args.quantization)
@@ -176,8 +187,9 @@ def main():
     plain = engines[PLAIN]
     for eng in engines.values():  # warm-up: kernels, allocator, rope tables
         run_batch(eng, [[1] + list(range(100, 140))], 4, "warm-up")
+    curve = verify_curve(plain, args) if args.curve_depths else {}
     results, screens, rows = {}, {}, []
-    for wl in args.workloads:
+    for wl in ([] if args.curve_only else args.workloads):
         pool = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True)
                 for m in conversations(wl, args.requests * args.pool, args.seed)]
         kept, shares, looped = screen(plain, pool, args.requests, biggest, args.max_tokens, args.loop_share)
@@ -253,7 +265,30 @@ def main():
     print("(tok/step: tokens per verify step of a drafted sequence; rows: verify rows over every round; skipped: "
           "guesses the cost model left out; draft ms: proposing (and the cost model) per engine step; same: rounds whose "
           "outputs all equal plain decoding's)")
-    write_json(args.json, setup, rows, paths, screens=screens)
+    print_curve(curve)
+    write_json(args.json, setup, rows, paths, screens=screens,
+               verify_cost={str(d): {str(r): t for r, t in c.items()} for d, c in curve.items()})
+
+
+def verify_curve(eng: LLMEngine, args) -> dict:
+    """What a verify step of R rows costs at each depth (the plain engine: the same model and paths)."""
+    need = max(args.curve_depths) + 1
+    if need > eng.num_kv_blocks * eng.config.block_size:
+        sys.exit(f"--curve-depths: {need} tokens do not fit this engine's KV cache")
+    print(f"[curve] rows 1..{args.curve_rows} at depths {args.curve_depths}", file=sys.stderr, flush=True)
+    return verify_cost_curve(eng, list(range(1, args.curve_rows + 1)), args.curve_depths)
+
+
+def print_curve(curve: dict):
+    """The step of R rows in ms and as a multiple of one row's step, at each depth."""
+    if not curve:
+        return
+    depths = list(curve)
+    print("\nverify-cost curve: one step of R decode rows over the same context (median of 5, ms; xN: over one row)")
+    print(f"{'rows':>5}" + "".join(f"{f'depth {d}':>22}" for d in depths))
+    for r in curve[depths[0]]:
+        cells = "".join(f"{1000 * curve[d][r]:>12.2f} ms {curve[d][r] / curve[d][1]:>5.2f}x" for d in depths)
+        print(f"{r:>5}{cells}")
 
 
 if __name__ == "__main__":

@@ -288,6 +288,36 @@ def test_split_decode_of_one_long_sequence(dtype):
         assert torch.equal(alone[0], out[0]), isa
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, INT8])
+def test_verify_rows_sharing_a_table_decode_as_each_row_alone(dtype):
+    """A sequence verifying 8 guesses is 9 decode rows over one block table (contexts 1500..1508),
+    beside another sequence: the kernels take such rows split by split (so a split's keys come from
+    memory once for all 9, softmax_impl.h's split_order); each row's result is bit for bit the one it
+    gets decoded alone, through both decode kernels, on every variant."""
+    ops = _need_kernels()
+    D, H, Hkv, bs = 64, 6, 2, 16
+    g = torch.Generator().manual_seed(9)
+    pool = KVPool(1, 120, bs, Hkv, D, dtype, "cpu")
+    for c in (pool.k, pool.v):
+        x = torch.randn(c.shape[:3] + (D,), generator=g)
+        c.copy_(quantize_rows(x) if dtype == INT8 else x.to(dtype))
+    rows = 9
+    ctx = torch.tensor([1500 + i for i in range(rows)] + [300])
+    bt = torch.zeros(rows + 1, 95, dtype=torch.long)
+    bt[:rows] = torch.arange(95)
+    bt[rows, :19] = torch.arange(95, 114)
+    q = torch.randn(rows + 1, H, D, generator=g)
+    kernels = [lambda q, bt, ctx: ops.paged_decode_split(q, pool.k[0], pool.v[0], bt, ctx, bs, D ** -0.5, 0, 0.0)]
+    if dtype != INT8:
+        kernels.append(lambda q, bt, ctx: ops.paged_decode(q, pool.k[0], pool.v[0], bt, ctx, bs, D ** -0.5, 0))
+    for isa in _variants():
+        for run in kernels:
+            out = run(q, bt, ctx)
+            for i in range(rows + 1):
+                alone = run(q[i:i + 1], bt[i:i + 1], ctx[i:i + 1])
+                assert torch.equal(alone[0], out[i]), (isa, i)
+
+
 def test_int8_rows_are_written_as_torch_quantizes_them():
     """write_kv_q8 (every variant) makes the rows quantize_rows makes, bit for bit: per group of 32 the
     fp16 scale amax / 127 after the codes, codes round(x / scale); each value within half a step of its

@@ -420,3 +420,7 @@ def test_suffix_decode_tiny_reports_screening_ratios_and_paths(default_gguf_path
         else:
             assert row["spec_num_verified_rows"] == row["spec_num_draft_tokens"] + row["spec_num_drafts"]
     assert "cost model: suffix k=16, cost model: 1:" in r.stdout and "/ngram" in r.stdout
+    # the verify-cost curve: each depth's step of 1..3 rows (the context rounded up to whole blocks)
+    assert set(doc["verify_cost"]) == {"64", "256"} and all(
+        set(c) == {"1", "2", "3"} and min(c.values()) > 0 for c in doc["verify_cost"].values())
+    assert "verify-cost curve" in r.stdout

@@ -437,10 +437,11 @@ static int64_t split_decode(const float* q, const E* k, const E* v, const int64_
   int64_t work = 0;
   for (int64_t b = 0; b < B; ++b) work += ctx[b];
   const int64_t grain = work * H * D < (1 << 14) ? tasks : 1;
+  const std::vector<int64_t> order = split_order(first, bt, max_blocks, B);
   at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
     static thread_local DecodeScratch w;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t c = task / Hkv, hk = task % Hkv;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t c = order[i / Hkv], hk = i % Hkv, task = c * Hkv + hk;
       const int64_t b = std::upper_bound(first.begin(), first.end(), c) - first.begin() - 1;
       const int64_t start = window > 0 ? std::max<int64_t>(0, ctx[b] - window) : 0;
       const int64_t t0 = start + (c - first[b]) * SPLIT, t1 = std::min(ctx[b], t0 + SPLIT);

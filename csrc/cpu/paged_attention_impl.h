@@ -151,10 +151,12 @@ static void decode_attention(const float* q, const T* k, const T* v, const int64
   // one task a chunk, all its kv heads: a slot's heads are adjacent in the cache, so the chunk's
   // slots (64 x every head, 48 KB in fp32) come from memory once, whole and in order, and stay in
   // cache for the other heads (one task a kv head read a third of each slot, on either core)
+  const std::vector<int64_t> order = split_order(first, bt, max_blocks, B);
   at::parallel_for(0, chunks, grain == 1 ? 1 : chunks, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(G * CHUNK);
     int64_t slot[CHUNK];
-    for (int64_t c = begin; c < end; ++c) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t c = order[i];
       const int64_t b = std::upper_bound(first.begin(), first.end(), c) - first.begin() - 1;
       const int64_t start = window > 0 ? std::max<int64_t>(0, ctx[b] - window) : 0;
       const int64_t t0 = start + (c - first[b]) * CHUNK, t1 = std::min(ctx[b], t0 + CHUNK), len = t1 - t0;

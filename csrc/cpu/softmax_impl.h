@@ -27,6 +27,28 @@ static inline SoftmaxPart softmax_part(float* s, int64_t n) {
   return {m, sum};
 }
 
+// The order a decode step computes its key splits in (split ids as merge_splits numbers them).
+// Rows next to each other whose tables start with the same block read the same keys: the k + 1
+// rows of a sequence verifying guesses, or requests over one cached prefix. Taken sequence by
+// sequence, each row would stream its whole context from memory again (at 4k tokens the KV of a
+// small model is ~90 MB, far past any cache); taken split by split across such a run of rows, a
+// split's keys come from memory for its first row and from cache for the others. Each split is the
+// same computation in either order, so the result is too.
+static std::vector<int64_t> split_order(const std::vector<int64_t>& first, const int64_t* bt, int64_t max_blocks,
+                                        int64_t B) {
+  std::vector<int64_t> order;
+  order.reserve(first[B]);
+  for (int64_t b0 = 0, b1; b0 < B; b0 = b1) {
+    int64_t most = first[b0 + 1] - first[b0];
+    for (b1 = b0 + 1; b1 < B && bt[b1 * max_blocks] == bt[b0 * max_blocks]; ++b1)
+      most = std::max(most, first[b1 + 1] - first[b1]);
+    for (int64_t c = 0; c < most; ++c)
+      for (int64_t b = b0; b < b1; ++b)
+        if (first[b] + c < first[b + 1]) order.push_back(first[b] + c);
+  }
+  return order;
+}
+
 // The partial softmaxes of each (sequence, kv head)'s key splits, merged in split order: each split's
 // weighted values rescaled to the largest maximum, summed, and divided by the total. Split c of kv
 // head hk is a record at part + (c * Hkv + hk) * G * (D + 2): its G heads' maxima, their sums, then

@@ -16,6 +16,7 @@ stream is consumed per guess verified) and their counters. `CostBudget` reads on
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 
 from inferd.engine.request import Status
@@ -177,22 +178,17 @@ class CostBudget(VerifyAll):
             self.overhead = 0.9 * self.overhead + 0.1 * max(0.0, total - forward)
 
 
-def measure_step_cost(engine, k: int) -> spec_cost.StepCost | None:
-    """Seconds of a step of R decode rows on this machine, R up to what a step can hold (every
-    sequence with k + 1 rows, within the token budget): one row each at a context of up to 512
-    tokens (attention's share of a row, as a chat's), through the runner as a step runs (fused or
-    eager, every tensor-parallel rank). The K/V written land in free blocks, which any request
-    writes before it reads; the runner's and the attention's path counters are put back, so that
-    they count requests' steps only."""
-    cfg = engine.config
+def step_of_rows(engine, depth: int = 512):
+    """run_rows(R): one step of R decode rows through the runner as a step runs (fused or eager, every
+    tensor-parallel rank), each row one token at a context of up to `depth` tokens over the same
+    blocks (as the k + 1 rows of one verifying sequence read them). The K/V written land in free
+    blocks, which any request writes before it reads. Returns (run_rows, the context it reached)."""
     runner = engine.runner
-    bs = cfg.block_size
-    nb = max(1, min(engine.num_kv_blocks, -(-512 // bs)))
+    bs = engine.config.block_size
+    nb = max(1, min(engine.num_kv_blocks, -(-depth // bs)))
     ctx = nb * bs - 1
     table = list(range(nb))
     groups = engine.kv_layout.num_groups
-    max_rows = max(2, min(cfg.max_num_batched_tokens, cfg.max_num_seqs * (k + 1)))
-    saved = _counters(runner)
 
     def run_rows(R: int):
         plan = StepPlan([0] * R, [table] * R, [ctx] * R, [1] * R, list(range(R)), list(range(R)),
@@ -201,7 +197,19 @@ def measure_step_cost(engine, k: int) -> spec_cost.StepCost | None:
         if runner.comm is not None:
             runner.comm.send_obj(plan)
         runner.run(plan)
+    return run_rows, ctx
 
+
+def measure_step_cost(engine, k: int) -> spec_cost.StepCost | None:
+    """Seconds of a step of R decode rows on this machine, R up to what a step can hold (every
+    sequence with k + 1 rows, within the token budget): one row each at a context of up to 512
+    tokens (attention's share of a row, as a chat's). The runner's and the attention's path
+    counters are put back, so that they count requests' steps only."""
+    cfg = engine.config
+    runner = engine.runner
+    max_rows = max(2, min(cfg.max_num_batched_tokens, cfg.max_num_seqs * (k + 1)))
+    saved = _counters(runner)
+    run_rows, _ = step_of_rows(engine, 512)
     t0 = time.monotonic()
     try:
         cost = spec_cost.measure(run_rows, max_rows)
@@ -216,6 +224,25 @@ def measure_step_cost(engine, k: int) -> spec_cost.StepCost | None:
     log.info("speculative cost model: step seconds by rows measured in %.1f s (%s)", time.monotonic() - t0,
              cost.describe())
     return cost
+
+
+def verify_cost_curve(engine, rows: list[int], depths: list[int], reps: int = 5) -> dict:
+    """{depth: {R: median seconds of a step of R rows}}: rounds over every (depth, R) in turn (a burst
+    of other load slows all of them alike), the path counters put back afterwards."""
+    saved = _counters(engine.runner)
+    try:
+        runs = {d: step_of_rows(engine, d) for d in depths}
+        times = {d: {r: [] for r in rows} for d in depths}
+        for rep in range(reps + 1):
+            for d, (run_rows, _) in runs.items():
+                for r in rows:
+                    t0 = time.perf_counter()
+                    run_rows(r)
+                    if rep:  # the first round warms up
+                        times[d][r].append(time.perf_counter() - t0)
+        return {runs[d][1] + 1: {r: statistics.median(v) for r, v in times[d].items()} for d in depths}
+    finally:
+        _restore(engine.runner, saved)
 
 
 _COUNTERS = (("runner", "fused_steps"), ("runner", "eager_decode_steps"), ("runner", "lora_fused_steps"),
