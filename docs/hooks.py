@@ -48,7 +48,7 @@ def flags_markdown() -> str:
             if a.choices and not isinstance(a.choices, dict):
                 flag += " {" + ", ".join(str(c) for c in a.choices) + "}"
             default = "" if a.default in (None, argparse.SUPPRESS) else f"`{a.default}`"
-            out.append(f"| {flag} | {_cell(default)} | {_cell(a.help or '')} |")
+            out.append(f"| {flag} | {_cell(default)} | {_cell((a.help or '').replace('%%', '%'))} |")
         out.append("")
     return "\n".join(out)
 

@@ -43,6 +43,12 @@ def add_model_args(p: argparse.ArgumentParser, several: bool = False):
                         "one); gguf: the file's own blocks (Q4_0/1, Q5_0/1, Q8_0, Q2_K..Q6_K, IQ4_NL/XS)")
     g.add_argument("--quant-group-size", type=int, default=32, help="int4 group size (must divide the input size)")
     g.add_argument("--quantize-lm-head", action="store_true", help="quantize the output layer too")
+    g.add_argument("--lm-head-quantization", default="none", choices=["none", "q4_k", "q5_k"],
+                   help="a GGUF served from its blocks: decode's output layer rounded again to Q4_K (4.5 bits) "
+                        "or Q5_K (5.5) at load, from a higher-bit one (a Q4_K_M file's Q6_K token table: 28 %% "
+                        "fewer head bytes a token in Q4_K); the file's table stays for the embedding; lossy, off by "
+                        "default: `inferd eval --quantization auto --lm-head-quantization none,q4_k` prints its "
+                        "KL and top-1 against the file's head")
     g.add_argument("--quantize-activations", action="store_true",
                    help="round activations to int8 per 32-block and multiply with integer dot products: "
                         "W4A8 for int4 weights (int4, int4-gptq, gguf, awq; as llama.cpp's Q4 x Q8_1), W8A8 for "
@@ -269,6 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="awq config: this AWQ folder (from inferd quantize); default: calibrate in memory "
                          "at --quant-group-size the way inferd quantize does")
     ev.add_argument("--quantize-lm-head", action="store_true", help="quantize the output layer too")
+    ev.add_argument("--lm-head-quantization", default="none",
+                    help="comma list (none, q4_k, q5_k): each configuration of a GGUF served from its blocks "
+                         "(auto, gguf) also loaded with its output layer rounded again to that type; rows after "
+                         "the first also report KL and top-1 against the first (the head's cost alone)")
     ev.add_argument("--dtype", default="auto", help="activation dtype of the evaluated configs")
     ev.add_argument("--dataset", default="wikitext", choices=["wikitext"],
                     help="evaluation text (WikiText-2 test split, shipped with the repository)")

@@ -21,6 +21,7 @@ class LoadConfig:
     quantization: str = "none"  # a name in inferd.quant.METHODS; the loader builds what it is asked (the engine's default is auto)
     quant_group_size: int = 32
     quantize_lm_head: bool = False
+    lm_head_quantization: str = "none"  # none | q4_k | q5_k: a GGUF's output layer rounded again, for decode
     quantize_activations: bool = False  # int4/int8 weights x int8 activations (W4A8/W8A8)
     dense_quant: bool = False  # quantized layers keep exact dequantized weights (fp32 evaluation)
     with_tokenizer: bool = True
@@ -46,6 +47,7 @@ class EngineConfig:
     quantization: str = "auto"  # a name in inferd.quant.METHODS
     quant_group_size: int = 32
     quantize_lm_head: bool = False
+    lm_head_quantization: str = "none"  # none | q4_k | q5_k (inferd.quant.kquants): lossy, off by default
     quantize_activations: bool = False  # int4 weights x int8 activations (W4A8 kernel)
     dense_quant: bool = False  # quantized layers keep their exact dequantized weights (fp32 evaluation; no flag)
     enforce_eager: bool = False  # no fused C++ decode step (inferd.model.fused_decode): read by the ModelRunner only

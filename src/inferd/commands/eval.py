@@ -28,6 +28,19 @@ def run(args) -> int:
 
     for k in kv_dtypes:
         kv_cache_dtype(k, torch.float32)  # an unknown name, or fp8: one line now, not after the reference
+    heads = [h.strip().lower() for h in args.lm_head_quantization.split(",") if h.strip()] or ["none"]
+    from inferd.quant.kquants import HEAD_TYPES
+
+    for h in heads:
+        if h != "none" and h not in HEAD_TYPES:
+            raise InferdError(f"--lm-head-quantization {h!r}: choose none, {', '.join(HEAD_TYPES)}")
+    if heads != ["none"]:
+        if len(kv_dtypes) > 1:
+            raise InferdError("--lm-head-quantization and --kv-cache-dtype: one list at a time")
+        bad = [c for c in configs if split_config(c)[0] not in ("auto", "gguf")]
+        if bad:
+            raise InferdError(f"--lm-head-quantization rounds a GGUF's output layer served from its blocks: "
+                              f"{', '.join(bad)} is not auto or gguf")
     if args.ctx < 2 or args.windows < 1:
         raise InferdError("--ctx must be >= 2 and --windows >= 1")
     if args.plot and not args.speed:
@@ -38,7 +51,7 @@ def run(args) -> int:
         raise InferdError("--awq-path is for the awq configuration: add awq to --quantization")
     res = run_eval(args.model, configs, args.quant_group_size, args.ctx, args.windows, args.dtype,
                    args.quantize_lm_head, args.speed, args.dataset_path, speed_dtype=args.speed_dtype,
-                   awq_path=args.awq_path, kv_dtypes=kv_dtypes,
+                   awq_path=args.awq_path, kv_dtypes=kv_dtypes, heads=heads,
                    progress=lambda i, n: sys.stderr.write(f"\rwindow {i}/{n}") or sys.stderr.flush())
     sys.stderr.write("\n")
     print(format_table(res))

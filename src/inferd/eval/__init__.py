@@ -127,10 +127,12 @@ def split_config(c: str) -> tuple[str, bool]:
 def run_eval(model: str | None, configs: list[str], group_size: int = 32, ctx: int = 512, windows: int = 64,
              dtype: str = "auto", quantize_lm_head: bool = False, speed: bool = True,
              text_path: str | None = None, continuation_tokens: int = 16, progress=None,
-             speed_dtype: str = "auto", awq_path: str | None = None, kv_dtypes: list[str] | None = None) -> dict:
+             speed_dtype: str = "auto", awq_path: str | None = None, kv_dtypes: list[str] | None = None,
+             heads: list[str] | None = None) -> dict:
     """`kv_dtypes`: --kv-cache-dtype's list; "auto" (the default) is the plain row of each configuration
     (attention over a contiguous cache in the activations' dtype), any other a row through the paged
-    cache in that dtype."""
+    cache in that dtype. `heads`: --lm-head-quantization's list ("none": the file's own output layer),
+    each a load of every configuration; one of the two lists at a time."""
     from inferd.engine.reference import reference_generate
     from inferd.loading.loader import load_model, resolve_dtype
     from inferd.quant import weight_bytes
@@ -152,14 +154,23 @@ def run_eval(model: str | None, configs: list[str], group_size: int = 32, ctx: i
     # fp32 path is 5-70x slower, same maths); speed and memory are then measured on a second,
     # packed copy in the serving dtype, which is what `inferd serve` would run
     fp32 = resolve_dtype(dtype, "cpu") == torch.float32
+    heads = list(heads or ["none"])
+    if len(heads) > 1 and len(kv_dtypes or []) > 1:
+        raise InferdError("--lm-head-quantization and --kv-cache-dtype: one list at a time")
+    # each configuration once per head: its key "auto" or "auto lm_head=q4_k"
+    variants = {c: [c if h == "none" else f"{c} lm_head={h}" for h in heads] for c in configs}
+    head_of = {k: h for c in configs for k, h in zip(variants[c], heads)}
     loaded, labels = {}, {}
-    for c in configs:
+    for key in [k for c in configs for k in variants[c]]:
+        c, h = key.split(" lm_head=")[0], head_of[key]
         base, a8 = split_config(c)
-        labels[c] = base + (f" g{group_size}" if base in ("int4", "int4-gptq") else "")
+        labels[key] = base + (f" g{group_size}" if base in ("int4", "int4-gptq") else "")
         if base == "auto":  # what `inferd serve` runs by default, as it would load it
-            loaded[c] = load_model(model, dtype=dtype, quantization="auto")
-            labels[c] = auto_label(loaded[c].model)
-        elif base == "awq":
+            loaded[key] = load_model(model, dtype=dtype, quantization="auto", lm_head_quantization=h)
+            labels[key] = auto_label(loaded[key].model) + (f", lm_head {h}" if h != "none" else "")
+            continue
+        c = key
+        if base == "awq":
             # W4A8's fast path takes fp32 glue (resolve_dtype); weight-only AWQ runs on bf16 activations
             awq_dtype = "float32" if a8 and dtype == "auto" else dtype
             loaded[c], labels[c] = _awq_config(model, awq_path, group_size, awq_dtype, ref)
@@ -169,16 +180,22 @@ def run_eval(model: str | None, configs: list[str], group_size: int = 32, ctx: i
                 quantize_activations(loaded[c].model)
         elif a8:  # these layers round activations themselves: evaluated (and timed) in their packed form
             loaded[c] = load_model(model, dtype=dtype, quantization=base, quant_group_size=group_size,
-                                   quantize_lm_head=quantize_lm_head, quantize_activations=True)
+                                   quantize_lm_head=quantize_lm_head, quantize_activations=True,
+                                   lm_head_quantization=h)
         else:
-            loaded[c] = load_model(model, dtype=dtype, quantization=c, quant_group_size=group_size,
-                                   quantize_lm_head=quantize_lm_head, dense_quant=fp32)
+            loaded[c] = load_model(model, dtype=dtype, quantization=base, quant_group_size=group_size,
+                                   quantize_lm_head=quantize_lm_head, dense_quant=fp32, lm_head_quantization=h)
         if a8:
             labels[c] += " W8A8" if base.startswith("int8") else " W4A8"
+        if h != "none":
+            labels[c] += f", lm_head {h}"
     kv_dtypes = list(kv_dtypes or ["auto"])
-    rows_of = [(c, kv) for c in configs for kv in kv_dtypes]
+    keys = [k for c in configs for k in variants[c]]
+    rows_of = [(k, kv) for k in keys for kv in kv_dtypes]
     acc = {r: Accumulator() for r in rows_of}
-    vs_first = {r: Accumulator() for r in rows_of if r[1] != kv_dtypes[0]}  # the cache alone
+    # the cache alone, or the head alone: each row against its configuration's first one
+    vs_first = {r: Accumulator() for r in rows_of if (r[0], r[1]) not in
+                {(variants[c][0], kv_dtypes[0]) for c in configs}}
     ref_acc = Accumulator()
     for wi, w in enumerate(wins):
         targets = torch.tensor(w[1:])
@@ -186,14 +203,15 @@ def run_eval(model: str | None, configs: list[str], group_size: int = 32, ctx: i
         ref_acc.add(compare(ref_lp, ref_lp, targets))
         for c in configs:
             first = None
-            for kv in kv_dtypes:
-                lp = (window_logprobs(loaded[c].model, w) if kv == "auto"
-                      else paged_window_logprobs(loaded[c].model, w, kv))
-                acc[(c, kv)].add(compare(ref_lp, lp, targets))
-                if first is None:
-                    first = lp
-                else:
-                    vs_first[(c, kv)].add(compare(first, lp, targets))
+            for key in variants[c]:
+                for kv in kv_dtypes:
+                    lp = (window_logprobs(loaded[key].model, w) if kv == "auto"
+                          else paged_window_logprobs(loaded[key].model, w, kv))
+                    acc[(key, kv)].add(compare(ref_lp, lp, targets))
+                    if first is None:
+                        first = lp
+                    else:
+                        vs_first[(key, kv)].add(compare(first, lp, targets))
         if progress:
             progress(wi + 1, len(wins))
     prompts = [tok.encode(p) for p in FIXED_PROMPTS]
@@ -203,13 +221,14 @@ def run_eval(model: str | None, configs: list[str], group_size: int = 32, ctx: i
     rows = []
     ref_row = {"config": "reference (fp32, dequantized)", **ref_acc.summary(),
                "weight_mib": weight_bytes(ref.model) / 2**20}
-    for c in configs:
+    for c in keys:
         lm = loaded[c]
         packed = lm
-        base, a8 = split_config(c)
+        base, a8 = split_config(c.split(" lm_head=")[0])
         if fp32 and base not in ("none", "awq", "auto") and not a8:  # dense weights: time the packed form
-            packed = load_model(model, dtype=speed_dtype, quantization=c, quant_group_size=group_size,
-                                quantize_lm_head=quantize_lm_head, with_tokenizer=c.endswith("-gptq"))
+            packed = load_model(model, dtype=speed_dtype, quantization=base, quant_group_size=group_size,
+                                quantize_lm_head=quantize_lm_head, with_tokenizer=base.endswith("-gptq"),
+                                lm_head_quantization=head_of[c])
         label = labels[c] + (" +lm_head" if quantize_lm_head and base not in ("none", "awq", "auto") else "")
         conts = None
         for kv in kv_dtypes:
@@ -219,8 +238,11 @@ def run_eval(model: str | None, configs: list[str], group_size: int = 32, ctx: i
                    "kv_cache_dtype": kv}
             if (c, kv) in vs_first:
                 s = vs_first[(c, kv)].summary()
-                row["vs_first_kv"] = {"kv_cache_dtype": kv_dtypes[0], "mean_kl": s["mean_kl"], "p99_kl": s["p99_kl"],
-                                      "top1_agreement": s["top1_agreement"]}
+                against = {"mean_kl": s["mean_kl"], "p99_kl": s["p99_kl"], "top1_agreement": s["top1_agreement"]}
+                if len(heads) > 1:
+                    row["vs_first_head"] = {"lm_head": heads[0], **against}
+                else:
+                    row["vs_first_kv"] = {"kv_cache_dtype": kv_dtypes[0], **against}
             if speed:
                 row["decode_tok_s_batch1"] = decode_speed(packed, 1, kv_cache_dtype=kv)
                 row["throughput_tok_s_batch32"] = decode_speed(packed, 32, kv_cache_dtype=kv)
@@ -288,6 +310,14 @@ def format_table(res: dict) -> str:
         for r in cache:
             v = r["vs_first_kv"]
             lines.append(f"{r['config']:<{w}} {v['kv_cache_dtype']:>9} {v['mean_kl']:>9.4f} {v['p99_kl']:>8.4f} "
+                         f"{100 * v['top1_agreement']:>6.1f}%")
+    alone = [r for r in res["configs"] if "vs_first_head" in r]
+    if alone:  # the head alone: each row against the same configuration with the file's own output layer
+        lines += ["", f"{'output layer alone (same weights)':<{w}} {'vs head':>9} {'mean KL':>9} {'p99 KL':>8} "
+                      f"{'top-1':>7}"]
+        for r in alone:
+            v = r["vs_first_head"]
+            lines.append(f"{r['config']:<{w}} {v['lm_head']:>9} {v['mean_kl']:>9.4f} {v['p99_kl']:>8.4f} "
                          f"{100 * v['top1_agreement']:>6.1f}%")
     lines.append("")
     lines.append("greedy continuations:")

@@ -383,7 +383,8 @@ def _load(lc: LoadConfig, shard=None) -> LoadedModel:
     ctx = quant.QuantContext(name, lc.quant_group_size, lc.quantize_lm_head, lc.dense_quant, lc.quantize_activations,
                              cfg, plan, checkpoint, calibration if tok is not None else None,
                              fp32_copy, (src.kind, src.path or src.name),
-                             on_dense=report.on_dense if name == "gguf" else None, release=report.release)
+                             on_dense=report.on_dense if name == "gguf" else None, release=report.release,
+                             lm_head_type=head_type(lc, name))
     for line in quant.apply(net, ctx, shard):
         log.info("%s", line)
     tie_dense_head(net, cfg)
@@ -391,6 +392,25 @@ def _load(lc: LoadConfig, shard=None) -> LoadedModel:
     for line in report.lines():
         log.info("%s", line)
     return LoadedModel(net, cfg, tok, src, report.as_dict())
+
+
+def head_type(lc: LoadConfig, method: str) -> str | None:
+    """--lm-head-quantization's GGUF type, or None; one line where it cannot apply."""
+    from inferd.quant.kquants import HEAD_TYPES
+
+    name = (lc.lm_head_quantization or "none").lower()
+    if name == "none":
+        return None
+    if name not in HEAD_TYPES:
+        raise InferdError(f"--lm-head-quantization {lc.lm_head_quantization!r}: choose none, {', '.join(HEAD_TYPES)}")
+    if method != "gguf" or lc.dense_quant:
+        raise InferdError(f"--lm-head-quantization {name} rounds a GGUF file's output layer as served from its "
+                          "blocks: it needs --quantization auto (or gguf) on a .gguf model")
+    if not lc.quantize_lm_head:  # a Q4_0/Q4_1 head: already 4 bits (served re-rounded to int8)
+        log.info("--lm-head-quantization %s: the output layer is not served from its own blocks here (a 4-bit "
+                 "head, or gguf without --quantize-lm-head): it stays as it is", name)
+        return None
+    return HEAD_TYPES[name]
 
 
 def guard(src: ModelSource, plan, cfg: ModelConfig, lc: LoadConfig, method: str, dtype) -> None:

@@ -56,7 +56,8 @@ class LoadReport:
     def release(self, parts) -> None:
         """A layer is built from `parts`: drop the mapped pages it read (they would count as resident
         until the process exits) and move the progress line."""
-        spans = [(p.tensor.data_offset, p.tensor.n_bytes) for p in parts if hasattr(p, "tensor")]
+        # (a part of blocks made at load, --lm-head-quantization's, maps nothing)
+        spans = [(p.tensor.data_offset, p.tensor.n_bytes) for p in parts if hasattr(getattr(p, "tensor", None), "data_offset")]
         if self.reader is not None and spans:
             self.reader.release(spans)
         self.done_bytes += sum(getattr(p, "nbytes", 0) for p in parts)

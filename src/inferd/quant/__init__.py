@@ -88,6 +88,7 @@ class QuantContext:
     cache_key: tuple = ()  # identifies the weights: calibrated codes are kept per process
     on_dense: Callable | None = None  # (name, placeholder) of each layer left dense: the loader logs and counts
     release: Callable | None = None  # (parts) once a layer is built from them: the loader drops their pages
+    lm_head_type: str | None = None  # --lm-head-quantization: the output layer rounded to this GGUF type (Q4_K/Q5_K)
 
 
 def method(name: str) -> Method | None:

@@ -12,11 +12,15 @@ loader logs and counts.
 """
 from __future__ import annotations
 
+import logging
+
+import numpy as np
 import torch
 
 from inferd.errors import InferdError
 from inferd.quant.gguf_layer import GROUP, FusedParts, GGUFLinear, int4_blocks, q8_blocks
 
+log = logging.getLogger("inferd")
 INT4_TYPES = ("Q4_0", "Q4_1")
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -112,6 +116,42 @@ def build_layer(lin, ctx, dtype: torch.dtype) -> tuple[torch.nn.Module | None, s
     return FusedParts(mods, bias), "mixed"
 
 
+def lower_bit_head(lin, type_name: str):
+    """--lm-head-quantization: the output layer's parts rounded again to `type_name` (Q4_K or Q5_K)
+    from the file's blocks, a chunk of rows at a time (inferd.quant.kquants); the file's table stays
+    for the embedding lookups. A head already at or under the target's bits, or of a type without a
+    writer here, stays as it is: one log line says which."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from gguf import GGMLQuantizationType
+
+    from inferd.model.planned import PlannedLinear
+    from inferd.quant import kquants
+
+    want = kquants.SOURCE_BITS[type_name]
+    out = []
+    for p in lin.parts:
+        bits = kquants.SOURCE_BITS.get(p.type)
+        if bits is None or bits <= want or getattr(p, "offset", 0.0) or not hasattr(p, "tensor"):
+            log.info("--lm-head-quantization %s: the output layer stays %s (%s)", type_name.lower(), p.type,
+                     "already at or under its bits" if bits is not None and bits <= want else "no writer from it")
+            return lin
+        raw = np.asarray(p.raw())
+        N, K = raw.shape[0], p.shape[1]
+        if K % kquants.QK:
+            log.info("--lm-head-quantization %s: the output layer stays %s (rows of %d weights)", type_name.lower(),
+                     p.type, K)
+            return lin
+        blocks = kquants.requantize_rows(raw, p.type, type_name)
+        tensor = SimpleNamespace(name=p.name + f".{type_name.lower()}", tensor_type=GGMLQuantizationType[type_name],
+                                 shape=(K, N), data=blocks, n_bytes=blocks.nbytes)
+        out.append(dataclasses.replace(p, tensor=tensor, expert=None, cols=None))
+        log.info("--lm-head-quantization %s: the output layer %s -> %s, %.0f -> %.0f MB (the file's table kept for "
+                 "the embedding)", type_name.lower(), p.type, type_name, p.nbytes / 1e6, blocks.nbytes / 1e6)
+    return PlannedLinear(out, lin.bias_parts, lin.in_features, lin.out_features)
+
+
 def apply(model, ctx) -> str:
     """The registry's entry for `gguf`: every projection (and, with `--quantize-lm-head`, the output
     layer) whose parts have kernels, from the file's own blocks; the rest stays for the loader's
@@ -126,6 +166,8 @@ def apply(model, ctx) -> str:
     for path, parent, name, lin in list(planned_paths(model)):
         if role(path) not in PROJECTIONS and not (role(path) == "lm_head" and ctx.lm_head):
             continue  # the router stays float, as in vLLM
+        if role(path) == "lm_head" and ctx.lm_head_type:
+            lin = lower_bit_head(lin, ctx.lm_head_type)
         if role(path) == "lm_head" and any(_kind(p) == "int4" for p in lin.parts):
             layer, kind = None, "a 4-bit head is re-rounded to int8"  # the logits are worth 8 bits (head_has_kernel)
         else:
