@@ -153,6 +153,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20, help="timed calls a kernel (median)")
     ap.add_argument("--profile-steps", type=int, default=32)
     ap.add_argument("--tiny", action="store_true", help="smoke run: the tiny shape in Q8_0, one round, no llama.cpp")
+    ap.add_argument("--lm-head-quantization", default="none", choices=["none", "q4_k", "q5_k"],
+                    help="also decode with the output layer rounded to this type (a second load; its own row)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     if a.tiny:
@@ -196,6 +198,12 @@ def main() -> None:
     paths: dict[str, dict] = {}
     ours_paths: dict = {}
     runners = {"inferd": lambda: decode_rate(lm, prompt, a.gen, 1, warmup=True, paths=ours_paths)}
+    head = f"inferd, output layer {a.lm_head_quantization}"
+    if a.lm_head_quantization != "none":  # the lower-bit head: a second load, its own interleaved row
+        low = load_model(path, quantization="auto", lm_head_quantization=a.lm_head_quantization)
+        low_paths: dict = {}
+        paths[head] = low_paths
+        runners[head] = lambda: decode_rate(low, prompt, a.gen, 1, warmup=True, paths=low_paths)
     llama_note = tiny_skips("llama-bench") if a.tiny else None
     if not a.tiny:
         import llamacpp
@@ -226,7 +234,7 @@ def main() -> None:
     report_header(f"batch-1 decode against the memory roofline: {setup['file']}", setup, paths)
     rows = []
     print(f"\n{'engine':44s} {'tok/s':>22s} {'% roofline':>10s} {'vs llama.cpp':>12s}")
-    base = next((statistics.median(v) for k, v in runs.items() if k != "inferd"), None)
+    base = next((statistics.median(v) for k, v in runs.items() if k.startswith("llama")), None)
     for label, v in runs.items():
         med = statistics.median(v)
         ratio = f"{med / base:.2f}x" if base else "-"
