@@ -183,7 +183,7 @@ DOCS = ("README.md", "docs/performance.md")
 TINY = {"quant_decode.py": "--model", "serve_overhead.py": "--model", "llamacpp_server_bench.py": "--gguf",
         "engine_vs_hf.py": "--model", "spec_decode.py": "--model", "w4a8_gemm.py": None, "embeddings.py": None,
         "real_sizes.py": None, "suffix_decode.py": None,
-        "decode_roofline.py": "--model"}
+        "decode_roofline.py": "--model", "long_context.py": None}
 # run in their tiny mode by their own module's test, with that feature's checks
 OWN_TEST = {"embeddings.py", "suffix_decode.py"}
 # cited with a command but not run here: kv_tier.py (11 servers and 6 routers: its --tiny takes over a
