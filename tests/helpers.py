@@ -117,15 +117,16 @@ def compare(got, ref, *, max_ties: int, gap: float = NEAR_TIE, what: str = "gree
 
 
 def teacher_forced(mine: torch.Tensor, ref: torch.Tensor, *, max_ties: int, start: int = 0, atol: float = 2e-4,
-                   what: str = "teacher-forced argmax") -> int:
+                   gap: float = NEAR_TIE, what: str = "teacher-forced argmax") -> int:
     """Logits of one sequence, ours against the reference's ([positions, vocab]): from `start` on our
-    argmax is the reference's, or within NEAR_TIE of it in the reference's own logits (a skipped
-    position, at most max_ties of them); every logit within atol. Returns the skipped positions."""
+    argmax is the reference's, or within `gap` (NEAR_TIE unless the caller states its own bound) of it
+    in the reference's own logits (a skipped position, at most max_ties of them); every logit within
+    atol. Returns the skipped positions."""
     ties = 0
     for t in range(start, ref.shape[0]):
         a, b = int(mine[t].argmax()), int(ref[t].argmax())
         if a != b:
-            assert float(ref[t, b] - ref[t, a]) < NEAR_TIE, f"{what}: position {t}: {a} vs the reference's {b}"
+            assert float(ref[t, b] - ref[t, a]) < gap, f"{what}: position {t}: {a} vs the reference's {b}"
             ties += 1
     n = ref.shape[0] - start
     _within_bound(ties, max_ties, n - ties, n, what)

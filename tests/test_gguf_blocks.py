@@ -142,19 +142,21 @@ def test_a_k_quant_file_serves_from_its_blocks_in_its_own_bytes(gemma_path, gemm
 
 
 def test_the_engine_batches_block_layers_to_the_reference_loops_tokens(gemma_blocks, gemma_llm):
-    """Continuous batching over block layers: each request's greedy tokens are the reference loop's on
-    the same model, and the engine did batch them. The kernel's rows do not depend on the batch, but
-    paged and contiguous attention sum in different orders, and a last-bit difference can flip one
-    activation's int8 rounding; at Gemma's outlier activations that moves the logits by up to ~1.4
-    (measured: every logit the engine sampled from against the reference loop's, 2026-12, AVX-512).
-    No near-tie threshold follows from a bound that size (a flip may part the tokens wherever the
-    top-2 gap is under twice it), so the tokens are held to the fp32 rule (1e-4, at most one cut of
-    four; the 1e-2 used before excused nothing more here) and the logits to about twice the measured
-    bound, 3.0 (other CPUs sum in other orders): a machinery fault (a wrong block, a lost chunk)
-    moves them further. Prompts are prefilled whole: a different chunk boundary moves Gemma's logits
-    as much (the same with torch's matmul on the dequantized weights in place of the kernel): a
-    quality matter for `inferd eval`, not a machinery one."""
-    from helpers import compare, run_recording
+    """Continuous batching over block layers, two claims.
+    Batching is exact: each request batched gives the tokens and logits it gets alone, bit for bit
+    (the int8 kernels sum in int32, which has no order; decode attention takes rows split by split;
+    norms and the rest are per row).
+    Against the reference loop (contiguous attention), teacher-forced on the engine's tokens: paged
+    and contiguous attention sum in different orders, and a last-bit difference can flip one
+    activation's int8 rounding; at Gemma's outlier activations that moves logits by up to ~1.4
+    (measured on AVX-512) or 1.6 (AVX2, where one step of 32 parts at a 0.085 gap). So every logit of every step is held within 3.0 (about twice
+    that: a wrong block or a lost chunk moves them further), and the engine's greedy token may part
+    from the reference's only where the reference's own top-2 gap is under what that bound allows
+    (2 x 3.0), at most 2 of the 32 steps. Holding the free-running tokens to the fp32 rule (1e-4)
+    instead failed on AVX2: sequence 3 parts at a 0.085 gap, a rounding flip, not a fault. Prompts
+    are prefilled whole: a different chunk boundary moves Gemma's logits as much (a quality matter
+    for `inferd eval`, not a machinery one)."""
+    from helpers import run_recording, teacher_forced
 
     from inferd.engine.engine import LLMEngine
     from inferd.engine.reference import reference_generate
@@ -165,13 +167,14 @@ def test_the_engine_batches_block_layers_to_the_reference_loops_tokens(gemma_blo
     ids = [tok.encode(p) for p in prompts]
     eng = LLMEngine(loaded=gemma_blocks, kv_cache_memory="64MiB")
     got = run_recording(eng, [(p, 8) for p in ids])
-    refs = [reference_generate(gemma_blocks.model, p, 8, keep_logits=True) for p in ids]
-    compare([t for t, _ in got], [(r.token_ids, r.logits) for r in refs], max_ties=1)
-    for (toks, rows), ref in zip(got, refs):
-        same = next((j for j, (a, b) in enumerate(zip(toks, ref.token_ids)) if a != b), len(toks))
-        want = torch.stack(list(ref.logits[:same + 1]))  # the steps that saw the same tokens
-        assert float((rows[:same + 1] - want).abs().max()) <= 3.0
     assert eng.stats.max_batch_seqs >= 2, eng.stats
+    bound, skipped = 3.0, 0
+    for p, (toks, rows) in zip(ids, got):
+        [(alone, alone_rows)] = run_recording(LLMEngine(loaded=gemma_blocks, kv_cache_memory="64MiB"), [(p, 8)])
+        assert alone == toks and torch.equal(alone_rows, rows), "a request's batched rows differ from its rows alone"
+        ref = reference_generate(gemma_blocks.model, p, len(toks), keep_logits=True, forced=toks)
+        skipped += teacher_forced(rows, torch.stack(ref.logits), max_ties=2, atol=bound, gap=2 * bound)
+    assert skipped <= 2, f"{skipped} of 32 steps parted from the reference's argmax"
 
 
 def test_auto_serves_a_gguf_from_its_blocks_and_anything_else_dense():

@@ -32,12 +32,15 @@ class ReferenceOutput:
 def reference_generate(model: LlamaModel, prompt_ids: list[int], max_tokens: int, *,
                        temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                        seed: int | None = None, eos_ids=(), keep_logits: bool = False,
-                       max_len: int | None = None) -> ReferenceOutput:
+                       max_len: int | None = None, forced: list[int] | None = None) -> ReferenceOutput:
+    """`forced`: teacher forcing, each step fed the given token in place of the one it sampled (the
+    output still holds the sampled ones, and the logits they came from)."""
     out: list[int] = []
     rows: list[torch.Tensor] = []
     finish = "length"
     for tok, logits in reference_stream(model, prompt_ids, max_tokens, temperature=temperature,
-                                        top_p=top_p, top_k=top_k, seed=seed, max_len=max_len):
+                                        top_p=top_p, top_k=top_k, seed=seed, max_len=max_len,
+                                        forced=forced):
         out.append(tok)
         if keep_logits:
             rows.append(logits)
@@ -49,7 +52,7 @@ def reference_generate(model: LlamaModel, prompt_ids: list[int], max_tokens: int
 
 def reference_stream(model: LlamaModel, prompt_ids: list[int], max_tokens: int, *,
                      temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                     seed: int | None = None, max_len: int | None = None):
+                     seed: int | None = None, max_len: int | None = None, forced: list[int] | None = None):
     """Yield (token, logits row) one at a time; the caller decides when to stop."""
     if not prompt_ids:
         raise ValueError("prompt must have at least one token")
@@ -63,12 +66,16 @@ def reference_stream(model: LlamaModel, prompt_ids: list[int], max_tokens: int, 
         gen.seed()
     ids = torch.tensor(prompt_ids, dtype=torch.long, device=dev)
     pos = torch.arange(len(prompt_ids), device=dev)
-    for _ in range(max_tokens):
+    for step in range(max_tokens):
         with torch.inference_mode():
             cache.set_positions(pos)
             hidden = model(ids, pos, cache)
             logits = model.compute_logits(hidden[-1:])[0]
             tok = sample_next(logits, temperature, top_p, top_k, gen)
         yield tok, logits.cpu()
+        if forced is not None:
+            if step + 1 >= len(forced):
+                return
+            tok = forced[step]
         ids = torch.tensor([tok], dtype=torch.long, device=dev)
         pos = torch.tensor([int(pos[-1]) + 1], device=dev)
