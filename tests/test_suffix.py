@@ -520,3 +520,43 @@ def test_a_curve_cut_short_by_its_budget_still_has_every_point():
     assert c(64) == pytest.approx(32 * c(2), rel=0.01)
     c.observe(16, c(2))  # a step of 16 rows costs what 2 did: that point learns it at once
     assert c(16) == pytest.approx(c(2), rel=0.01)
+
+
+def test_a_short_prompt_tail_after_a_prefix_hit_stays_on_the_prefill_path():
+    """The default model as served (W4A8: int8 activations), a prompt sent twice: the second time a
+    prefix hit leaves an 8-token tail. Speculation must compute it as plain decoding does, through
+    the prefill kernel, not as 8 decode rows (which sum in another order: with int8 activations a
+    last-bit difference flips roundings, and a code-edit answer once parted from plain decoding's
+    at its first token so). The logits that tail's step samples from are plain decoding's bit for
+    bit, and the whole outputs equal."""
+    import torch
+
+    from inferd.loading.loader import load_model
+
+    lm = load_model(None, quantization="auto", with_tokenizer=False)
+    prompt = [1] + [random.Random(3).randrange(200, 9000) for _ in range(39)]  # 2 whole blocks, then 8
+    got = {}
+    for name, opts in (("plain", {}), ("suffix", {"speculative_config": {"method": "suffix",
+                                                                         "num_speculative_tokens": 8}})):
+        eng = LLMEngine(loaded=lm, kv_cache_memory="64MiB", **opts)
+        firsts, execute = [], eng.runner.execute
+
+        def keep(requests, num_new, execute=execute, firsts=firsts):
+            out = execute(requests, num_new)
+            if any(r.num_computed < r.num_prompt for r in requests):
+                firsts.append(out[0][0].clone())
+            return out
+        eng.runner.execute = keep
+        outs = []
+        for _ in range(2):
+            rid = eng.add_request(prompt, SamplingParams(max_tokens=24, temperature=0))
+            req = eng.requests[rid]
+            while eng.has_unfinished():
+                eng.step()
+            outs.append(req.output_ids)
+        prefills = eng.runner.attn.prefill_kernel_calls
+        got[name] = (outs, firsts, prefills, eng)
+    (p_out, p_first, p_pre, _), (s_out, s_first, s_pre, s_eng) = got["plain"], got["suffix"]
+    assert len(s_first) == 2 and torch.equal(p_first[1], s_first[1])
+    assert s_out == p_out and s_pre == p_pre
+    assert s_eng.spec.stats.num_accepted_tokens > 0, "the second request drafted nothing from the first"

@@ -110,9 +110,10 @@ class PagedAttention:
         return None
 
     def prepare(self, block_tables: list[list[int]], starts: list[int], lengths: list[int],
-                kv_tables: list[list[list[int]]] | None = None):
+                kv_tables: list[list[list[int]]] | None = None, verify: list[bool] | None = None):
         """One entry per sequence: its block table, first new position, number of new tokens (and,
-        with KV groups, its tables of groups 1..)."""
+        with KV groups, its tables of groups 1..). `verify` (which chunks are a token and its guesses)
+        matters to SpecPagedAttention only."""
         if self.layout is None:
             return self._prepare(block_tables, starts, lengths, self._all_windows)
         self._states = []

@@ -27,6 +27,9 @@ class StepPlan:
     kv_tables: list | None = None  # per request, its tables of KV groups 1.. (sliding-window layers)
     lora_slots: list[int] | None = None  # per request its LoRA slot (-1: none); None: no adapter in the step
     lora_writes: list | None = None  # (slot, adapter) written for this step: the other ranks repeat them
+    # per request: its chunk is its last known token and its guesses (the attention may take those rows
+    # as decode rows); None (a plan made elsewhere, one row a sequence): every short chunk may
+    verify: list[bool] | None = None
 
 
 class ModelRunner:
@@ -82,6 +85,7 @@ class ModelRunner:
         starts = []
         sample_rows, sample_idx = [], []
         prompt_spans = {}
+        verify = []
         row = 0
         for i, (req, n) in enumerate(zip(requests, num_new)):
             c = req.num_computed
@@ -100,6 +104,7 @@ class ModelRunner:
                 end = min(c + n, p - 1)
                 prompt_spans[i] = (c, row, row + end - c)
             ids.extend(spec)
+            verify.append(bool(spec) and n == 1 and c + 1 == req.num_tokens)
             row += n_all
             if c + n == req.num_tokens:
                 # with guesses, every row of the chunk is a position to verify: k + 1 rows
@@ -108,7 +113,8 @@ class ModelRunner:
         return StepPlan(ids, [r.block_table for r in requests], starts, list(num_new), sample_rows, sample_idx,
                         prompt_spans, [r.kv_tables for r in requests] if self.attn.layout is not None else None,
                         self.lora.slots_for(requests) if self.lora is not None else None,
-                        self.lora.take_writes() if self.lora is not None else None)
+                        self.lora.take_writes() if self.lora is not None else None,
+                        verify)
 
     @torch.inference_mode()
     def execute(self, requests: list, num_new: list[int]):
@@ -125,7 +131,7 @@ class ModelRunner:
     def run(self, plan: StepPlan):
         """The forward of one plan (every rank of a tensor-parallel group runs it; only rank 0 gets
         logits back)."""
-        positions = self.attn.prepare(plan.block_tables, plan.starts, plan.num_new, plan.kv_tables)
+        positions = self.attn.prepare(plan.block_tables, plan.starts, plan.num_new, plan.kv_tables, verify=plan.verify)
         if self.lora is not None:
             if plan.lora_writes:
                 self.lora.apply_writes(plan.lora_writes)

@@ -7,6 +7,13 @@ context length s + j + 1 (this layer's new K/V are written before anyone attends
 chunks are handed to the paged decode kernel as k+1 single-query rows sharing one block table:
 K/V read in place, causality from the per-row context length, no mask. Every verify chunk the
 configuration allows (k + 1 rows for k guesses) takes this path: `max_rows` is at least k + 1.
+
+Only verify chunks: the runner says which (`verify`). A short prompt chunk (the tail after a prefix
+hit, a recomputed output) stays on the prefill path, as it runs without speculation: decode rows
+sum in another order than the prefill kernel, and with int8 activations a last-bit difference can
+flip a rounding and a greedy token, so speculation would change outputs it must leave alone
+(measured: a 16-token tail after a 224-token prefix hit parted a code-edit answer at its first token).
+A draft model's catch-up chunks (no `verify` given) still take every short chunk as decode rows.
 """
 from __future__ import annotations
 
@@ -21,12 +28,15 @@ class SpecPagedAttention(PagedAttention):
         if max_rows is not None:
             self.max_rows_per_chunk = max(self.max_rows_per_chunk, max_rows)
 
-    def prepare(self, block_tables, starts, lengths, kv_tables=None):
+    def prepare(self, block_tables, starts, lengths, kv_tables=None, verify=None):
+        """verify: per sequence, whether its chunk is a known token and its guesses (None: any chunk
+        of at most max_rows_per_chunk rows is taken as decode rows)."""
         if self.kernel is None:
             return super().prepare(block_tables, starts, lengths, kv_tables)
         bts, kvts, sts, lens = [], [], [], []
         for i, (bt, s, n) in enumerate(zip(block_tables, starts, lengths)):
-            rows = n if 1 < n <= self.max_rows_per_chunk else 1
+            as_rows = 1 < n <= self.max_rows_per_chunk and (verify is None or verify[i])
+            rows = n if as_rows else 1
             bts.extend([bt] * rows)
             if kv_tables is not None:
                 kvts.extend([kv_tables[i]] * rows)
