@@ -167,6 +167,10 @@ def main():
                     help="the verify-cost curve: a step of R rows at these contexts (none: no curve)")
     ap.add_argument("--curve-rows", type=int, default=17, help="the curve's rows: 1 .. this")
     ap.add_argument("--curve-only", action="store_true", help="print the verify-cost curve, run no workload")
+    ap.add_argument("--kv-cache-memory", default="2GiB",
+                    help="each engine's KV cache: enough that no request is preempted (a preempted request "
+                         "recomputes its tokens through the prefill path, whose last bits differ: then outputs "
+                         "may part from plain decoding's for that reason alone; the table counts preemptions)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--tiny", action="store_true", help="a smoke run: two workloads, 2 requests, 8 tokens, 1 round")
     args = ap.parse_args()
@@ -181,7 +185,7 @@ def main():
     biggest = max(args.batch)
     engines = {}
     for name, opts in contenders(args).items():
-        engines[name] = LLMEngine(loaded=lm, kv_cache_memory="512MiB" if not args.tiny else "128MiB",
+        engines[name] = LLMEngine(loaded=lm, kv_cache_memory=args.kv_cache_memory if not args.tiny else "128MiB",
                                   max_num_seqs=biggest, max_model_len=4096, **opts)
     names = list(engines)
     plain = engines[PLAIN]
@@ -202,6 +206,7 @@ def main():
             continue
         for b in args.batch:
             before = {n: spec_before(engines[n]) for n in names}
+            preempted = {n: engines[n].stats.preemptions for n in names}
             rnd = {"i": 0}
 
             def runner(name, b=b, kept=kept, wl=wl):
@@ -223,7 +228,7 @@ def main():
                 d = spec_delta(engines[n], before[n])
                 row = {"label": n, "workload": wl, "batch": b, "metric": "decode tok/s", **spread(rates),
                        "speedup_vs_plain": statistics.median(rates) / base, "speedup_vs_ngram": statistics.median(rates) / ng,
-                       "rounds_same_as_plain": same, **d}
+                       "rounds_same_as_plain": same, "preemptions": engines[n].stats.preemptions - preempted[n], **d}
                 if d:
                     row["acceptance"] = d["spec_num_accepted_tokens"] / max(1, d["spec_num_draft_tokens"])
                 rows.append(row)
@@ -244,7 +249,7 @@ def main():
                                      if e.spec is not None and e.spec.cost is not None)}
     report_header("suffix decoding vs prompt lookup vs plain decode", setup, paths)
     hdr = (f"{'workload':<16}{'b':>3} {'config':<29}{'tok/s':>8}{'min-max':>15}{'/plain':>8}{'/ngram':>8}"
-           f"{'accept':>8}{'tok/step':>9}{'rows':>7}{'skipped':>8}{'draft ms':>9}{'same':>6}")
+           f"{'accept':>8}{'tok/step':>9}{'rows':>7}{'skipped':>8}{'draft ms':>9}{'same':>6}{'preempt':>8}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
@@ -260,11 +265,12 @@ def main():
             draft_ms = f"{1000 * r['spec_draft_time_s'] / max(1, r['steps']):.2f}"
         print(f"{r['workload']:<16}{r['batch']:>3} {r['label']:<29}{r['median']:>8.1f}{r['min']:>8.1f}-{r['max']:<7.1f}"
               f"{r['speedup_vs_plain']:>7.2f}x{r['speedup_vs_ngram']:>7.2f}x{acc:>8}{steps_tok or '-':>9}{rows_v:>7}"
-              f"{skipped:>8}{draft_ms:>9}{r['rounds_same_as_plain']:>4}/{len(runs)}")
+              f"{skipped:>8}{draft_ms:>9}{r['rounds_same_as_plain']:>4}/{len(runs)}{r['preemptions']:>8}")
         r["output_tokens_per_round"] = gen
     print("(tok/step: tokens per verify step of a drafted sequence; rows: verify rows over every round; skipped: "
           "guesses the cost model left out; draft ms: proposing (and the cost model) per engine step; same: rounds whose "
-          "outputs all equal plain decoding's)")
+          "outputs all equal plain decoding's; preempt: requests preempted over every round, each recomputed through "
+          "the prefill path)")
     print_curve(curve)
     write_json(args.json, setup, rows, paths, screens=screens,
                verify_cost={str(d): {str(r): t for r, t in c.items()} for d, c in curve.items()})
