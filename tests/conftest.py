@@ -4,6 +4,14 @@ import os
 
 import pytest
 
+# OpenMP threads sleep at a barrier instead of spinning, in this process and every one a test starts
+# (servers, benchmark scripts, Ray workers): the suite always runs beside itself (two xdist workers,
+# a server or a Ray cluster on two cores), and a thread spinning for a preempted partner wastes its
+# slice at every barrier. Measured, two benchmark smoke tests beside two busy processes: 196 s with
+# libgomp's default spin, 27 s passive (20 s alone). Set before torch loads here; the Makefile sets it
+# too. A test that needs a policy sets its own.
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
 
 # The longest modules first when `make test` runs them on several workers (pytest-xdist, whole
 # modules a worker: --dist loadfile), by their time in a full run (the Ray module's clusters first):
