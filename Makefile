@@ -52,19 +52,18 @@ iproute2:
 # the layers of pyproject.toml's [tool.importlinter] first (seconds), then every test, whole modules
 # on JOBS pytest-xdist workers (much of a test's time is a server starting or a subprocess waited
 # for: two workers keep both cores busy), the longest first (tests/conftest.py's LONG_MODULES, kept
-# by --no-loadscope-reorder). JOBS=0 runs them in one process, in file order. OpenMP waits passively
-# (tests/conftest.py says why: spinning beside the other worker made smoke tests 7x slower).
+# by --no-loadscope-reorder). JOBS=0 runs them in one process, in file order.
 JOBS ?= 2
 XDIST = $(if $(filter 0,$(JOBS)),-p no:xdist,-n $(JOBS) --dist loadfile --no-loadscope-reorder)
 test: $(STAMP) chromium iproute2
 	$(VENV)/bin/lint-imports
-	OMP_WAIT_POLICY=passive $(PY) -m pytest -q --durations=15 $(XDIST) $(ARGS)
+	$(PY) -m pytest -q --durations=15 $(XDIST) $(ARGS)
 
 # the inner loop: the same minus the tests marked slow and the modules tests/conftest.py leaves
 # to the whole suite (OUTER_LOOP: servers, processes, clusters; about 3 minutes)
 test-fast: $(STAMP)
 	$(VENV)/bin/lint-imports
-	OMP_WAIT_POLICY=passive $(PY) -m pytest -q -m "not slow and not integration" $(XDIST) $(ARGS)
+	$(PY) -m pytest -q -m "not slow and not integration" $(XDIST) $(ARGS)
 
 # the multi-process modules (Ray, disaggregation, data and tensor parallelism) ROUNDS times in a row
 # beside 2 busy processes (stress-ng), stopping at the first red round: how flaky waits are found

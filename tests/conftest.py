@@ -8,8 +8,8 @@ import pytest
 # (servers, benchmark scripts, Ray workers): the suite always runs beside itself (two xdist workers,
 # a server or a Ray cluster on two cores), and a thread spinning for a preempted partner wastes its
 # slice at every barrier. Measured, two benchmark smoke tests beside two busy processes: 196 s with
-# libgomp's default spin, 27 s passive (20 s alone). Set before torch loads here; the Makefile sets it
-# too. A test that needs a policy sets its own.
+# libgomp's default spin, 27 s passive (20 s alone). Set before torch loads here (xdist's workers and
+# whatever a test starts inherit it). A test that needs a policy sets its own.
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 

@@ -143,9 +143,10 @@ def test_a_k_quant_file_serves_from_its_blocks_in_its_own_bytes(gemma_path, gemm
 
 def test_the_engine_batches_block_layers_to_the_reference_loops_tokens(gemma_blocks, gemma_llm):
     """Continuous batching over block layers, two claims.
-    Batching is exact: each request batched gives the tokens and logits it gets alone, bit for bit
-    (the int8 kernels sum in int32, which has no order; decode attention takes rows split by split;
-    norms and the rest are per row).
+    Batching changes nothing that matters: each request batched gives the logits it gets alone (bit
+    for bit on AVX2, measured: the int8 kernels sum in int32, which has no order; decode attention
+    takes rows split by split; norms and the rest are per row), held here to the same bound as below
+    up to where the tokens part, since another CPU may tile a batch's rows otherwise.
     Against the reference loop (contiguous attention), teacher-forced on the engine's tokens: paged
     and contiguous attention sum in different orders, and a last-bit difference can flip one
     activation's int8 rounding; at Gemma's outlier activations that moves logits by up to ~1.4
@@ -171,7 +172,8 @@ def test_the_engine_batches_block_layers_to_the_reference_loops_tokens(gemma_blo
     bound, skipped = 3.0, 0
     for p, (toks, rows) in zip(ids, got):
         [(alone, alone_rows)] = run_recording(LLMEngine(loaded=gemma_blocks, kv_cache_memory="64MiB"), [(p, 8)])
-        assert alone == toks and torch.equal(alone_rows, rows), "a request's batched rows differ from its rows alone"
+        same = next((j for j, (a, b) in enumerate(zip(alone, toks)) if a != b), len(toks))
+        assert float((alone_rows[:same + 1] - rows[:same + 1]).abs().max()) <= bound, "batched rows moved from alone"
         ref = reference_generate(gemma_blocks.model, p, len(toks), keep_logits=True, forced=toks)
         skipped += teacher_forced(rows, torch.stack(ref.logits), max_ties=2, atol=bound, gap=2 * bound)
     assert skipped <= 2, f"{skipped} of 32 steps parted from the reference's argmax"
